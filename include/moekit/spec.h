@@ -1,0 +1,78 @@
+// moekit/spec.h: model, GPU and deployment descriptions.
+//
+// A spec is a JSON object. Specs are embedded in the binary (configs/models/*.json and
+// configs/gpus/*.json, looked up by file stem, e.g. "deepseek-v3", "h200") and can be read
+// from any path. Every field is validated before a spec is returned: a missing field, a
+// wrong type, a non-positive size, k > E or an unknown key is an Error naming the field, the
+// value and what was expected. Nothing is computed from a spec that failed validation.
+//
+// Units: bytes, bytes per second (one direction), FLOP per second (dense), microseconds.
+// A model with num_routed_experts == 0 is dense (its MoE fields are 0 and it has no router).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moekit {
+
+struct RouterSpec {
+  std::string scoring = "softmax";  // "softmax" | "sigmoid"
+  int num_groups = 1;               // expert groups (DeepSeek-V3: 8)
+  int topk_groups = 1;              // groups kept per token (DeepSeek-V3: 4)
+  double routed_scaling_factor = 1.0;
+  bool normalize_topk = true;
+};
+
+struct ModelSpec {
+  std::string name;
+  int64_t hidden_size = 0;
+  int num_layers = 0;
+  int num_moe_layers = 0;
+  int64_t moe_intermediate_size = 0;
+  int num_routed_experts = 0;     // E
+  int num_experts_per_token = 0;  // k
+  int num_shared_experts = 0;
+  int64_t shared_intermediate_size = 0;
+  double total_params = 0;
+  double active_params = 0;
+  double weight_bytes_per_param = 0;  // bpp
+  double kv_bytes_per_token = 0;      // all layers
+  RouterSpec router;
+
+  bool is_moe() const { return num_routed_experts > 0; }
+  // Parameters of one routed expert: gate, up and down projections (SwiGLU).
+  double params_per_expert() const { return 3.0 * double(hidden_size) * double(moe_intermediate_size); }
+};
+
+struct GpuSpec {
+  std::string name;
+  double hbm_bytes = 0;
+  double hbm_bandwidth = 0;     // B/s
+  double fp8_flops = 0;         // dense FLOP/s
+  double bf16_flops = 0;        // dense FLOP/s
+  double nvlink_bandwidth = 0;  // B/s, one direction, per GPU
+  double nvlink_latency_us = 0;
+  double network_bandwidth = 0;  // B/s per GPU
+  double network_latency_us = 0;
+  int gpus_per_node = 0;
+};
+
+// Parse and validate. `origin` names the source in error messages (a path or "embedded:NAME").
+ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin);
+GpuSpec parse_gpu_spec(std::string_view json_text, std::string_view origin);
+
+// Look up an embedded spec by name, or read a file when `name_or_path` names one
+// (contains '/' or ends in ".json"). Unknown names list the embedded ones.
+ModelSpec load_model_spec(std::string_view name_or_path);
+GpuSpec load_gpu_spec(std::string_view name_or_path);
+
+std::vector<std::string> embedded_model_names();
+std::vector<std::string> embedded_gpu_names();
+
+// The JSON text of a spec, for printing and round trips.
+std::string to_json(const ModelSpec& model);
+std::string to_json(const GpuSpec& gpu);
+
+}  // namespace moekit

@@ -1,0 +1,12 @@
+// `moekit plan`: placeholder until its issue lands; it says so instead of pretending.
+#include "cli/commands.h"
+#include "moekit/check.h"
+
+namespace moekit::cli {
+
+void add_plan_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("plan", "(not built yet)");
+  cmd->callback([] { throw Error("'moekit plan' is not built yet"); });
+}
+
+}  // namespace moekit::cli

@@ -1,0 +1,31 @@
+// moekit: the command line. Parses, calls one layer, prints tables, JSON and plots.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "moekit/check.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moekit: MoE serving core for Hopper GPUs: planner, EPLB, FP8 grouped GEMMs, EP dispatch/combine"};
+  app.require_subcommand(1);
+  moekit::cli::add_spec_command(app);
+  moekit::cli::add_plan_command(app);
+  moekit::cli::add_simulate_command(app);
+  moekit::cli::add_eplb_command(app);
+  moekit::cli::add_run_command(app);
+  moekit::cli::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const moekit::Error& e) {
+    fmt::print(stderr, "moekit: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "moekit: error: {}\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,127 @@
+// Spec validation: every embedded spec loads; each kind of bad spec is an Error naming the field.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "moekit/check.h"
+#include "moekit/spec.h"
+
+using namespace moekit;
+using nlohmann::json;
+
+namespace {
+
+// Expect an Error whose message contains every fragment.
+template <class F>
+void expect_error(F&& f, std::initializer_list<std::string> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
+  }
+}
+
+json deepseek() { return json::parse(to_json(load_model_spec("deepseek-v3"))); }
+json h200() { return json::parse(to_json(load_gpu_spec("h200"))); }
+
+}  // namespace
+
+TEST(Spec, EveryEmbeddedSpecLoads) {
+  auto models = embedded_model_names();
+  for (const char* want : {"llama-3-70b", "deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3.5-397b-a17b", "glm-4.5",
+                           "gpt-oss-120b", "mixtral-8x7b", "tiny-moe"})
+    EXPECT_NE(std::find(models.begin(), models.end(), want), models.end()) << want;
+  for (const auto& name : models) EXPECT_EQ(load_model_spec(name).name, name);
+  auto gpus = embedded_gpu_names();
+  for (const char* want : {"h100-sxm", "h200", "h20", "h800", "b200"})
+    EXPECT_NE(std::find(gpus.begin(), gpus.end(), want), gpus.end()) << want;
+  for (const auto& name : gpus) EXPECT_EQ(load_gpu_spec(name).name, name);
+}
+
+TEST(Spec, DeepSeekFigures) {
+  ModelSpec m = load_model_spec("deepseek-v3");
+  EXPECT_EQ(m.hidden_size, 7168);
+  EXPECT_EQ(m.num_routed_experts, 256);
+  EXPECT_EQ(m.num_experts_per_token, 8);
+  EXPECT_EQ(m.num_moe_layers, 58);
+  EXPECT_EQ(m.router.scoring, "sigmoid");
+  EXPECT_EQ(m.router.num_groups, 8);
+  EXPECT_EQ(m.router.topk_groups, 4);
+  EXPECT_DOUBLE_EQ(m.router.routed_scaling_factor, 2.5);
+  EXPECT_NEAR(m.params_per_expert(), 44.04e6, 0.01e6);  // MODELS.md: 44.04M per expert
+  EXPECT_FALSE(load_model_spec("llama-3-70b").is_moe());
+}
+
+TEST(Spec, RoundTripThroughJson) {
+  ModelSpec a = load_model_spec("qwen3.5-397b-a17b");
+  ModelSpec b = parse_model_spec(to_json(a), "roundtrip");
+  EXPECT_EQ(to_json(a), to_json(b));
+  GpuSpec g = load_gpu_spec("h20");
+  EXPECT_EQ(to_json(g), to_json(parse_gpu_spec(to_json(g), "roundtrip")));
+}
+
+TEST(Spec, RejectsMissingField) {
+  json j = deepseek();
+  j.erase("hidden_size");
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"missing field 'hidden_size'"});
+  json g = h200();
+  g.erase("hbm_bandwidth");
+  expect_error([&] { parse_gpu_spec(g.dump(), "t"); }, {"missing field 'hbm_bandwidth'"});
+  json r = deepseek();
+  r["router"].erase("scoring");
+  expect_error([&] { parse_model_spec(r.dump(), "t"); }, {"t.router", "missing field 'scoring'"});
+}
+
+TEST(Spec, RejectsWrongType) {
+  json j = deepseek();
+  j["hidden_size"] = "7168";
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'hidden_size'", "\"7168\"", "integer"});
+  j = deepseek();
+  j["num_routed_experts"] = 2.5;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'num_routed_experts'", "2.5", "integer"});
+  json g = h200();
+  g["fp8_flops"] = true;
+  expect_error([&] { parse_gpu_spec(g.dump(), "t"); }, {"'fp8_flops'", "true", "number"});
+}
+
+TEST(Spec, RejectsNonPositiveSizes) {
+  json j = deepseek();
+  j["hidden_size"] = 0;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'hidden_size' = 0", ">= 1"});
+  j = deepseek();
+  j["weight_bytes_per_param"] = -1;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'weight_bytes_per_param' = -1", "> 0"});
+  json g = h200();
+  g["hbm_bandwidth"] = 0;
+  expect_error([&] { parse_gpu_spec(g.dump(), "t"); }, {"'hbm_bandwidth' = 0", "> 0"});
+}
+
+TEST(Spec, RejectsKGreaterThanE) {
+  json j = deepseek();
+  j["num_experts_per_token"] = 300;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"num_experts_per_token (k) = 300", "num_routed_experts (E) = 256"});
+}
+
+TEST(Spec, RejectsUnknownNamesAndKeys) {
+  expect_error([] { load_model_spec("deepseek-v9"); }, {"unknown model 'deepseek-v9'", "deepseek-v3"});
+  expect_error([] { load_gpu_spec("a100"); }, {"unknown GPU 'a100'", "h200"});
+  json j = deepseek();
+  j["hiden_size"] = 1;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"unknown field 'hiden_size'"});
+  j = deepseek();
+  j["router"]["scoring"] = "relu";
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'scoring' = \"relu\"", "softmax"});
+}
+
+TEST(Spec, RejectsInconsistentRouterAndMalformedJson) {
+  json j = deepseek();
+  j["router"]["num_groups"] = 7;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"num_groups = 7", "num_routed_experts = 256"});
+  j = deepseek();
+  j["router"]["topk_groups"] = 9;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"topk_groups = 9"});
+  expect_error([] { parse_model_spec("{\"name\": ", "broken.json"); }, {"broken.json", "malformed JSON"});
+  expect_error([] { load_model_spec("/nonexistent/model.json"); }, {"cannot open spec file '/nonexistent/model.json'"});
+}
