@@ -1,0 +1,27 @@
+// moekit/quant.h: FP8 e4m3 quantisation on the CPU (the reference the CUDA kernels match).
+//
+// Activations: one fp32 scale per (row, 128 columns): scale = amax / 448 over the group
+// (amax clamped below at kMinAmax so an all-zero group gets a finite scale), q = fp8(x / scale)
+// with round-to-nearest-even and saturation (fp8.h). Dequantised value: fp8_to_float(q) * scale.
+// Weights: one fp32 scale per 128x128 block, the same rule over the block.
+// The division x / scale is done in fp32 exactly as written here, so the GPU kernels that
+// compute `x / scale` in fp32 produce the same bits.
+#pragma once
+
+#include <cstdint>
+
+namespace moekit {
+
+constexpr float kMinAmax = 1e-4f;
+
+// One row of k values (k a multiple of 128): q[k] and k/128 scales written at
+// scales[0], scales[scale_stride], ... (the stride lets callers write the layout.h order).
+void quantize_row_fp8(const float* x, int k, uint8_t* q, float* scales, int64_t scale_stride);
+
+// A [rows, cols] matrix in 128x128 blocks (rows, cols multiples of 128); scales [rows/128, cols/128].
+void quantize_blocks_fp8(const float* x, int rows, int cols, uint8_t* q, float* scales);
+
+// Inverse of quantize_row_fp8.
+void dequantize_row_fp8(const uint8_t* q, const float* scales, int64_t scale_stride, int k, float* x);
+
+}  // namespace moekit
