@@ -12,6 +12,11 @@
 //   masked_m [E_loc] int32 on the device; rows at or past masked_m[e] are never read for
 //            results and never written.
 //   out      [E_loc, M_max, N] bf16.
+//   Written by the dispatch receive side (recv_x, recv_scales, recv_count = masked_m) in a
+//   canonical order, so every transport and the CPU reference produce the same bytes: the rows
+//   of expert e are ordered by source rank, then by source token index.
+//   recv_src [E_loc, M_max] int32: src_rank * T_max + src_token of each row (the combine's map).
+//   M_max = P * T_max (every token of every rank may pick the expert).
 // Weights ("NT", DeepSeek-V3 checkpoint format):
 //   W        [E_loc, N, K] fp8 e4m3, K contiguous.
 //   W scales [E_loc, N/128, K/128] fp32.
