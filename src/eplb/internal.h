@@ -1,0 +1,37 @@
+// Helpers shared by the eplb sources (not a public header).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moekit/eplb.h"
+
+namespace moekit::eplb_detail {
+
+// Greedy balanced packing of num_items into num_packs packs of num_items/num_packs items:
+// heaviest first (stable), each to the lightest non-full pack (lowest index on ties).
+void balanced_packing(const double* weight, int num_items, int num_packs, int* pack, int* rank);
+// Replication of num_log experts into num_phy >= num_log slots: slots 0..num_log-1 hold
+// experts 0..num_log-1; each further slot goes to the largest weight/count (lowest index).
+void replicate(const double* weight, int num_log, int num_phy, int* phy2log, int* rank, int* count);
+// One layer of the reference hierarchical policy (pass 1 group, 1 node for the global one).
+void rebalance_layer(const double* w, int num_experts, int num_slots, int num_groups, int num_nodes, int num_gpus,
+                     int32_t* phy2log, int32_t* phy_rank, int32_t* count);
+
+// Builds a Placement (log2phy from the replica ranks) from its flat arrays.
+Placement assemble(std::vector<int32_t> phy2log, const std::vector<int32_t>& phy_rank, std::vector<int32_t> count,
+                   int num_layers, int num_experts, int num_slots, int num_groups, int num_nodes, int num_gpus);
+
+// Per-GPU loads of one layer: out[num_gpus], each slot carrying w[e] / count[e].
+void layer_gpu_loads(const int32_t* phy2log, const int32_t* count, const double* w, int num_slots, int num_gpus,
+                     double* out);
+
+// splitmix64: a fast, well-mixed, portable hash for deterministic choices.
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace moekit::eplb_detail
