@@ -16,7 +16,8 @@
 //     consecutive ids; a group's score is the sum of its two largest sel values (its largest
 //     when a group has one expert); the topk_groups best groups are kept, the others masked.
 //   top-k: the k largest sel among the kept experts.
-//   weights: w_j = score[idx_j] (UNBIASED); if normalize_topk, w_j /= sum_j w_j; then
+//   weights: w_j = score[idx_j] (UNBIASED); if normalize_topk, w_j /= (sum_j w_j + 1e-20) (DeepSeek-V3's
+//     guard against k underflowed sigmoids); then
 //     w_j *= routed_scaling_factor; rounded once to fp32.
 //   Mixtral/Qwen (softmax, 1 group, normalise, factor 1) and DeepSeek-V3 (sigmoid + bias,
 //   8 groups, keep 4, normalise, factor 2.5) are both this one rule.
