@@ -25,8 +25,8 @@
 // The GEMM1 output row is [2·inter] bf16: columns [0, inter) are the gate, [inter, 2·inter)
 // the up projection (the fused W1 is [2·inter, d] = gate_proj rows then up_proj rows; DeepSeek
 // checkpoints store the two separately and the loader stacks them in this order).
-//   v[j] = silu(g) * u  with g = bf16_to_float(row[j]), u = bf16_to_float(row[inter + j]),
-//          silu(g) = g / (1.0f + expf(-g)), all in fp32, NOT rounded to bf16 (fused);
+//   v[j] = silu_mul(g, u) with g = bf16_to_float(row[j]), u = bf16_to_float(row[inter + j]):
+//          silu(g) * u = g / (1.0f + expf(-g)) * u, all in fp32, NOT rounded to bf16 (fused);
 //   then the row v [inter] is quantised per 1x128 by quantize_row_fp8 (quant.h) into the
 //   output layout. inter must be a multiple of 128.
 //
@@ -50,6 +50,7 @@
 // from the float64 one can differ in q2; that is rare (fp32 vs bf16 precision) and is error.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -78,6 +79,9 @@ void grouped_gemm_contiguous(const ContiguousLayout& a_layout, const uint8_t* a,
 // total_m a multiple of block_m, every value in [-1, num_experts), and every block of block_m
 // rows holds rows of at most one expert (padding rows -1 anywhere in it).
 void check_contiguous_segments(const int32_t* row_expert, int total_m, int block_m, int num_experts);
+
+// The activation's fp32 formula (the oracle uses the same one).
+inline float silu_mul(float gate, float up) { return gate / (1.0f + std::exp(-gate)) * up; }
 
 // SiLU(gate)·up + FP8 quantisation, masked layout. gate_up [E_loc, M_max, 2·inter] bf16 (GEMM1's
 // output); out fp8 and out_scales in out_layout's order, out_layout.k = inter. Rows at or past

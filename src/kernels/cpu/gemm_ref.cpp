@@ -1,0 +1,237 @@
+// FP8 grouped GEMMs with two-level accumulation, SiLU(gate)·up + quantisation, and the shared
+// expert: the CPU reference (see include/moekit/reference.h for the exact operation order).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/fp8.h"
+#include "moekit/quant.h"
+#include "moekit/reference.h"
+
+namespace moekit::ref {
+
+namespace {
+
+// One row of A as the GEMM sees it: its fp8 values, its K/128 scales (scale kb at
+// scales[kb * scale_stride]) and where its N outputs go.
+struct RowRef {
+  const uint8_t* a;
+  const float* scales;
+  int64_t scale_stride;
+  uint16_t* out;
+};
+
+// The fp8 e4m3 values as floats, looked up instead of decoded in the inner loops.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int c = 0; c < 256; ++c) t[c] = fp8_e4m3_to_float(uint8_t(c));
+    return t;
+  }();
+  return table.data();
+}
+
+// The tensor core's 128-deep partial: the exact sum of 128 products of e4m3 values, rounded
+// once to fp32. Each product is exact in fp32 (at most 8 significant bits) and every partial
+// sum is a multiple of 2^-18 below 2^25, so float64 holds all of them exactly, in any order:
+// four accumulators just give the CPU independent additions.
+float block_partial(const float* a, const float* w) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (int i = 0; i < kQuantBlock; i += 4) {
+    s0 += double(a[i] * w[i]);
+    s1 += double(a[i + 1] * w[i + 1]);
+    s2 += double(a[i + 2] * w[i + 2]);
+    s3 += double(a[i + 3] * w[i + 3]);
+  }
+  return float((s0 + s1) + (s2 + s3));
+}
+
+// out[row, n] for all rows of one expert. w [n, k] fp8 and w_scales [n/128, k/128] are that
+// expert's. Rows go in chunks whose widened values stay in cache while every weight row
+// (widened once per chunk) passes over them.
+void gemm_rows(const std::vector<RowRef>& rows, const uint8_t* w, const float* w_scales, int n, int k) {
+  constexpr int kChunk = 32;
+  const float* lut = fp8_table();
+  const int k_blocks = k / kQuantBlock;
+  std::vector<float> a_vals(size_t(kChunk) * k), a_scales(size_t(kChunk) * k_blocks), w_vals(k);
+  for (size_t r0 = 0; r0 < rows.size(); r0 += kChunk) {
+    const int chunk = int(std::min<size_t>(kChunk, rows.size() - r0));
+    for (int r = 0; r < chunk; ++r) {
+      const RowRef& row = rows[r0 + r];
+      for (int i = 0; i < k; ++i) a_vals[size_t(r) * k + i] = lut[row.a[i]];
+      for (int kb = 0; kb < k_blocks; ++kb) a_scales[size_t(r) * k_blocks + kb] = row.scales[kb * row.scale_stride];
+    }
+    for (int col = 0; col < n; ++col) {
+      const uint8_t* w_row = w + size_t(col) * k;
+      for (int i = 0; i < k; ++i) w_vals[i] = lut[w_row[i]];
+      const float* w_row_scales = w_scales + size_t(col / kQuantBlock) * k_blocks;
+      for (int r = 0; r < chunk; ++r) {
+        const float* a_row = a_vals.data() + size_t(r) * k;
+        float acc = 0.0f;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          float partial = block_partial(a_row + kb * kQuantBlock, w_vals.data() + kb * kQuantBlock);
+          float scale = a_scales[size_t(r) * k_blocks + kb] * w_row_scales[kb];
+          acc = std::fma(scale, partial, acc);
+        }
+        rows[r0 + r].out[col] = float_to_bf16(acc);
+      }
+    }
+  }
+}
+
+void check_weights(const char* who, int num_experts, int k, const WeightLayout& w_layout) {
+  MOEKIT_CHECK(k > 0 && k % kQuantBlock == 0, fmt::format("{}: K = {}, expected a positive multiple of 128", who, k));
+  MOEKIT_CHECK(w_layout.n > 0 && w_layout.n % kQuantBlock == 0,
+               fmt::format("{}: N = {}, expected a positive multiple of 128", who, w_layout.n));
+  MOEKIT_CHECK(w_layout.k == k, fmt::format("{}: weights have K = {}, activations K = {}", who, w_layout.k, k));
+  MOEKIT_CHECK(w_layout.num_experts == num_experts,
+               fmt::format("{}: weights hold {} experts, activations {}", who, w_layout.num_experts, num_experts));
+}
+
+void check_masked_m(const char* who, const MaskedLayout& layout, const int32_t* masked_m) {
+  MOEKIT_CHECK(layout.num_experts > 0 && layout.max_m >= 0,
+               fmt::format("{}: E_loc = {}, M_max = {}: expected E_loc > 0, M_max >= 0", who, layout.num_experts,
+                           layout.max_m));
+  for (int e = 0; e < layout.num_experts; ++e)
+    MOEKIT_CHECK(masked_m[e] >= 0 && masked_m[e] <= layout.max_m,
+                 fmt::format("{}: masked_m[{}] = {}, expected 0 <= masked_m <= M_max = {}", who, e, masked_m[e],
+                             layout.max_m));
+}
+
+void check_row_expert(const char* who, const int32_t* row_expert, int total_m, int num_experts) {
+  MOEKIT_CHECK(total_m >= 0, fmt::format("{}: M_total = {}, expected >= 0", who, total_m));
+  for (int m = 0; m < total_m; ++m)
+    MOEKIT_CHECK(row_expert[m] >= -1 && row_expert[m] < num_experts,
+                 fmt::format("{}: row_expert[{}] = {}, expected -1 (padding) or a local expert in [0, {})", who, m,
+                             row_expert[m], num_experts));
+}
+
+void silu_mul_quant_row(const uint16_t* gate_up, int inter, float* v, uint8_t* q, float* scales,
+                        int64_t scale_stride) {
+  for (int j = 0; j < inter; ++j) v[j] = silu_mul(bf16_to_float(gate_up[j]), bf16_to_float(gate_up[inter + j]));
+  quantize_row_fp8(v, inter, q, scales, scale_stride);
+}
+
+void check_inter(const char* who, int inter) {
+  MOEKIT_CHECK(inter > 0 && inter % kQuantBlock == 0,
+               fmt::format("{}: inter = {}, expected a positive multiple of 128", who, inter));
+}
+
+}  // namespace
+
+void grouped_gemm_masked(const MaskedLayout& a_layout, const uint8_t* a, const float* a_scales,
+                         const int32_t* masked_m, const WeightLayout& w_layout, const uint8_t* w,
+                         const float* w_scales, uint16_t* out) {
+  const char* who = "grouped_gemm_masked";
+  check_weights(who, a_layout.num_experts, a_layout.k, w_layout);
+  check_masked_m(who, a_layout, masked_m);
+  const int n = w_layout.n;
+  std::vector<RowRef> rows;
+  for (int e = 0; e < a_layout.num_experts; ++e) {
+    rows.clear();
+    for (int m = 0; m < masked_m[e]; ++m)
+      rows.push_back({a + a_layout.a_offset(e, m), a_scales + a_layout.scale_offset(e, m, 0), a_layout.max_m,
+                      out + a_layout.out_offset(e, m, n)});
+    gemm_rows(rows, w + w_layout.w_offset(e, 0), w_scales + w_layout.scale_offset(e, 0, 0), n, a_layout.k);
+  }
+}
+
+void grouped_gemm_contiguous(const ContiguousLayout& a_layout, const uint8_t* a, const float* a_scales,
+                             const int32_t* row_expert, const WeightLayout& w_layout, const uint8_t* w,
+                             const float* w_scales, uint16_t* out) {
+  const char* who = "grouped_gemm_contiguous";
+  check_weights(who, w_layout.num_experts, a_layout.k, w_layout);
+  check_row_expert(who, row_expert, a_layout.total_m, w_layout.num_experts);
+  const int n = w_layout.n;
+  std::vector<std::vector<RowRef>> rows(w_layout.num_experts);
+  for (int m = 0; m < a_layout.total_m; ++m)
+    if (row_expert[m] >= 0)
+      rows[row_expert[m]].push_back({a + a_layout.a_offset(m), a_scales + a_layout.scale_offset(m, 0),
+                                     a_layout.total_m, out + size_t(m) * n});
+  for (int e = 0; e < w_layout.num_experts; ++e)
+    gemm_rows(rows[e], w + w_layout.w_offset(e, 0), w_scales + w_layout.scale_offset(e, 0, 0), n, a_layout.k);
+}
+
+void check_contiguous_segments(const int32_t* row_expert, int total_m, int block_m, int num_experts) {
+  MOEKIT_CHECK(block_m > 0 && total_m % block_m == 0,
+               fmt::format("contiguous layout: M_total = {} is not a multiple of the block M = {}", total_m, block_m));
+  check_row_expert("contiguous layout", row_expert, total_m, num_experts);
+  for (int b = 0; b < total_m; b += block_m) {
+    int expert = -1;
+    for (int m = b; m < b + block_m; ++m) {
+      if (row_expert[m] < 0) continue;
+      MOEKIT_CHECK(expert < 0 || row_expert[m] == expert,
+                   fmt::format("contiguous layout: block of rows [{}, {}) mixes experts {} and {} (row {}): each "
+                               "expert's segment must be padded to a multiple of {}",
+                               b, b + block_m, expert, row_expert[m], m, block_m));
+      expert = row_expert[m];
+    }
+  }
+}
+
+void silu_mul_quant_masked(const MaskedLayout& out_layout, const uint16_t* gate_up, const int32_t* masked_m,
+                           uint8_t* out, float* out_scales) {
+  const char* who = "silu_mul_quant_masked";
+  check_inter(who, out_layout.k);
+  check_masked_m(who, out_layout, masked_m);
+  const int inter = out_layout.k;
+  std::vector<float> v(inter);
+  for (int e = 0; e < out_layout.num_experts; ++e)
+    for (int m = 0; m < masked_m[e]; ++m)
+      silu_mul_quant_row(gate_up + out_layout.out_offset(e, m, 2 * inter), inter, v.data(),
+                         out + out_layout.a_offset(e, m), out_scales + out_layout.scale_offset(e, m, 0),
+                         out_layout.max_m);
+}
+
+void silu_mul_quant_contiguous(const ContiguousLayout& out_layout, const uint16_t* gate_up,
+                               const int32_t* row_expert, uint8_t* out, float* out_scales) {
+  const char* who = "silu_mul_quant_contiguous";
+  check_inter(who, out_layout.k);
+  MOEKIT_CHECK(out_layout.total_m >= 0, fmt::format("{}: M_total = {}, expected >= 0", who, out_layout.total_m));
+  for (int m = 0; m < out_layout.total_m; ++m)
+    MOEKIT_CHECK(row_expert[m] >= -1,
+                 fmt::format("{}: row_expert[{}] = {}, expected -1 (padding) or an expert", who, m, row_expert[m]));
+  const int inter = out_layout.k;
+  std::vector<float> v(inter);
+  for (int m = 0; m < out_layout.total_m; ++m)
+    if (row_expert[m] >= 0)
+      silu_mul_quant_row(gate_up + size_t(m) * 2 * inter, inter, v.data(), out + out_layout.a_offset(m),
+                         out_scales + out_layout.scale_offset(m, 0), out_layout.total_m);
+}
+
+void shared_expert(const float* x, int num_tokens, const ExpertFp8& weights, uint16_t* out) {
+  const char* who = "shared_expert";
+  MOEKIT_CHECK(num_tokens >= 0, fmt::format("{}: num_tokens = {}, expected >= 0", who, num_tokens));
+  MOEKIT_CHECK(weights.hidden > 0 && weights.hidden % kQuantBlock == 0,
+               fmt::format("{}: hidden = {}, expected a positive multiple of 128", who, weights.hidden));
+  check_inter(who, weights.inter);
+  if (num_tokens == 0) return;
+  const int d = weights.hidden, inter = weights.inter;
+  const int32_t masked_m[1] = {num_tokens};
+
+  // The tokens are one expert's rows in the masked layout with M_max = T.
+  const MaskedLayout x_layout{1, num_tokens, d};
+  std::vector<uint8_t> xq(x_layout.a_elems());
+  std::vector<float> xs(x_layout.scale_elems());
+  for (int t = 0; t < num_tokens; ++t)
+    quantize_row_fp8(x + size_t(t) * d, d, xq.data() + x_layout.a_offset(0, t), xs.data() + x_layout.scale_offset(0, t, 0),
+                     num_tokens);
+
+  std::vector<uint16_t> gate_up(x_layout.out_elems(2 * inter));
+  grouped_gemm_masked(x_layout, xq.data(), xs.data(), masked_m, WeightLayout{1, 2 * inter, d}, weights.w1,
+                      weights.w1_scales, gate_up.data());
+
+  const MaskedLayout h_layout{1, num_tokens, inter};
+  std::vector<uint8_t> hq(h_layout.a_elems());
+  std::vector<float> hs(h_layout.scale_elems());
+  silu_mul_quant_masked(h_layout, gate_up.data(), masked_m, hq.data(), hs.data());
+
+  grouped_gemm_masked(h_layout, hq.data(), hs.data(), masked_m, WeightLayout{1, d, inter}, weights.w2,
+                      weights.w2_scales, out);
+}
+
+}  // namespace moekit::ref

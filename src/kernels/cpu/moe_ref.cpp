@@ -1,0 +1,111 @@
+// The dense float64 oracle of one MoE layer (see include/moekit/reference.h).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/fp8.h"
+#include "moekit/layout.h"
+#include "moekit/quant.h"
+#include "moekit/reference.h"
+
+namespace moekit::ref {
+
+void dequantize_weights_f64(const uint8_t* w, const float* scales, int rows, int cols, double* out) {
+  MOEKIT_CHECK(rows > 0 && rows % kQuantBlock == 0 && cols > 0 && cols % kQuantBlock == 0,
+               fmt::format("dequantize_weights_f64: shape [{}, {}], expected positive multiples of 128", rows, cols));
+  const int col_blocks = cols / kQuantBlock;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      size_t i = size_t(r) * cols + c;
+      out[i] = double(fp8_e4m3_to_float(w[i])) * double(scales[size_t(r / kQuantBlock) * col_blocks + c / kQuantBlock]);
+    }
+}
+
+namespace {
+
+// x [cols] fp32 -> its FP8 1x128 quantisation, dequantised exactly into float64.
+void quantize_dequantize_f64(const float* x, int cols, std::vector<uint8_t>& q, std::vector<float>& scales,
+                             std::vector<double>& out) {
+  q.resize(cols);
+  scales.resize(cols / kQuantBlock);
+  out.resize(cols);
+  quantize_row_fp8(x, cols, q.data(), scales.data(), 1);
+  for (int i = 0; i < cols; ++i) out[i] = double(fp8_e4m3_to_float(q[i])) * double(scales[i / kQuantBlock]);
+}
+
+// One expert on one token, accumulating weight * expert(x) into out [hidden] (contract in reference.h).
+// w1 [2·inter, hidden], w2 [hidden, inter]; xq the token's dequantised q1(x).
+void expert_f64(const std::vector<double>& xq, int hidden, int inter, const double* w1, const double* w2,
+                double weight, double* out) {
+  std::vector<float> h(2 * inter), v(inter);
+  for (int r = 0; r < 2 * inter; ++r) {
+    const double* w_row = w1 + size_t(r) * hidden;
+    double sum = 0.0;
+    for (int i = 0; i < hidden; ++i) sum += w_row[i] * xq[i];
+    h[r] = bf16_to_float(float_to_bf16(float(sum)));
+  }
+  for (int j = 0; j < inter; ++j) v[j] = silu_mul(h[j], h[inter + j]);
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+  std::vector<double> vq;
+  quantize_dequantize_f64(v.data(), inter, q, scales, vq);
+  for (int c = 0; c < hidden; ++c) {
+    const double* w_row = w2 + size_t(c) * inter;
+    double sum = 0.0;
+    for (int j = 0; j < inter; ++j) sum += w_row[j] * vq[j];
+    out[c] += weight * sum;
+  }
+}
+
+}  // namespace
+
+void moe_layer_f64(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights, int k,
+                   const MoeWeightsF64& weights, double* out) {
+  const int hidden = weights.hidden, inter = weights.inter, num_experts = weights.num_experts;
+  MOEKIT_CHECK(hidden > 0 && hidden % kQuantBlock == 0 && inter > 0 && inter % kQuantBlock == 0,
+               fmt::format("moe_layer_f64: hidden = {}, inter = {}, expected positive multiples of 128", hidden, inter));
+  MOEKIT_CHECK(weights.shared_inter >= 0 && weights.shared_inter % kQuantBlock == 0,
+               fmt::format("moe_layer_f64: shared_inter = {}, expected 0 or a multiple of 128", weights.shared_inter));
+  MOEKIT_CHECK(num_tokens >= 0 && k >= 1 && num_experts >= 1,
+               fmt::format("moe_layer_f64: num_tokens = {}, k = {}, E = {}: expected T >= 0, k >= 1, E >= 1",
+                           num_tokens, k, num_experts));
+  for (int t = 0; t < num_tokens; ++t)
+    for (int j = 0; j < k; ++j) {
+      int32_t e = topk_idx[size_t(t) * k + j];
+      MOEKIT_CHECK(e >= 0 && e < num_experts,
+                   fmt::format("moe_layer_f64: topk_idx[{}, {}] = {}, expected an expert in [0, {})", t, j, e,
+                               num_experts));
+    }
+
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+  std::vector<double> xq;
+  for (int t = 0; t < num_tokens; ++t) {
+    double* out_t = out + size_t(t) * hidden;
+    std::fill(out_t, out_t + hidden, 0.0);
+    quantize_dequantize_f64(x + size_t(t) * hidden, hidden, q, scales, xq);
+    for (int j = 0; j < k; ++j) {
+      const int e = topk_idx[size_t(t) * k + j];
+      expert_f64(xq, hidden, inter, weights.w1 + size_t(e) * 2 * inter * hidden,
+                 weights.w2 + size_t(e) * hidden * inter, double(topk_weights[size_t(t) * k + j]), out_t);
+    }
+    if (weights.shared_inter > 0)
+      expert_f64(xq, hidden, weights.shared_inter, weights.shared_w1, weights.shared_w2, 1.0, out_t);
+  }
+}
+
+double relative_frobenius_error(const double* got, const double* want, size_t n) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  MOEKIT_CHECK(norm > 0.0, fmt::format("relative_frobenius_error: the reference ({} values) is all zero", n));
+  return std::sqrt(diff / norm);
+}
+
+}  // namespace moekit::ref
