@@ -70,6 +70,8 @@ struct Placement {
 Placement rebalance(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups, int num_nodes,
                     int num_gpus);
 
+// A load matrix: at least one layer, rows of equal non-zero length, every load finite, >= 0.
+void validate_loads(const std::vector<std::vector<double>>& weight);
 // The checks rebalance() runs, for callers that validate before doing anything else.
 void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups,
                              int num_nodes, int num_gpus);
@@ -226,8 +228,9 @@ GateDecision rebalance_gate(const std::vector<std::vector<double>>& weight, cons
 // lines and lines starting with '#' skipped). JSON is recognised by a leading '{'. Errors name
 // the layer, expert and value (negative, NaN, missing, ragged rows).
 std::vector<std::vector<double>> read_loads(const std::string& path);
-// A placement JSON as `moekit eplb` writes it ("phy2log" and the topology fields are read;
-// log2phy and replica_count are rebuilt and, when present, must agree).
+// A placement JSON as `moekit eplb` writes it: "phy2log" ([L][slots]), "num_experts",
+// "num_groups", "num_nodes", "num_gpus" are required; "log2phy", when present, is kept (so
+// replica ranks survive a round trip) after checking it lists exactly each expert's slots.
 Placement read_placement(const std::string& path);
 
 }  // namespace moekit

@@ -34,4 +34,21 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The hash that spreads (token, expert) pairs over an expert's replicas.
+inline uint64_t pair_hash(uint64_t seed, int64_t token, int32_t expert) {
+  return splitmix64(splitmix64(seed ^ splitmix64(uint64_t(token))) ^ uint64_t(uint32_t(expert)));
+}
+
+// choose_replicas() for one pair: replicas[0..n) in order, the token on GPU `rank`; prefer a
+// replica on that GPU, else replica number h mod n.
+inline int32_t pick_replica(const int32_t* replicas, int n, int slots_per_gpu, int rank, uint64_t h) {
+  if (n == 1) return replicas[0];
+  int own = 0;
+  for (int r = 0; r < n; ++r) own += replicas[r] / slots_per_gpu == rank;
+  if (own == 0) return replicas[h % uint64_t(n)];
+  int pick = int(h % uint64_t(own));
+  for (int r = 0;; ++r)
+    if (replicas[r] / slots_per_gpu == rank && pick-- == 0) return replicas[r];
+}
+
 }  // namespace moekit::eplb_detail

@@ -94,8 +94,7 @@ void rebalance_layer(const double* w, int num_experts, int num_slots, int num_gr
 
 }  // namespace eplb_detail
 
-void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups,
-                             int num_nodes, int num_gpus) {
+void validate_loads(const std::vector<std::vector<double>>& weight) {
   MOEKIT_CHECK(!weight.empty(), "eplb: the load matrix has no layers");
   const size_t num_experts = weight[0].size();
   MOEKIT_CHECK(num_experts > 0, "eplb: layer 0 has no expert loads");
@@ -109,7 +108,12 @@ void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int
                    fmt::format("eplb: load of layer {} expert {} is {}, expected a finite value >= 0", l, e, v));
     }
   }
-  const int E = int(num_experts);
+}
+
+void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups,
+                             int num_nodes, int num_gpus) {
+  validate_loads(weight);
+  const int E = int(weight[0].size());
   MOEKIT_CHECK(num_gpus > 0, fmt::format("eplb: num_gpus = {} must be > 0", num_gpus));
   MOEKIT_CHECK(num_nodes > 0, fmt::format("eplb: num_nodes = {} must be > 0", num_nodes));
   MOEKIT_CHECK(num_gpus % num_nodes == 0,
