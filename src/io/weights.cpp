@@ -1,0 +1,341 @@
+// MoE layer weights: loading from DeepSeek-style FP8 checkpoints and writing random ones
+// (see include/moekit/weights.h).
+#include "moekit/weights.h"
+
+#include <fmt/format.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numbers>
+
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/quant.h"
+
+namespace moekit {
+
+// Tensor bytes are little-endian in the file and copied as they are.
+static_assert(std::endian::native == std::endian::little, "moekit's safetensors I/O assumes a little-endian host");
+
+namespace {
+
+constexpr std::string_view kProjs[] = {"gate_proj", "up_proj", "down_proj"};
+constexpr float kRouterBiasStd = 0.05f;
+
+int64_t ceil_blocks(int64_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
+
+// The shapes of one layer's matrices, from the spec.
+struct LayerDims {
+  int64_t hidden = 0;
+  int64_t inter = 0;         // per routed expert
+  int64_t shared_inter = 0;  // of the merged shared-expert MLP, 0 when none
+  int num_experts = 0;
+  bool has_bias = false;
+};
+
+LayerDims layer_dims(const ModelSpec& spec) {
+  MOEKIT_CHECK(spec.is_moe(), fmt::format("model '{}' is dense: it has no MoE weights", spec.name));
+  return {spec.hidden_size, spec.moe_intermediate_size, int64_t(spec.num_shared_experts) * spec.shared_intermediate_size,
+          spec.num_routed_experts, spec.router.scoring == "sigmoid"};
+}
+
+// (rows, cols) of a projection of an MLP with intermediate size `inter`.
+std::pair<int64_t, int64_t> proj_shape(std::string_view proj, int64_t hidden, int64_t inter) {
+  return proj == "down_proj" ? std::pair{hidden, inter} : std::pair{inter, hidden};
+}
+
+void copy_bytes(std::span<const uint8_t> src, void* dst) { std::memcpy(dst, src.data(), src.size()); }
+
+// Copies one fp8 matrix and its block scales into an ExpertWeights slot (rows, cols multiples of 128).
+void load_matrix(const Checkpoint& ckpt, const std::string& name, int64_t rows, int64_t cols, uint8_t* w, float* scales) {
+  const int64_t shape[] = {rows, cols};
+  copy_bytes(ckpt.bytes(name, Dtype::kF8E4M3, shape), w);
+  const std::string scale_name = scale_inv_name(name);
+  const auto scale_shape = block_scale_shape(rows, cols);
+  copy_bytes(ckpt.bytes(scale_name, Dtype::kF32, scale_shape), scales);
+  const int64_t n = scale_shape[0] * scale_shape[1];
+  for (int64_t i = 0; i < n; ++i)
+    MOEKIT_CHECK(std::isfinite(scales[i]) && scales[i] > 0.0f,
+                 fmt::format("tensor '{}' in '{}': block [{}, {}] holds {}, expected a finite positive scale", scale_name,
+                             ckpt.file_of(scale_name).path(), i / scale_shape[1], i % scale_shape[1], scales[i]));
+}
+
+ExpertWeights make_expert_weights(int num_experts, int64_t n, int64_t k) {
+  ExpertWeights out;
+  out.layout = {num_experts, int(n), int(k)};
+  out.w.resize(out.layout.w_elems());
+  out.scales.resize(out.layout.scale_elems());
+  return out;
+}
+
+// Loads an MLP's gate/up into w1 slot `i` (fused, gate first) and its down into w2 slot `i`.
+void load_mlp(const Checkpoint& ckpt, const std::vector<std::string>& names, int64_t hidden, int64_t inter, int i,
+              ExpertWeights& w1, ExpertWeights& w2) {
+  load_matrix(ckpt, names[0], inter, hidden, &w1.w[w1.layout.w_offset(i, 0)], &w1.scales[w1.layout.scale_offset(i, 0, 0)]);
+  load_matrix(ckpt, names[1], inter, hidden, &w1.w[w1.layout.w_offset(i, int(inter))],
+              &w1.scales[w1.layout.scale_offset(i, int(inter), 0)]);
+  load_matrix(ckpt, names[2], hidden, inter, &w2.w[w2.layout.w_offset(i, 0)], &w2.scales[w2.layout.scale_offset(i, 0, 0)]);
+}
+
+// ---- random weights ----
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// A normal stream seeded by (seed, tensor name) alone, by Box-Muller over splitmix64: the same on
+// every platform, unlike std::normal_distribution.
+class NormalStream {
+ public:
+  NormalStream(uint64_t seed, std::string_view name) {
+    uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a of the name
+    for (char c : name) h = (h ^ uint8_t(c)) * 0x100000001B3ull;
+    state_ = seed ^ h;
+  }
+  float next(float stddev) {
+    if (has_spare_) {
+      has_spare_ = false;
+      return float(spare_ * stddev);
+    }
+    const double u1 = double((splitmix64(state_) >> 11) + 1) * 0x1p-53;  // (0, 1]
+    const double u2 = double(splitmix64(state_) >> 11) * 0x1p-53;        // [0, 1)
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    spare_ = r * std::sin(2.0 * std::numbers::pi * u2);
+    has_spare_ = true;
+    return float(r * std::cos(2.0 * std::numbers::pi * u2) * stddev);
+  }
+
+ private:
+  uint64_t state_ = 0;
+  double spare_ = 0.0;
+  bool has_spare_ = false;
+};
+
+// One unit of generation: an fp8 matrix with its scales (two tensors, kept in one file), or a
+// plain BF16/F32 tensor of normal values.
+struct GenItem {
+  std::vector<TensorDecl> tensors;
+  float stddev = 0.0f;
+  uint64_t bytes() const {
+    uint64_t b = 0;
+    for (const auto& t : tensors) b += t.num_bytes();
+    return b;
+  }
+};
+
+GenItem matrix_item(const std::string& name, int64_t rows, int64_t cols) {
+  return {{{name, Dtype::kF8E4M3, {rows, cols}}, {scale_inv_name(name), Dtype::kF32, block_scale_shape(rows, cols)}},
+          float(1.0 / std::sqrt(double(cols)))};
+}
+
+std::vector<GenItem> plan_items(const ModelSpec& spec, const RandomWeightsOptions& o, int num_layers, int num_experts) {
+  const LayerDims d = layer_dims(spec);
+  std::vector<GenItem> items;
+  for (int l = o.first_layer; l < o.first_layer + num_layers; ++l) {
+    items.push_back({{{router_weight_name(l), Dtype::kBF16, {d.num_experts, d.hidden}}}, float(1.0 / std::sqrt(double(d.hidden)))});
+    if (d.has_bias) items.push_back({{{router_bias_name(l), Dtype::kF32, {d.num_experts}}}, kRouterBiasStd});
+    for (int e = o.first_expert; e < o.first_expert + num_experts; ++e)
+      for (auto proj : kProjs) {
+        auto [rows, cols] = proj_shape(proj, d.hidden, d.inter);
+        items.push_back(matrix_item(expert_weight_name(l, e, proj), rows, cols));
+      }
+    if (d.shared_inter > 0)
+      for (auto proj : kProjs) {
+        auto [rows, cols] = proj_shape(proj, d.hidden, d.shared_inter);
+        items.push_back(matrix_item(shared_expert_weight_name(l, proj), rows, cols));
+      }
+  }
+  return items;
+}
+
+std::map<std::string, std::string> shard_metadata(const ModelSpec& spec, const RandomWeightsOptions& o) {
+  return {{"format", "pt"}, {"generator", "moekit random weights"}, {"model", spec.name}, {"seed", std::to_string(o.seed)}};
+}
+
+// Draws, quantises and writes one item through `w`.
+void write_item(const GenItem& item, uint64_t seed, SafetensorsWriter& w) {
+  const TensorDecl& t = item.tensors[0];
+  NormalStream rng(seed, t.name);
+  if (t.dtype == Dtype::kBF16) {
+    std::vector<uint16_t> v(size_t(t.num_bytes() / 2));
+    for (auto& x : v) x = float_to_bf16(rng.next(item.stddev));
+    w.write({reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2});
+    return;
+  }
+  if (t.dtype == Dtype::kF32) {
+    std::vector<float> v(size_t(t.num_bytes() / 4));
+    for (auto& x : v) x = rng.next(item.stddev);
+    w.write({reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4});
+    return;
+  }
+  // An fp8 matrix: draw row-major, quantise in 128x128 blocks over the matrix zero-padded to
+  // whole blocks (so an edge block's scale is the amax of its real values), then crop.
+  const int64_t rows = t.shape[0], cols = t.shape[1];
+  const int64_t prow = ceil_blocks(rows) * kQuantBlock, pcol = ceil_blocks(cols) * kQuantBlock;
+  MOEKIT_CHECK(prow <= INT32_MAX && pcol <= INT32_MAX,
+               fmt::format("random weights: tensor '{}' shape {} is too large", t.name, shape_string(t.shape)));
+  std::vector<float> x(size_t(prow * pcol), 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) x[size_t(r * pcol + c)] = rng.next(item.stddev);
+  std::vector<uint8_t> q(x.size());
+  std::vector<float> scales(size_t(prow / kQuantBlock * (pcol / kQuantBlock)));
+  quantize_blocks_fp8(x.data(), int(prow), int(pcol), q.data(), scales.data());
+  if (pcol != cols)
+    for (int64_t r = 0; r < rows; ++r) std::memmove(&q[size_t(r * cols)], &q[size_t(r * pcol)], size_t(cols));
+  w.write({q.data(), size_t(rows * cols)});
+  w.write({reinterpret_cast<const uint8_t*>(scales.data()), scales.size() * 4});
+}
+
+}  // namespace
+
+std::string expert_weight_name(int layer, int expert, std::string_view proj) {
+  return fmt::format("model.layers.{}.mlp.experts.{}.{}.weight", layer, expert, proj);
+}
+std::string shared_expert_weight_name(int layer, std::string_view proj) {
+  return fmt::format("model.layers.{}.mlp.shared_experts.{}.weight", layer, proj);
+}
+std::string router_weight_name(int layer) { return fmt::format("model.layers.{}.mlp.gate.weight", layer); }
+std::string router_bias_name(int layer) { return fmt::format("model.layers.{}.mlp.gate.e_score_correction_bias", layer); }
+std::string scale_inv_name(std::string_view weight_name) { return fmt::format("{}_scale_inv", weight_name); }
+std::vector<int64_t> block_scale_shape(int64_t rows, int64_t cols) { return {ceil_blocks(rows), ceil_blocks(cols)}; }
+
+MoeLayerWeights load_moe_layer(const Checkpoint& ckpt, const ModelSpec& spec, int layer, int first_expert,
+                               int num_local_experts) {
+  const LayerDims d = layer_dims(spec);
+  MOEKIT_CHECK(layer >= 0, fmt::format("load_moe_layer: layer = {} must be >= 0", layer));
+  MOEKIT_CHECK(first_expert >= 0 && num_local_experts > 0 && first_expert + num_local_experts <= d.num_experts,
+               fmt::format("load_moe_layer: experts [{}, {}) must be a non-empty range inside [0, {}) of model '{}'",
+                           first_expert, first_expert + num_local_experts, d.num_experts, spec.name));
+  for (auto [what, v] : {std::pair{"hidden_size", d.hidden}, {"moe_intermediate_size", d.inter},
+                         {"shared intermediate size", d.shared_inter}})
+    MOEKIT_CHECK(v % kQuantBlock == 0,
+                 fmt::format("load_moe_layer: model '{}' {} = {} is not a multiple of {}: the grouped GEMM's weight "
+                             "layout needs whole 128x128 blocks",
+                             spec.name, what, v, kQuantBlock));
+
+  MoeLayerWeights out;
+  out.layer = layer;
+  out.first_expert = first_expert;
+  out.num_experts = d.num_experts;
+  out.hidden_size = d.hidden;
+  out.intermediate_size = d.inter;
+  out.w1 = make_expert_weights(num_local_experts, 2 * d.inter, d.hidden);
+  out.w2 = make_expert_weights(num_local_experts, d.hidden, d.inter);
+  for (int i = 0; i < num_local_experts; ++i) {
+    std::vector<std::string> names;
+    for (auto proj : kProjs) names.push_back(expert_weight_name(layer, first_expert + i, proj));
+    load_mlp(ckpt, names, d.hidden, d.inter, i, out.w1, out.w2);
+  }
+
+  const std::string router = router_weight_name(layer);
+  const TensorInfo& ri = ckpt.info(router);
+  const int64_t router_shape[] = {d.num_experts, d.hidden};
+  MOEKIT_CHECK(ri.dtype == Dtype::kBF16 || ri.dtype == Dtype::kF32,
+               fmt::format("tensor '{}' in '{}': expected dtype BF16 or F32 shape {}, got {} {}", router,
+                           ckpt.file_of(router).path(), shape_string(router_shape), dtype_name(ri.dtype),
+                           shape_string(ri.shape)));
+  auto rb = ckpt.bytes(router, ri.dtype, router_shape);
+  out.router_weight.resize(size_t(d.num_experts * d.hidden));
+  if (ri.dtype == Dtype::kF32) {
+    copy_bytes(rb, out.router_weight.data());
+  } else {
+    for (size_t i = 0; i < out.router_weight.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, rb.data() + 2 * i, 2);
+      out.router_weight[i] = bf16_to_float(h);
+    }
+  }
+  if (d.has_bias) {
+    const int64_t bias_shape[] = {d.num_experts};
+    out.router_bias.resize(size_t(d.num_experts));
+    copy_bytes(ckpt.bytes(router_bias_name(layer), Dtype::kF32, bias_shape), out.router_bias.data());
+  }
+
+  if (d.shared_inter > 0) {
+    out.shared_w1 = make_expert_weights(1, 2 * d.shared_inter, d.hidden);
+    out.shared_w2 = make_expert_weights(1, d.hidden, d.shared_inter);
+    std::vector<std::string> names;
+    for (auto proj : kProjs) names.push_back(shared_expert_weight_name(layer, proj));
+    load_mlp(ckpt, names, d.hidden, d.shared_inter, 0, out.shared_w1, out.shared_w2);
+  }
+  return out;
+}
+
+RandomWeightsPlan plan_random_weights(const ModelSpec& spec, const RandomWeightsOptions& o) {
+  const LayerDims d = layer_dims(spec);
+  const int num_layers = o.num_layers < 0 ? spec.num_moe_layers : o.num_layers;
+  const int num_experts = o.num_experts < 0 ? d.num_experts - o.first_expert : o.num_experts;
+  MOEKIT_CHECK(o.first_layer >= 0 && num_layers > 0,
+               fmt::format("random weights: layers [{}, {}) must be a non-empty range of non-negative indices",
+                           o.first_layer, o.first_layer + num_layers));
+  MOEKIT_CHECK(o.first_expert >= 0 && num_experts >= 0 && o.first_expert + num_experts <= d.num_experts,
+               fmt::format("random weights: experts [{}, {}) must lie inside [0, {}) of model '{}'", o.first_expert,
+                           o.first_expert + num_experts, d.num_experts, spec.name));
+  MOEKIT_CHECK(o.max_shard_bytes > 0, "random weights: max_shard_bytes must be > 0");
+
+  RandomWeightsPlan plan;
+  uint64_t shard_bytes = 0;
+  for (const GenItem& item : plan_items(spec, o, num_layers, num_experts)) {
+    if (plan.shards.empty() || (shard_bytes > 0 && shard_bytes + item.bytes() > o.max_shard_bytes)) {
+      plan.shards.emplace_back();
+      shard_bytes = 0;
+    }
+    for (const auto& t : item.tensors) plan.shards.back().tensors.push_back(t);
+    shard_bytes += item.bytes();
+    plan.tensor_bytes += item.bytes();
+  }
+  const auto metadata = shard_metadata(spec, o);
+  for (size_t i = 0; i < plan.shards.size(); ++i) {
+    WeightShard& s = plan.shards[i];
+    s.file_name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, plan.shards.size());
+    s.file_bytes = safetensors_header_bytes(s.tensors, metadata);
+    for (const auto& t : s.tensors) s.file_bytes += t.num_bytes();
+    plan.file_bytes += s.file_bytes;
+  }
+  return plan;
+}
+
+RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeightsOptions& o, const std::string& dir,
+                                       const std::function<void(uint64_t, uint64_t)>& progress) {
+  namespace fs = std::filesystem;
+  const RandomWeightsPlan plan = plan_random_weights(spec, o);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MOEKIT_CHECK(fs::is_directory(dir), fmt::format("random weights: cannot create directory '{}': {}", dir, ec.message()));
+
+  // Regroup the plan's tensors into items (a matrix's scales follow it in the same file).
+  const auto metadata = shard_metadata(spec, o);
+  const int num_layers = o.num_layers < 0 ? spec.num_moe_layers : o.num_layers;
+  const int num_experts = o.num_experts < 0 ? spec.num_routed_experts - o.first_expert : o.num_experts;
+  const std::vector<GenItem> items = plan_items(spec, o, num_layers, num_experts);
+  size_t next_item = 0;
+  uint64_t done = 0;
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  for (const WeightShard& s : plan.shards) {
+    SafetensorsWriter w((fs::path(dir) / s.file_name).string(), s.tensors, metadata);
+    for (size_t t = 0; t < s.tensors.size(); ) {
+      const GenItem& item = items[next_item++];
+      t += item.tensors.size();
+      write_item(item, o.seed, w);
+      for (const auto& decl : item.tensors) weight_map[decl.name] = s.file_name;
+      done += item.bytes();
+      if (progress) progress(done, plan.tensor_bytes);
+    }
+    w.finish();
+  }
+  nlohmann::ordered_json index = {{"metadata", {{"total_size", plan.tensor_bytes}}}, {"weight_map", weight_map}};
+  const fs::path index_path = fs::path(dir) / kIndexFileName;
+  std::ofstream out(index_path);
+  out << index.dump(2) << "\n";
+  MOEKIT_CHECK(out.good(), fmt::format("random weights: cannot write '{}'", index_path.string()));
+  return plan;
+}
+
+}  // namespace moekit
