@@ -1,0 +1,320 @@
+// The MoE layer on the CPU over P in-process ranks (see include/moekit/layer_cpu.h).
+#include "moekit/layer_cpu.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/eplb.h"
+#include "moekit/gating.h"
+#include "moekit/layout.h"
+#include "moekit/weights.h"
+
+namespace moekit {
+
+const char* protocol_name(EpProtocol protocol) {
+  return protocol == EpProtocol::kLowLatency ? "low-latency" : "normal";
+}
+
+// One rank's weights and static buffers.
+struct CpuMoeLayer::Rank {
+  // Local experts' weights, gathered from the logical experts their slots hold.
+  std::vector<uint8_t> w1, w2;
+  std::vector<float> w1_scales, w2_scales;
+  // Receive side and expert outputs: the masked layout (low-latency) or contiguous rows (normal).
+  std::vector<uint8_t> recv_x, act;
+  std::vector<float> recv_scales, act_scales;
+  std::vector<int32_t> recv_count, recv_src, row_expert;
+  std::vector<uint16_t> gate_up, y;
+  int rows = 0;  // M_max or M_total
+  // Own tokens.
+  std::vector<float> x, logits;
+  std::vector<uint16_t> shared_out;
+  RankStep step;
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <class F>
+void timed(double& seconds, F&& f) {
+  const auto start = Clock::now();
+  f();
+  seconds += std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Copies expert `e`'s operand out of an all-experts ExpertWeights into slot `i` of a rank's arrays.
+void gather_expert(const ExpertWeights& all, int e, int i, std::vector<uint8_t>& w, std::vector<float>& scales) {
+  const WeightLayout& l = all.layout;
+  const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / kQuantBlock) * (l.k / kQuantBlock);
+  std::memcpy(w.data() + i * w_per, all.w.data() + e * w_per, w_per);
+  std::memcpy(scales.data() + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float));
+}
+
+}  // namespace
+
+CpuMoeLayer::CpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
+                         int placement_layer, const CpuLayerConfig& config)
+    : model_(model), config_(config), placement_layer_(placement_layer) {
+  MOEKIT_CHECK(model.is_moe(), fmt::format("model '{}' is dense: it has no MoE layer", model.name));
+  MOEKIT_CHECK(model.hidden_size % kQuantBlock == 0,
+               fmt::format("model '{}': hidden_size (the GEMM's K) = {}, expected a multiple of {}", model.name,
+                           model.hidden_size, kQuantBlock));
+  MOEKIT_CHECK(model.moe_intermediate_size % kQuantBlock == 0,
+               fmt::format("model '{}': moe_intermediate_size = {}, expected a multiple of {}", model.name,
+                           model.moe_intermediate_size, kQuantBlock));
+  hidden_ = int(model.hidden_size);
+  inter_ = int(model.moe_intermediate_size);
+  num_experts_ = model.num_routed_experts;
+  topk_ = model.num_experts_per_token;
+  MOEKIT_CHECK(weights.first_expert == 0 && weights.num_local_experts() == num_experts_,
+               fmt::format("layer weights hold experts [{}, {}), expected all {} experts of '{}'", weights.first_expert,
+                           weights.first_expert + weights.num_local_experts(), num_experts_, model.name));
+  MOEKIT_CHECK(weights.hidden_size == hidden_ && weights.intermediate_size == inter_,
+               fmt::format("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
+                           weights.intermediate_size, hidden_, inter_));
+  MOEKIT_CHECK(placement.num_experts == num_experts_ && placement.num_gpus == config.num_ranks,
+               fmt::format("placement for {} experts on {} GPUs, expected {} experts on P = {} ranks",
+                           placement.num_experts, placement.num_gpus, num_experts_, config.num_ranks));
+  MOEKIT_CHECK(placement_layer >= 0 && placement_layer < placement.num_layers,
+               fmt::format("placement layer {}, expected 0..{}", placement_layer, placement.num_layers - 1));
+  num_slots_ = placement.num_slots;
+  validate_ep_config(ep_config());
+  MOEKIT_CHECK(config.block_m >= 1, fmt::format("block_m = {}, expected >= 1", config.block_m));
+  placement_ = std::make_unique<Placement>(placement);
+  phy2log_.assign(placement.phy2log_row(placement_layer), placement.phy2log_row(placement_layer) + num_slots_);
+
+  router_weight_ = weights.router_weight;
+  router_bias_ = weights.router_bias;
+  if (weights.has_shared_experts()) {
+    shared_inter_ = weights.shared_w1.layout.n / 2;
+    shared_w1_ = weights.shared_w1.w;
+    shared_w1_scales_ = weights.shared_w1.scales;
+    shared_w2_ = weights.shared_w2.w;
+    shared_w2_scales_ = weights.shared_w2.scales;
+  }
+
+  const int e_loc = num_local_experts(), t_max = config.max_tokens, m_max = config.num_ranks * t_max;
+  for (int r = 0; r < config.num_ranks; ++r) {
+    auto me = std::make_unique<Rank>();
+    me->w1.resize(size_t(e_loc) * 2 * inter_ * hidden_);
+    me->w1_scales.resize(size_t(e_loc) * (2 * inter_ / kQuantBlock) * (hidden_ / kQuantBlock));
+    me->w2.resize(size_t(e_loc) * hidden_ * inter_);
+    me->w2_scales.resize(size_t(e_loc) * (hidden_ / kQuantBlock) * (inter_ / kQuantBlock));
+    for (int i = 0; i < e_loc; ++i) {
+      const int e = phy2log_[size_t(r) * e_loc + i];
+      gather_expert(weights.w1, e, i, me->w1, me->w1_scales);
+      gather_expert(weights.w2, e, i, me->w2, me->w2_scales);
+    }
+    me->x.resize(size_t(t_max) * hidden_);
+    me->logits.resize(size_t(t_max) * num_experts_);
+    me->shared_out.resize(size_t(t_max) * hidden_);
+    me->recv_count.resize(e_loc);
+    if (config.protocol == EpProtocol::kLowLatency) {
+      me->rows = m_max;
+      const size_t rows = size_t(e_loc) * m_max;
+      me->recv_x.resize(rows * hidden_);
+      me->recv_scales.resize(rows * (hidden_ / kQuantBlock));
+      me->recv_src.resize(rows);
+      me->gate_up.resize(rows * 2 * inter_);
+      me->act.resize(rows * inter_);
+      me->act_scales.resize(rows * (inter_ / kQuantBlock));
+      me->y.resize(rows * hidden_);
+    }
+    ranks_.push_back(std::move(me));
+  }
+}
+
+CpuMoeLayer::~CpuMoeLayer() = default;
+
+int CpuMoeLayer::num_local_experts() const { return num_slots_ / config_.num_ranks; }
+
+EpConfig CpuMoeLayer::ep_config() const {
+  EpConfig c;
+  c.num_ranks = config_.num_ranks;
+  c.max_tokens = config_.max_tokens;
+  c.hidden = hidden_;
+  c.topk = topk_;
+  c.num_slots = num_slots_;
+  c.block_m = config_.block_m;
+  c.timeout_s = config_.timeout_s;
+  return c;
+}
+
+const RankStep& CpuMoeLayer::last_step(int rank) const {
+  MOEKIT_CHECK(rank >= 0 && rank < config_.num_ranks, fmt::format("rank = {}, expected 0..{}", rank, config_.num_ranks - 1));
+  return ranks_[rank]->step;
+}
+
+CpuMoeLayer::RankBuffers CpuMoeLayer::buffers(int rank) const {
+  last_step(rank);  // checks the rank
+  const Rank& me = *ranks_[rank];
+  return {me.recv_x.data(), me.recv_scales.data(), me.recv_src.data(),
+          config_.protocol == EpProtocol::kNormal ? me.row_expert.data() : nullptr, me.y.data(), me.rows};
+}
+
+void CpuMoeLayer::forward(LocalEpGroup& group, int rank, int num_tokens, int64_t first_token, const uint16_t* x,
+                          uint16_t* out, const int32_t* routing_idx, const float* routing_weights) {
+  MOEKIT_CHECK(rank >= 0 && rank < config_.num_ranks, fmt::format("rank = {}, expected 0..{}", rank, config_.num_ranks - 1));
+  MOEKIT_CHECK(num_tokens >= 0 && num_tokens <= config_.max_tokens,
+               fmt::format("rank {}: {} tokens, expected 0..T_max = {}", rank, num_tokens, config_.max_tokens));
+  MOEKIT_CHECK((routing_idx == nullptr) == (routing_weights == nullptr),
+               "forward: give both routing_idx and routing_weights, or neither");
+  const EpConfig ec = group.config();
+  MOEKIT_CHECK(ec.num_ranks == config_.num_ranks && ec.max_tokens >= config_.max_tokens && ec.hidden == hidden_ &&
+                   ec.topk == topk_ && ec.num_slots == num_slots_,
+               "forward: the EP group was not made from this layer's ep_config()");
+  Rank& me = *ranks_[rank];
+  RankStep& step = me.step;
+  StageTimes times;
+  const int k = topk_, d = hidden_;
+  step.num_tokens = num_tokens;
+  step.topk_idx.resize(size_t(num_tokens) * k);
+  step.topk_weights.resize(size_t(num_tokens) * k);
+  step.topk_slot.resize(size_t(num_tokens) * k);
+
+  timed(times.gate, [&] {
+    for (size_t i = 0; i < size_t(num_tokens) * d; ++i) me.x[i] = bf16_to_float(x[i]);
+    if (routing_idx) {
+      for (size_t i = 0; i < size_t(num_tokens) * k; ++i)
+        MOEKIT_CHECK(routing_idx[i] >= 0 && routing_idx[i] < num_experts_,
+                     fmt::format("rank {}: routing topk_idx[{}, {}] = {}, expected an expert in 0..{}", rank, i / k,
+                                 i % k, routing_idx[i], num_experts_ - 1));
+      std::copy(routing_idx, routing_idx + size_t(num_tokens) * k, step.topk_idx.begin());
+      std::copy(routing_weights, routing_weights + size_t(num_tokens) * k, step.topk_weights.begin());
+    } else if (num_tokens > 0) {
+      ref::router_logits(me.x.data(), num_tokens, d, router_weight_.data(), num_experts_, me.logits.data());
+      ref::select_experts(me.logits.data(), num_tokens, num_experts_, k, model_.router,
+                          router_bias_.empty() ? nullptr : router_bias_.data(), step.topk_idx.data(),
+                          step.topk_weights.data());
+    }
+    if (num_tokens > 0)
+      choose_replicas_for_rank(*placement_, placement_layer_, rank, step.topk_idx.data(), num_tokens, k, first_token,
+                               config_.replica_seed, step.topk_slot.data());
+  });
+  if (config_.protocol == EpProtocol::kLowLatency) forward_low_latency(group, rank, x, me, times);
+  else forward_normal(group, rank, x, me, times);
+
+  // The shared expert runs on the rank's own tokens while the combine is in flight; its output is
+  // the combine's `add` term, so the routed and shared parts are summed once, in fp32.
+  timed(times.shared, [&] {
+    if (shared_inter_ > 0 && num_tokens > 0) {
+      const ref::ExpertFp8 sw{d, shared_inter_, shared_w1_.data(), shared_w1_scales_.data(), shared_w2_.data(),
+                              shared_w2_scales_.data()};
+      ref::shared_expert(me.x.data(), num_tokens, sw, me.shared_out.data());
+    }
+  });
+  timed(times.combine, [&] { group.combine_recv(rank, shared_inter_ > 0 ? me.shared_out.data() : nullptr, out); });
+  step.ep = group.stats(rank);
+  step.times = times;
+}
+
+void CpuMoeLayer::forward_low_latency(LocalEpGroup& group, int rank, const uint16_t* x, Rank& me, StageTimes& times) {
+  RankStep& step = me.step;
+  const MaskedLayout a1{num_local_experts(), me.rows, hidden_}, a2{num_local_experts(), me.rows, inter_};
+  const WeightLayout w1{num_local_experts(), 2 * inter_, hidden_}, w2{num_local_experts(), hidden_, inter_};
+  timed(times.dispatch, [&] {
+    group.dispatch_send(rank, step.num_tokens, x, step.topk_slot.data(), step.topk_weights.data());
+    group.dispatch_recv(rank, me.recv_x.data(), me.recv_scales.data(), me.recv_count.data(), me.recv_src.data());
+  });
+  // recv_count is masked_m: the GEMMs read it, nothing is copied or reordered.
+  timed(times.gemm1, [&] {
+    ref::grouped_gemm_masked(a1, me.recv_x.data(), me.recv_scales.data(), me.recv_count.data(), w1, me.w1.data(),
+                             me.w1_scales.data(), me.gate_up.data());
+  });
+  timed(times.activation, [&] {
+    ref::silu_mul_quant_masked(a2, me.gate_up.data(), me.recv_count.data(), me.act.data(), me.act_scales.data());
+  });
+  timed(times.gemm2, [&] {
+    ref::grouped_gemm_masked(a2, me.act.data(), me.act_scales.data(), me.recv_count.data(), w2, me.w2.data(),
+                             me.w2_scales.data(), me.y.data());
+  });
+  step.recv_count = me.recv_count;
+  timed(times.combine, [&] { group.combine_send(rank, me.y.data()); });
+}
+
+void CpuMoeLayer::forward_normal(LocalEpGroup& group, int rank, const uint16_t* x, Rank& me, StageTimes& times) {
+  RankStep& step = me.step;
+  const int d = hidden_;
+  ContiguousRecv recv;
+  timed(times.dispatch, [&] {
+    recv = group.normal_notify(rank, step.num_tokens, step.topk_slot.data());
+    // The counts came first: size this step's contiguous buffers before any row arrives.
+    const size_t rows = size_t(recv.total_m);
+    me.rows = recv.total_m;
+    me.recv_x.resize(rows * d);
+    me.recv_scales.resize(rows * (d / kQuantBlock));
+    me.recv_src.resize(rows);
+    me.row_expert.resize(rows);
+    me.gate_up.resize(rows * 2 * inter_);
+    me.act.resize(rows * inter_);
+    me.act_scales.resize(rows * (inter_ / kQuantBlock));
+    me.y.resize(rows * d);
+    group.normal_dispatch_send(rank, x, step.topk_weights.data());
+    group.normal_dispatch_recv(rank, me.recv_x.data(), me.recv_scales.data(), me.row_expert.data(), me.recv_src.data());
+  });
+  const ContiguousLayout a1{recv.total_m, d}, a2{recv.total_m, inter_};
+  const WeightLayout w1{num_local_experts(), 2 * inter_, d}, w2{num_local_experts(), d, inter_};
+  if (recv.total_m > 0) {
+    timed(times.gemm1, [&] {
+      ref::grouped_gemm_contiguous(a1, me.recv_x.data(), me.recv_scales.data(), me.row_expert.data(), w1, me.w1.data(),
+                                   me.w1_scales.data(), me.gate_up.data());
+    });
+    timed(times.activation, [&] {
+      ref::silu_mul_quant_contiguous(a2, me.gate_up.data(), me.row_expert.data(), me.act.data(), me.act_scales.data());
+    });
+    timed(times.gemm2, [&] {
+      ref::grouped_gemm_contiguous(a2, me.act.data(), me.act_scales.data(), me.row_expert.data(), w2, me.w2.data(),
+                                   me.w2_scales.data(), me.y.data());
+    });
+  }
+  step.recv_count.assign(recv.expert_rows.begin(), recv.expert_rows.end());
+  timed(times.combine, [&] { group.normal_combine_send(rank, me.y.data()); });
+}
+
+Placement identity_placement(int num_experts, int num_ranks) {
+  std::vector<int32_t> phy2log(num_experts);
+  std::iota(phy2log.begin(), phy2log.end(), 0);
+  return placement_from_phy2log(phy2log, 1, num_experts, num_experts, 1, 1, num_ranks);
+}
+
+Placement balanced_placement(const std::vector<double>& expert_load, int redundant, int num_ranks) {
+  MOEKIT_CHECK(redundant >= 0, fmt::format("redundant experts = {}, expected >= 0", redundant));
+  return rebalance({expert_load}, int(expert_load.size()) + redundant, 1, 1, num_ranks);
+}
+
+std::unique_ptr<LayerWeightsF64> dequantize_layer_f64(const MoeLayerWeights& weights) {
+  auto out = std::make_unique<LayerWeightsF64>();
+  auto dequantize = [](const ExpertWeights& ew, std::vector<double>& dst) {
+    const WeightLayout& l = ew.layout;
+    dst.resize(l.w_elems());
+    const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / kQuantBlock) * (l.k / kQuantBlock);
+    for (int e = 0; e < l.num_experts; ++e)
+      ref::dequantize_weights_f64(ew.w.data() + e * w_per, ew.scales.data() + e * s_per, l.n, l.k,
+                                  dst.data() + e * w_per);
+  };
+  dequantize(weights.w1, out->w1);
+  dequantize(weights.w2, out->w2);
+  ref::MoeWeightsF64& v = out->view;
+  v.hidden = int(weights.hidden_size);
+  v.inter = int(weights.intermediate_size);
+  v.num_experts = weights.num_local_experts();
+  v.w1 = out->w1.data();
+  v.w2 = out->w2.data();
+  if (weights.has_shared_experts()) {
+    dequantize(weights.shared_w1, out->shared_w1);
+    dequantize(weights.shared_w2, out->shared_w2);
+    v.shared_inter = weights.shared_w1.layout.n / 2;
+    v.shared_w1 = out->shared_w1.data();
+    v.shared_w2 = out->shared_w2.data();
+  }
+  return out;
+}
+
+}  // namespace moekit

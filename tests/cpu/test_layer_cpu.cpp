@@ -1,0 +1,340 @@
+// The CPU MoE layer (layer_cpu.h) end to end, on weights written by the random checkpoint
+// generator and read back by the loader: output against the float64 oracle for P in {1, 2, 4, 8},
+// both protocols, with and without redundant experts; FP8 payloads, scales and expert outputs the
+// same bits as one rank; the distinct-target count equal to the simulator's on the same routing;
+// bad input rejected.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <random>
+#include <tuple>
+
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/eplb.h"
+#include "moekit/gating.h"
+#include "moekit/layer_cpu.h"
+#include "moekit/reference.h"
+#include "moekit/simulate.h"
+#include "moekit/weights.h"
+
+using namespace moekit;
+namespace fs = std::filesystem;
+
+namespace {
+
+template <class F>
+void expect_error(F&& f, std::initializer_list<std::string> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
+  }
+}
+
+// A small DeepSeek-style model: sigmoid router with bias, 4 groups keep 2, one shared expert.
+const char* kModelJson = R"({
+  "name": "test-moe", "hidden_size": 256, "num_layers": 1, "num_moe_layers": 1,
+  "moe_intermediate_size": 128, "num_routed_experts": 16, "num_experts_per_token": 4,
+  "num_shared_experts": 1, "shared_intermediate_size": 128,
+  "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 1.0, "kv_bytes_per_token": 1024,
+  "router": {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "normalize_topk": true}
+})";
+constexpr int kTokens = 48;  // B, all ranks together
+
+// The model, its checkpoint written once by the generator and loaded back, and B random tokens.
+struct Fixture {
+  ModelSpec model = parse_model_spec(kModelJson, "test");
+  fs::path dir = fs::path(MOEKIT_BINARY_DIR) / "test_layer_cpu_weights";
+  MoeLayerWeights weights;
+  std::vector<uint16_t> x;  // [B, d] bf16
+
+  Fixture() {
+    fs::remove_all(dir);
+    RandomWeightsOptions opt;
+    opt.seed = 42;
+    write_random_weights(model, opt, dir.string());
+    weights = load_moe_layer(Checkpoint::open(dir.string()), model, 0, 0, model.num_routed_experts);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    x.resize(size_t(kTokens) * model.hidden_size);
+    for (auto& v : x) v = float_to_bf16(normal(rng));
+  }
+};
+
+const Fixture& fixture() {
+  static const Fixture f;
+  return f;
+}
+
+int first_token(int rank, int num_ranks, int num_tokens) { return (rank * num_tokens + num_ranks - 1) / num_ranks; }
+
+// One layer step over P ranks on the fixture's B tokens.
+struct LayerRun {
+  std::vector<uint16_t> out;            // [B, d] bf16
+  std::vector<int32_t> topk_idx;        // [B, k] logical, as the layer chose
+  std::vector<float> topk_weights;
+  // (global token, logical expert) -> the FP8 row, its scales and the expert's bf16 output row.
+  std::map<std::pair<int, int>, std::vector<uint8_t>> rows;
+  int64_t messages = 0;  // dispatch messages over all ranks
+};
+
+LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const std::vector<int32_t>* routing_idx = nullptr,
+              const std::vector<float>* routing_w = nullptr) {
+  const Fixture& f = fixture();
+  const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token, B = kTokens;
+  CpuLayerConfig cfg;
+  cfg.num_ranks = p;
+  cfg.max_tokens = (B + p - 1) / p;
+  cfg.protocol = protocol;
+  cfg.block_m = 8;
+  CpuMoeLayer layer(f.model, f.weights, placement, 0, cfg);
+  LocalEpGroup group(layer.ep_config());
+  LayerRun run;
+  run.out.assign(size_t(B) * d, 0);
+  run_ranks(group, [&](int r) {
+    const int t0 = first_token(r, p, B), t1 = first_token(r + 1, p, B);
+    layer.forward(group, r, t1 - t0, t0, f.x.data() + size_t(t0) * d, run.out.data() + size_t(t0) * d,
+                  routing_idx ? routing_idx->data() + size_t(t0) * k : nullptr,
+                  routing_w ? routing_w->data() + size_t(t0) * k : nullptr);
+  });
+  const int e_loc = layer.num_local_experts(), kb = d / 128;
+  for (int r = 0; r < p; ++r) {
+    const RankStep& st = layer.last_step(r);
+    run.topk_idx.insert(run.topk_idx.end(), st.topk_idx.begin(), st.topk_idx.end());
+    run.topk_weights.insert(run.topk_weights.end(), st.topk_weights.begin(), st.topk_weights.end());
+    run.messages += st.ep.dispatch_messages;
+    const auto buf = layer.buffers(r);
+    auto add_row = [&](int e, int row, size_t scale_index, size_t scale_stride) {
+      const int code = buf.recv_src[row];
+      const int src = code / cfg.max_tokens, token = code % cfg.max_tokens;
+      const int global = first_token(src, p, B) + token;
+      const int logical = placement.phy2log_row(0)[r * e_loc + e];
+      std::vector<uint8_t> bytes(buf.recv_x + size_t(row) * d, buf.recv_x + size_t(row + 1) * d);
+      for (int b = 0; b < kb; ++b) {
+        const float s = buf.recv_scales[scale_index + b * scale_stride];
+        bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(&s), reinterpret_cast<const uint8_t*>(&s) + 4);
+      }
+      const uint8_t* y = reinterpret_cast<const uint8_t*>(buf.y + size_t(row) * d);
+      bytes.insert(bytes.end(), y, y + 2 * d);
+      EXPECT_TRUE(run.rows.emplace(std::make_pair(global, logical), bytes).second) << "pair delivered twice";
+    };
+    if (protocol == EpProtocol::kLowLatency) {
+      for (int e = 0; e < e_loc; ++e)
+        for (int m = 0; m < st.recv_count[e]; ++m)  // masked layout: scales [E_loc, d/128, M_max]
+          add_row(e, e * buf.rows + m, size_t(e) * kb * buf.rows + m, size_t(buf.rows));
+    } else {
+      for (int m = 0; m < buf.rows; ++m)  // contiguous: scales [d/128, M_total]
+        if (buf.row_expert[m] >= 0) add_row(buf.row_expert[m], m, size_t(m), size_t(buf.rows));
+    }
+  }
+  return run;
+}
+
+// The float64 oracle on all B tokens with the given routing.
+std::vector<double> oracle(const std::vector<int32_t>& topk_idx, const std::vector<float>& topk_weights) {
+  const Fixture& f = fixture();
+  static const auto w64 = dequantize_layer_f64(f.weights);
+  std::vector<float> xf(f.x.size());
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
+  std::vector<double> out(f.x.size());
+  ref::moe_layer_f64(xf.data(), kTokens, topk_idx.data(), topk_weights.data(), f.model.num_experts_per_token,
+                     w64->view, out.data());
+  return out;
+}
+
+double error_vs_oracle(const LayerRun& run) {
+  const auto want = oracle(run.topk_idx, run.topk_weights);
+  std::vector<double> got(run.out.size());
+  for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_float(run.out[i]);
+  return ref::relative_frobenius_error(got.data(), want.data(), got.size());
+}
+
+// Expected loads that make EPLB replicate experts 0..3 (hot), so replicas do serve tokens.
+Placement redundant_placement(int p) {
+  std::vector<double> load(16, 1.0);
+  for (int e = 0; e < 4; ++e) load[e] = 8.0;
+  return balanced_placement(load, 16, p);
+}
+
+const LayerRun& one_rank_reference() {
+  static const LayerRun run = run_layer(1, EpProtocol::kLowLatency, identity_placement(16, 1));
+  return run;
+}
+
+}  // namespace
+
+class LayerRanks : public ::testing::TestWithParam<std::tuple<int, EpProtocol, bool>> {};
+
+TEST_P(LayerRanks, MatchesOracleAndOneRankBitForBit) {
+  const auto [p, protocol, redundant] = GetParam();
+  const Fixture& f = fixture();
+  const Placement placement = redundant ? redundant_placement(p) : identity_placement(16, p);
+  const LayerRun run = run_layer(p, protocol, placement);
+
+  // The gate, computed here on all tokens at once, picks what the ranks picked.
+  const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token, E = f.model.num_routed_experts;
+  std::vector<float> xf(f.x.size()), logits(size_t(kTokens) * E), w(size_t(kTokens) * k);
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
+  std::vector<int32_t> idx(size_t(kTokens) * k);
+  ref::router_logits(xf.data(), kTokens, d, f.weights.router_weight.data(), E, logits.data());
+  ref::select_experts(logits.data(), kTokens, E, k, f.model.router, f.weights.router_bias.data(), idx.data(), w.data());
+  ASSERT_EQ(run.topk_idx, idx);
+  ASSERT_EQ(run.topk_weights, w);
+
+  const double err = error_vs_oracle(run);
+  RecordProperty("relative_error", std::to_string(err));
+  EXPECT_LE(err, 3e-3) << "relative Frobenius error against the float64 oracle";
+  EXPECT_GT(err, 0.0);  // bf16 outputs cannot match float64 exactly: a zero means the oracle was not compared
+
+  // Every (token, logical expert) pair once, with the same FP8 bytes, scales and expert output as one rank.
+  const LayerRun& one = one_rank_reference();
+  EXPECT_EQ(run.rows.size(), size_t(kTokens) * k);
+  EXPECT_TRUE(run.rows == one.rows) << "payloads, scales or expert outputs differ from P = 1";
+  if (redundant) {
+    // The placement has replicas of the hot experts, and tokens reached more than one of them.
+    EXPECT_EQ(placement.num_slots, 32);
+    EXPECT_GT(placement.max_replicas, 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layer, LayerRanks,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
+                                            ::testing::Values(EpProtocol::kLowLatency, EpProtocol::kNormal),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           const auto [p, protocol, redundant] = info.param;
+                           return "P" + std::to_string(p) + (protocol == EpProtocol::kLowLatency ? "_LowLatency" : "_Normal") +
+                                  (redundant ? "_Redundant" : "");
+                         });
+
+// With replicas, hot experts' tokens are spread over several slots (several ranks).
+TEST(Layer, ReplicasServeTokens) {
+  const int p = 4;
+  const Placement placement = redundant_placement(p);
+  const Fixture& f = fixture();
+  CpuLayerConfig cfg;
+  cfg.num_ranks = p;
+  cfg.max_tokens = kTokens / p;
+  CpuMoeLayer layer(f.model, f.weights, placement, 0, cfg);
+  LocalEpGroup group(layer.ep_config());
+  // Every token picks the hot experts 0..3.
+  std::vector<int32_t> idx(size_t(kTokens) * 4);
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = int32_t(i % 4);
+  std::vector<float> w(idx.size(), 0.25f);
+  std::vector<uint16_t> out(f.x.size());
+  const int d = int(f.model.hidden_size);
+  run_ranks(group, [&](int r) {
+    const int t0 = r * kTokens / p;
+    layer.forward(group, r, kTokens / p, t0, f.x.data() + size_t(t0) * d, out.data() + size_t(t0) * d,
+                  idx.data() + size_t(t0) * 4, w.data() + size_t(t0) * 4);
+  });
+  std::map<int, std::set<int>> slots_of_expert;
+  for (int r = 0; r < p; ++r)
+    for (size_t i = 0; i < layer.last_step(r).topk_slot.size(); ++i)
+      slots_of_expert[layer.last_step(r).topk_idx[i]].insert(layer.last_step(r).topk_slot[i]);
+  for (int e = 0; e < 4; ++e) {
+    EXPECT_GE(int(slots_of_expert[e].size()), 2) << "expert " << e;
+    EXPECT_LE(int(slots_of_expert[e].size()), placement.replica_count_row(0)[e]) << "expert " << e;
+    for (int s : slots_of_expert[e]) EXPECT_EQ(placement.phy2log_row(0)[s], e);
+  }
+  LayerRun r;
+  r.out = out;
+  r.topk_idx = idx;
+  r.topk_weights = w;
+  EXPECT_LE(error_vs_oracle(r), 3e-3);
+}
+
+// The layer's measured distinct-target count, on the simulator's own routing samples, equals the
+// simulator's estimate (the same mean over tokens, then over steps).
+TEST(Layer, DistinctTargetsEqualTheSimulators) {
+  const Fixture& f = fixture();
+  SimulateInput sim;
+  sim.num_experts = 16;
+  sim.topk = 4;
+  sim.num_ranks = 4;
+  sim.batch = kTokens;
+  sim.trials = 3;
+  sim.seed = 11;
+  sim.routing = parse_routing("zipf:1.2");
+  sim.num_threads = 1;
+  const SimulateResult res = simulate(sim);
+  double measured = 0;
+  for (int64_t step = 0; step < sim.trials; ++step) {
+    const std::vector<int32_t> idx = sample_step(sim, step);
+    const std::vector<float> w(idx.size(), 2.5f / 4);
+    const LayerRun run = run_layer(4, EpProtocol::kLowLatency, identity_placement(16, 4), &idx, &w);
+    measured += double(run.messages) / kTokens / double(sim.trials);
+    EXPECT_LE(error_vs_oracle(run), 3e-3);
+    (void)f;
+  }
+  EXPECT_NEAR(measured, res.dedup_targets.simulated, 1e-12);
+  EXPECT_LT(measured, 4.0);  // de-duplication happened: fewer messages than k per token
+}
+
+TEST(Layer, BadInputIsRejected) {
+  const Fixture& f = fixture();
+  const int p = 2, d = int(f.model.hidden_size);
+  CpuLayerConfig cfg;
+  cfg.num_ranks = p;
+  cfg.max_tokens = 8;
+  cfg.timeout_s = 30;
+  CpuMoeLayer layer(f.model, f.weights, identity_placement(16, p), 0, cfg);
+  LocalEpGroup group(layer.ep_config());
+  std::vector<uint16_t> out(f.x.size());
+
+  // More tokens than T_max.
+  expect_error([&] { layer.forward(group, 0, 9, 0, f.x.data(), out.data()); }, {"9 tokens", "T_max = 8"});
+  // Expert ids out of range (routing given by the caller).
+  std::vector<int32_t> idx(8 * 4, 1);
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = int32_t(i % 4);
+  idx[6] = 16;
+  std::vector<float> w(idx.size(), 0.5f);
+  expect_error([&] { layer.forward(group, 0, 8, 0, f.x.data(), out.data(), idx.data(), w.data()); },
+               {"topk_idx[1, 2] = 16", "0..15"});
+  // NaN logits: a NaN activation on rank 1 fails in its gate; rank 0 stops waiting at once and
+  // the error reported is rank 1's.
+  std::vector<uint16_t> xbad(f.x.begin(), f.x.begin() + 16 * d);
+  xbad[size_t(8 + 3) * d + 5] = float_to_bf16(NAN);
+  expect_error([&] { run_ranks(group, [&](int r) { layer.forward(group, r, 8, 8 * r, xbad.data() + size_t(8 * r) * d, out.data()); }); },
+               {"token 3"});
+  // K not a multiple of 128.
+  ModelSpec bad = f.model;
+  bad.hidden_size = 200;
+  expect_error([&] { CpuMoeLayer l(bad, f.weights, identity_placement(16, p), 0, cfg); }, {"hidden_size", "200", "multiple of 128"});
+  // masked_m over M_max: the GEMM that reads recv_count refuses it.
+  const MaskedLayout a{1, 4, 256};
+  const WeightLayout wl{1, 256, 256};
+  std::vector<uint8_t> av(a.a_elems()), wv(wl.w_elems());
+  std::vector<float> as(a.scale_elems(), 1.0f), ws(wl.scale_elems(), 1.0f);
+  std::vector<uint16_t> o(a.out_elems(256));
+  const int32_t masked_m = 5;
+  expect_error([&] { ref::grouped_gemm_masked(a, av.data(), as.data(), &masked_m, wl, wv.data(), ws.data(), o.data()); },
+               {"5"});
+}
+
+// The loader refuses a truncated shard and a checkpoint that does not match the spec.
+TEST(Layer, BadCheckpointIsRejected) {
+  const Fixture& f = fixture();
+  const fs::path dir = fs::path(MOEKIT_BINARY_DIR) / "test_layer_cpu_truncated";
+  fs::remove_all(dir);
+  fs::copy(f.dir, dir);
+  fs::path shard;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors") shard = entry.path();
+  ASSERT_FALSE(shard.empty());
+  fs::resize_file(shard, fs::file_size(shard) - 100);
+  expect_error([&] { load_moe_layer(Checkpoint::open(dir.string()), f.model, 0, 0, 16); }, {shard.filename().string()});
+  // Mismatched: a spec whose experts are twice as wide as the checkpoint's.
+  ModelSpec wider = f.model;
+  wider.moe_intermediate_size = 256;
+  expect_error([&] { load_moe_layer(Checkpoint::open(f.dir.string()), wider, 0, 0, 16); }, {"gate_proj", "256"});
+  fs::remove_all(dir);
+}
