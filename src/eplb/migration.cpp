@@ -219,6 +219,104 @@ class Repair {
   std::vector<double> load_;
 };
 
+
+// The node of every group in a hierarchical layer.
+std::vector<int> node_of_groups(const int32_t* slot, const Placement& shape) {
+  std::vector<int> node(shape.num_groups);
+  const int group_size = shape.num_experts / shape.num_groups, per_node = shape.num_slots / shape.num_nodes;
+  for (int s = 0; s < shape.num_slots; ++s) node[slot[s] / group_size] = s / per_node;
+  return node;
+}
+
+// Group-to-node assignments to try when node totals, not GPUs, are out of balance: starting
+// from the current one, swap the pair of groups (busiest node <-> another) that lowers the
+// largest node total the most, one swap at a time; then the fresh placement's assignment
+// with its nodes matched to the current ones for the most overlap.
+std::vector<std::vector<int>> node_assignments(const int32_t* old, const int32_t* fresh, const Placement& shape,
+                                               const double* w) {
+  const int nodes = shape.num_nodes, group_size = shape.num_experts / shape.num_groups;
+  std::vector<double> group_load(shape.num_groups, 0.0);
+  for (int e = 0; e < shape.num_experts; ++e) group_load[e / group_size] += w[e];
+  std::vector<int> assign = node_of_groups(old, shape);
+  std::vector<std::vector<int>> out;
+  for (int step = 0; step < shape.num_groups; ++step) {
+    std::vector<double> total(nodes, 0.0);
+    for (int g = 0; g < shape.num_groups; ++g) total[assign[g]] += group_load[g];
+    const int hot = int(std::max_element(total.begin(), total.end()) - total.begin());
+    double best_max = total[hot];
+    int ba = -1, bb = -1;
+    for (int a = 0; a < shape.num_groups; ++a)
+      for (int b = 0; b < shape.num_groups; ++b) {
+        if (assign[a] != hot || assign[b] == hot) continue;
+        const double d = group_load[a] - group_load[b];
+        double mx = std::max(total[hot] - d, total[assign[b]] + d);
+        for (int n = 0; n < nodes; ++n)
+          if (n != hot && n != assign[b]) mx = std::max(mx, total[n]);
+        if (mx < best_max) best_max = mx, ba = a, bb = b;
+      }
+    if (ba < 0) break;
+    std::swap(assign[ba], assign[bb]);
+    out.push_back(assign);
+  }
+  const int per_node = shape.num_slots / nodes;
+  const std::vector<int> node_match = match_blocks(fresh, old, nodes, per_node);
+  std::vector<int> fresh_assign = node_of_groups(fresh, shape);
+  for (int& n : fresh_assign) n = node_match[n];
+  out.push_back(fresh_assign);
+  return out;
+}
+
+// The current layer with groups moved to the nodes `target` gives them. Replicas of staying
+// groups keep their slots; slots of departing groups (and, if short, surplus replicas with
+// the smallest load per replica) take the arriving experts, heaviest first onto the lightest
+// GPU; slots left over become replicas of the largest load per replica.
+std::vector<int32_t> regroup(const int32_t* old, const std::vector<int>& target, const Placement& shape,
+                             const double* w) {
+  const int S = shape.num_slots, nodes = shape.num_nodes, per_node = S / nodes, per_gpu = shape.slots_per_gpu();
+  const int group_size = shape.num_experts / shape.num_groups;
+
+  std::vector<int32_t> slot(old, old + S);
+  std::vector<int> count(shape.num_experts, 0);
+  std::vector<double> load(shape.num_gpus, 0.0);
+  for (int s = 0; s < S; ++s)
+    if (target[slot[s] / group_size] != s / per_node) slot[s] = -1;  // departing
+    else ++count[slot[s]];
+  auto share = [&](int e) { return w[e] / std::max(1, count[e]); };
+  for (int n = 0; n < nodes; ++n) {
+    const int begin = n * per_node, end = begin + per_node;
+    std::vector<int> arriving;
+    for (int e = 0; e < shape.num_experts; ++e)
+      if (target[e / group_size] == n && count[e] == 0) arriving.push_back(e);
+    int num_free = int(std::count(slot.begin() + begin, slot.begin() + end, -1));
+    while (num_free < int(arriving.size())) {  // free the surplus replica that carries the least
+      int victim = -1;
+      for (int s = begin; s < end; ++s)
+        if (slot[s] >= 0 && count[slot[s]] >= 2 && (victim < 0 || share(slot[s]) < share(slot[victim]))) victim = s;
+      --count[slot[victim]], slot[victim] = -1, ++num_free;
+    }
+    std::stable_sort(arriving.begin(), arriving.end(), [&](int a, int b) { return w[a] > w[b]; });
+    for (int e : arriving) count[e] = 1;
+    // Fill the rest with extra replicas of the node's largest load per replica.
+    for (int extra = num_free - int(arriving.size()); extra > 0; --extra) {
+      int best = -1;
+      for (int e = 0; e < shape.num_experts; ++e)
+        if (target[e / group_size] == n && (best < 0 || w[e] / count[e] > w[best] / count[best])) best = e;
+      arriving.push_back(best);
+      ++count[best];
+    }
+    for (int s = begin; s < end; ++s)
+      if (slot[s] >= 0) load[s / per_gpu] += share(slot[s]);
+    for (int e : arriving) {
+      int pick = -1;
+      for (int s = begin; s < end; ++s)
+        if (slot[s] < 0 && (pick < 0 || load[s / per_gpu] < load[pick / per_gpu])) pick = s;
+      slot[pick] = e;
+      load[pick / per_gpu] += share(e);
+    }
+  }
+  return slot;
+}
+
 }  // namespace
 
 MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>>& weight, const Placement& current,
@@ -249,20 +347,28 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
 
     std::vector<int32_t> best = align_to(old, fresh.phy2log_row(l), current);
     int best_moves = layer_moves(old, best.data(), G, per_gpu);
-    std::vector<int32_t> start(old, old + S);
-    if (!current.hierarchical() || groups_inside_nodes(start, current)) {
-      Repair repair(current, weight[l].data(), start, cap);
-      if (repair.run()) {
-        // Repair swaps can bring an expert back to its GPU in another slot: re-seat in place.
-        std::vector<int32_t> seated(S);
-        for (int g = 0; g < G; ++g)
-          place_keeping(old + g * per_gpu,
-                        std::vector<int32_t>(repair.slots().begin() + g * per_gpu,
-                                             repair.slots().begin() + (g + 1) * per_gpu),
-                        per_gpu, seated.data() + g * per_gpu);
-        const int moves = layer_moves(old, seated.data(), G, per_gpu);
-        if (moves <= best_moves) best = std::move(seated), best_moves = moves;
-      }
+    // Candidates: the current layer repaired in place, and (hierarchical) the current layer
+    // with groups first moved to the fresh node assignment, then repaired.
+    std::vector<std::vector<int32_t>> starts;
+    if (!current.hierarchical() || groups_inside_nodes(std::vector<int32_t>(old, old + S), current))
+      starts.emplace_back(old, old + S);
+    if (current.hierarchical())
+      for (const auto& target : node_assignments(old, fresh.phy2log_row(l), current, weight[l].data()))
+        starts.push_back(regroup(old, target, current, weight[l].data()));
+    for (auto& start : starts) {
+      // A start that already moves more than the best found cannot win.
+      if (layer_moves(old, start.data(), G, per_gpu) >= best_moves) continue;
+      Repair repair(current, weight[l].data(), std::move(start), cap);
+      if (!repair.run()) continue;
+      // Repair swaps can bring an expert back to its GPU in another slot: re-seat in place.
+      std::vector<int32_t> seated(S);
+      for (int g = 0; g < G; ++g)
+        place_keeping(old + g * per_gpu,
+                      std::vector<int32_t>(repair.slots().begin() + g * per_gpu,
+                                           repair.slots().begin() + (g + 1) * per_gpu),
+                      per_gpu, seated.data() + g * per_gpu);
+      const int moves = layer_moves(old, seated.data(), G, per_gpu);
+      if (moves < best_moves) best = std::move(seated), best_moves = moves;
     }
     std::copy(best.begin(), best.end(), phy2log.begin() + size_t(l) * S);
     r.replicas_moved_per_layer.push_back(best_moves);
