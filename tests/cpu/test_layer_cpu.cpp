@@ -171,6 +171,12 @@ const LayerRun& one_rank_reference() {
 
 }  // namespace
 
+std::string layer_case_name(const ::testing::TestParamInfo<std::tuple<int, EpProtocol, bool>>& info) {
+  const int p = std::get<0>(info.param);
+  const bool low_latency = std::get<1>(info.param) == EpProtocol::kLowLatency, redundant = std::get<2>(info.param);
+  return "P" + std::to_string(p) + (low_latency ? "_LowLatency" : "_Normal") + (redundant ? "_Redundant" : "");
+}
+
 class LayerRanks : public ::testing::TestWithParam<std::tuple<int, EpProtocol, bool>> {};
 
 TEST_P(LayerRanks, MatchesOracleAndOneRankBitForBit) {
@@ -209,11 +215,7 @@ INSTANTIATE_TEST_SUITE_P(Layer, LayerRanks,
                          ::testing::Combine(::testing::Values(1, 2, 4, 8),
                                             ::testing::Values(EpProtocol::kLowLatency, EpProtocol::kNormal),
                                             ::testing::Bool()),
-                         [](const auto& info) {
-                           const auto [p, protocol, redundant] = info.param;
-                           return "P" + std::to_string(p) + (protocol == EpProtocol::kLowLatency ? "_LowLatency" : "_Normal") +
-                                  (redundant ? "_Redundant" : "");
-                         });
+                         layer_case_name);
 
 // With replicas, hot experts' tokens are spread over several slots (several ranks).
 TEST(Layer, ReplicasServeTokens) {
