@@ -1,0 +1,217 @@
+// moekit/ep.h: expert-parallel dispatch and combine on the GPU (the DeepEP role), low-latency
+// (decode) and normal (prefill) modes, over three transports. The protocol and the outputs are
+// those of the CPU reference (ep_cpu.h); the GPU output equals it bit for bit (FP8 payload,
+// scales, recv_count, recv_src, row_expert) and the combine within BF16 rounding.
+//
+// One EpBuffer per rank. Every call is one kernel on the caller's stream: nothing allocates,
+// nothing synchronises with the host and no shape is read back, so a whole step (send, compute,
+// receive) is captured by one CUDA Graph and replayed. Step numbers live on the device.
+//
+// Ranks and slots. P ranks each hold T <= T_max tokens of hidden size d (a multiple of 128).
+// topk_idx [T, k] int32 holds PHYSICAL slots (EPLB already chose the replica), -1 = no expert;
+// slot s lives on rank s / E_loc as local expert s % E_loc, E_loc = num_slots / P.
+//
+// Low-latency step, on every rank, in this order:
+//   dispatch_send(x, topk_idx, topk_weights, T)   x [T, d] bf16, topk_weights [T, k] fp32.
+//       Quantises each token once (1x128 scales, exactly quant.h's rule) and writes ONE message
+//       per distinct target rank into that peer's inbox for this rank, then raises the flag
+//       (src -> dst) with a release store of (step, message count). The sender also computes
+//       each message's row positions per expert, so the receiver needs no scan.
+//   dispatch_recv()                                the hook: call it when the data is needed.
+//       Waits (acquire loads, clock64 timeout) for the flags of all P sources and expands the
+//       messages into the masked layout of layout.h in canonical order (rows of local expert e
+//       by source rank, then source token): recv_x [E_loc, M_max, d] fp8, recv_scales
+//       [E_loc, d/128, M_max] fp32, recv_count [E_loc] int32 (= masked_m), recv_src [E_loc, M_max].
+//   combine_send(y)                                y [E_loc, M_max, d] bf16 (the GEMM output).
+//       For each received message: sum of topk_weights[j] * y[row of j] over its local experts
+//       in top-k order, in fp32, rounded once to bf16, sent back as one vector [d].
+//   combine_recv(add, out)                          out [T, d] bf16, add [T, d] bf16 or null.
+//       out[t] = bf16(add[t] + partial[0][t] + ... + partial[P-1][t]) in fp32, in that fixed
+//       order, skipping ranks the token was not sent to (a token with no expert gets add or 0).
+// Normal step (prefill): the same calls with normal_dispatch_recv(), which lays the rows out in
+// the contiguous layout (each expert's segment padded to block_m, -1 padding rows) into buffers
+// sized for max_recv_rows; the per-expert counts travel in each source's inbox header ahead of
+// its flag, so the receiver builds the layout from the counts before it places a row.
+// combine_send then takes y [max_recv_rows, d] bf16 and combine_recv is the same.
+//
+// Memory. Peers write into one "symmetric" region per rank; the rest is private:
+//   symmetric = 2 parities x P sources x (dispatch inbox + combine inbox), where
+//     dispatch inbox = 16 B flag + align16(4 E_loc) counts + T_max x message_bytes
+//     message_bytes  = align16(d + 4 d/128 + 4 + 8k):
+//                      [fp8 x[d]][fp32 scales[d/128]][int32 src_token][int32 e<<16|pos [k]][fp32 w[k]]
+//     combine inbox  = 16 B flag + T_max x 2d
+//   private = outputs (masked or contiguous) + routing state + combine map (ep_memory()).
+// Two parities let a peer run one step ahead (its next send cannot land on a buffer still being
+// read); a peer can never be two steps ahead because each step's receive waits for every peer.
+//
+// Faults. Every wait times out after timeout_s and writes an error record (kind, rank, peer, step)
+// to the rank's device status word; the kernel then finishes without hanging, and check() turns
+// the record into a moekit::Error naming them. Host-side arguments (T > T_max, null pointers,
+// wrong mode, undersized symmetric memory) are rejected before any kernel runs. topk_idx lives on
+// the device, so its validation happens in the send kernel: a slot out of [-1, num_slots), a slot
+// repeated within a token, or a non-finite x or weight is skipped (never written out of bounds),
+// recorded in the status word with the token and the value, and reported by check(); the step
+// still completes, so peers are never left waiting. Callers with a host copy of topk_idx can call
+// validate_topk_idx() first to get the error before any kernel runs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moekit/layout.h"
+
+namespace moekit::gpu {
+
+enum class EpMode { kLowLatency, kNormal };
+enum class EpTransport { kLocal, kNvlink, kNccl };
+
+const char* ep_mode_name(EpMode mode);
+const char* ep_transport_name(EpTransport transport);
+
+constexpr int kEpMaxTopk = 32;
+constexpr int kEpMaxRanks = 1024;
+
+struct EpConfig {
+  int num_ranks = 1;        // P
+  int max_tokens = 0;       // T_max per rank (the prefill chunk in normal mode)
+  int hidden = 0;           // d, a multiple of 128
+  int topk = 0;             // k
+  int num_slots = 0;        // physical experts (E + redundant), a multiple of P
+  EpMode mode = EpMode::kLowLatency;
+  int block_m = 128;        // normal mode: expert segments padded to a multiple of this
+  int max_recv_rows = 0;    // normal mode: rows of the contiguous output; 0 = the worst case
+  double timeout_s = 30.0;  // every wait on a peer
+  int num_ctas = 0;         // CTAs per kernel; 0 = the device's SM count
+
+  int slots_per_rank() const { return num_slots / num_ranks; }  // E_loc
+  int max_m() const { return num_ranks * max_tokens; }          // M_max = P * T_max
+  int k_blocks() const { return hidden / kQuantBlock; }
+  // Worst case of the contiguous layout: every token of every rank on min(k, E_loc) local
+  // experts, plus block_m - 1 padding rows per expert.
+  int64_t worst_case_rows() const;
+  int contiguous_rows() const;  // max_recv_rows, or worst_case_rows() when it is 0
+  size_t message_bytes() const;
+
+  // Throws moekit::Error naming the field, its value and what was expected.
+  void validate() const;
+};
+
+// What one rank allocates, reported before anything is allocated.
+struct EpMemory {
+  size_t symmetric_bytes = 0;  // peers write here: both inboxes, both parities
+  size_t output_bytes = 0;     // recv_x, recv_scales, recv_count, recv_src (+ row_expert)
+  size_t state_bytes = 0;      // step counters, status word, routing and combine map
+  size_t total() const { return symmetric_bytes + output_bytes + state_bytes; }
+  std::string describe() const;
+};
+EpMemory ep_memory(const EpConfig& config);
+
+// Host-side check of a host copy of topk_idx [T, k]: slots in [-1, num_slots), no slot twice in a
+// token, T <= T_max. Throws moekit::Error naming the token, the position and the value.
+void validate_topk_idx(const EpConfig& config, const int32_t* topk_idx_host, int num_tokens);
+
+// The device status word's error kinds (check() reports them).
+enum class EpErrorKind : int { kNone = 0, kTimeout = 1, kBadSlot = 2, kDuplicateSlot = 3, kNotFinite = 4, kCapacity = 5 };
+
+// The peer-visible memory of one rank as the transport sees it.
+struct EpPeers {
+  void* symmetric = nullptr;         // this rank's symmetric region (device memory)
+  size_t symmetric_bytes = 0;        // checked against ep_memory().symmetric_bytes
+  std::vector<void*> peer_dispatch;  // [P]: where this rank's dispatch messages for rank r go
+  std::vector<void*> peer_combine;   // [P]: where this rank's combine vectors for rank r go
+  bool double_buffered = true;       // false for nccl: stream order replaces the parity
+};
+
+class EpExchange;  // transport hook run after each send kernel (nccl); internal
+
+class EpBuffer {
+ public:
+  // Binds a rank to its peers' memory. Prefer the factories below; this is the seam they use.
+  EpBuffer(const EpConfig& config, int rank, EpTransport transport, const EpPeers& peers,
+           std::shared_ptr<EpExchange> exchange = nullptr);
+  ~EpBuffer();
+  EpBuffer(const EpBuffer&) = delete;
+  EpBuffer& operator=(const EpBuffer&) = delete;
+
+  const EpConfig& config() const;
+  int rank() const;
+  EpTransport transport() const;
+
+  // Low-latency and normal mode: the same send. x bf16 bits [T, d], topk_idx int32 [T, k],
+  // topk_weights fp32 [T, k], all device pointers, 0 <= T <= T_max.
+  void dispatch_send(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights, int num_tokens,
+                     cudaStream_t stream);
+  void dispatch_recv(cudaStream_t stream);         // low-latency: masked layout
+  void normal_dispatch_recv(cudaStream_t stream);  // normal: contiguous layout
+  void combine_send(const uint16_t* y, cudaStream_t stream);
+  void combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream);
+
+  // Outputs: device memory owned by the buffer, at fixed addresses for its life.
+  // Low-latency: recv_x [E_loc, M_max, d] fp8, recv_scales [E_loc, d/128, M_max], recv_count
+  // [E_loc] (masked_m), recv_src [E_loc, M_max].
+  // Normal: recv_x [rows, d], recv_scales [d/128, rows], row_expert [rows] (-1 for padding and
+  // for rows past the step's total), recv_src [rows] (-1 likewise), recv_total_rows [1] (the
+  // step's padded M_total), recv_count [E_loc] (real rows per expert); rows = contiguous_rows().
+  MaskedLayout masked_layout() const;
+  ContiguousLayout contiguous_layout() const;
+  uint8_t* recv_x() const;
+  float* recv_scales() const;
+  int32_t* recv_count() const;
+  int32_t* recv_src() const;
+  int32_t* row_expert() const;
+  int32_t* recv_total_rows() const;
+
+  // Synchronises with the stream and throws moekit::Error if a kernel of this rank recorded a
+  // fault (a timeout names this rank, the peer and the step). The record is cleared first.
+  void check(cudaStream_t stream);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The `local` transport: P virtual ranks in this process on the current device, each with its
+// own symmetric region; peers' inboxes are plain pointers. The device code is the one NVLink
+// peers run. Issue each rank's calls in protocol order; on ONE stream call every rank's send
+// before any rank's receive (a receive kernel waits for its peers' sends, and a later kernel on
+// the same stream cannot run before it).
+class EpLocalGroup {
+ public:
+  explicit EpLocalGroup(const EpConfig& config);
+  ~EpLocalGroup();
+  EpLocalGroup(const EpLocalGroup&) = delete;
+  EpLocalGroup& operator=(const EpLocalGroup&) = delete;
+  EpBuffer& rank(int r);
+  int num_ranks() const { return int(ranks_.size()); }
+
+ private:
+  std::vector<void*> symmetric_;
+  std::vector<std::unique_ptr<EpBuffer>> ranks_;
+};
+
+// Transports across processes (one process per GPU). `nvlink` maps the peers' symmetric regions
+// with CUDA IPC (handles exchanged through NCCL's all-gather); `nccl` keeps all memory local and
+// moves each step's inboxes with grouped ncclSend/ncclRecv right after each send kernel (fixed
+// sizes, so it stays graph-capturable). NCCL is loaded at run time (dlopen of libnccl.so.2, or
+// MOEKIT_NCCL_LIBRARY), so nothing links against it. The NCCL unique id comes from the launcher.
+struct EpProcessGroup {
+  int rank = 0;
+  int num_ranks = 1;
+  int device = 0;
+  std::vector<uint8_t> nccl_unique_id;  // 128 bytes (ncclUniqueId)
+};
+std::unique_ptr<EpBuffer> connect_ep(const EpConfig& config, const EpProcessGroup& group, EpTransport transport);
+
+// The launcher: forks one process per GPU (rank r uses device r), hands every rank the same NCCL
+// unique id (made in the parent, which never touches CUDA), runs body(group) in each, and
+// returns the number of ranks that failed (threw, exited non-zero, crashed or passed
+// timeout_s; stragglers are killed). NCCL_NVLS_ENABLE=0 is set in every child.
+int launch_ranks(int num_ranks, double timeout_s, int (*body)(const EpProcessGroup& group, void* arg), void* arg);
+
+}  // namespace moekit::gpu

@@ -1,0 +1,412 @@
+// The EP buffer object (include/moekit/ep.h): config validation, memory report, the rank's
+// private allocation, the host-side argument checks of each call, fault reporting, and the
+// `local` transport (P virtual ranks on one GPU).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "ep_format.h"
+#include "ep_state.cuh"
+#include "moekit/check.h"
+#include "moekit/cuda_check.h"
+#include "moekit/ep.h"
+
+namespace moekit::gpu {
+
+const char* ep_mode_name(EpMode mode) { return mode == EpMode::kLowLatency ? "low-latency" : "normal"; }
+
+const char* ep_transport_name(EpTransport transport) {
+  switch (transport) {
+    case EpTransport::kLocal: return "local";
+    case EpTransport::kNvlink: return "nvlink";
+    case EpTransport::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr int kMaxTokens = 32768;   // row positions travel in 16 bits
+constexpr int kMaxSlots = 8192;     // per-slot counters live in shared memory
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+EpSizes ep_sizes(const EpConfig& c) {
+  EpSizes z{};
+  const size_t d = size_t(c.hidden), k = size_t(c.topk);
+  z.msg_scale_off = d;
+  z.msg_meta_off = d + 4 * size_t(c.k_blocks());
+  z.msg_bytes = align16(z.msg_meta_off + 4 + 8 * k);
+  z.dispatch_header_bytes = kEpFlagBytes + align16(4 * size_t(c.slots_per_rank()));
+  z.dispatch_inbox_bytes = z.dispatch_header_bytes + size_t(c.max_tokens) * z.msg_bytes;
+  z.combine_inbox_bytes = kEpFlagBytes + size_t(c.max_tokens) * 2 * d;
+  z.symmetric_bytes = 2 * size_t(c.num_ranks) * (z.dispatch_inbox_bytes + z.combine_inbox_bytes);
+  return z;
+}
+
+// The private allocation, region by region (offsets are 256-byte aligned).
+struct PrivateLayout {
+  size_t counters, status, route_ranks, recv_msgs, map_token, map_rows, map_w;
+  size_t recv_x, recv_scales, recv_count, recv_src, row_expert, total_rows;
+  size_t state_bytes, output_bytes, total;
+};
+
+PrivateLayout private_layout(const EpConfig& c) {
+  PrivateLayout l{};
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t off = at;
+    at += align256(bytes);
+    return off;
+  };
+  const size_t P = size_t(c.num_ranks), T = size_t(c.max_tokens), k = size_t(c.topk), E = size_t(c.slots_per_rank());
+  l.counters = take(sizeof(EpCounters));
+  l.status = take(sizeof(EpStatusWord));
+  l.route_ranks = take(4 * T * k);
+  l.recv_msgs = take(4 * P);
+  l.map_token = take(4 * P * T);
+  l.map_rows = take(4 * P * T * k);
+  l.map_w = take(4 * P * T * k);
+  l.state_bytes = at;
+  const size_t d = size_t(c.hidden), kb = size_t(c.k_blocks());
+  if (c.mode == EpMode::kLowLatency) {
+    const size_t rows = E * size_t(c.max_m());
+    l.recv_x = take(rows * d);
+    l.recv_scales = take(4 * rows * kb);
+    l.recv_count = take(4 * E);
+    l.recv_src = take(4 * rows);
+    l.row_expert = l.total_rows = 0;
+  } else {
+    const size_t rows = size_t(c.contiguous_rows());
+    l.recv_x = take(rows * d);
+    l.recv_scales = take(4 * rows * kb);
+    l.recv_count = take(4 * E);
+    l.recv_src = take(4 * rows);
+    l.row_expert = take(4 * rows);
+    l.total_rows = take(4);
+  }
+  l.total = at;
+  l.output_bytes = l.total - l.state_bytes;
+  return l;
+}
+
+std::string mib(size_t bytes) { return fmtr("{:.1f} MiB", double(bytes) / (1024.0 * 1024.0)); }
+
+const char* phase_name(int phase) {
+  static const char* names[] = {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv"};
+  return phase >= 0 && phase < 4 ? names[phase] : "?";
+}
+
+}  // namespace
+
+int64_t EpConfig::worst_case_rows() const {
+  const int64_t per_token = std::min(topk, slots_per_rank());
+  return int64_t(max_m()) * per_token + int64_t(slots_per_rank()) * (block_m - 1);
+}
+
+int EpConfig::contiguous_rows() const {
+  // The contiguous GEMM wants M_total a multiple of its block: round to a multiple of 128 and of block_m.
+  const int64_t unit = std::lcm(int64_t(kQuantBlock), int64_t(std::max(block_m, 1)));
+  const int64_t rows = max_recv_rows > 0 ? max_recv_rows : worst_case_rows();
+  return int((rows + unit - 1) / unit * unit);
+}
+
+size_t EpConfig::message_bytes() const { return ep_sizes(*this).msg_bytes; }
+
+void EpConfig::validate() const {
+  MOEKIT_CHECK(num_ranks >= 1 && num_ranks <= kEpMaxRanks,
+               fmtr("EpConfig: num_ranks = {}, expected 1..{}", num_ranks, kEpMaxRanks));
+  MOEKIT_CHECK(max_tokens >= 1 && max_tokens <= kMaxTokens,
+               fmtr("EpConfig: max_tokens (T_max) = {}, expected 1..{}", max_tokens, kMaxTokens));
+  MOEKIT_CHECK(hidden > 0 && hidden % kQuantBlock == 0 && hidden <= (1 << 20),
+               fmtr("EpConfig: hidden (d) = {}, expected a positive multiple of {}", hidden, kQuantBlock));
+  MOEKIT_CHECK(num_slots >= 1 && num_slots <= kMaxSlots && num_slots % num_ranks == 0,
+               fmtr("EpConfig: num_slots = {}, expected a multiple of num_ranks = {} in 1..{}", num_slots,
+                           num_ranks, kMaxSlots));
+  MOEKIT_CHECK(topk >= 1 && topk <= std::min(kEpMaxTopk, num_slots),
+               fmtr("EpConfig: topk = {}, expected 1..{}", topk, std::min(kEpMaxTopk, num_slots)));
+  MOEKIT_CHECK(int64_t(num_ranks) * max_tokens <= (1 << 24),
+               fmtr("EpConfig: M_max = num_ranks * max_tokens = {} is too large (at most 2^24)",
+                           int64_t(num_ranks) * max_tokens));
+  MOEKIT_CHECK(block_m >= 1 && block_m <= 4096, fmtr("EpConfig: block_m = {}, expected 1..4096", block_m));
+  MOEKIT_CHECK(max_recv_rows >= 0, fmtr("EpConfig: max_recv_rows = {}, expected >= 0 (0: worst case)", max_recv_rows));
+  MOEKIT_CHECK(mode == EpMode::kLowLatency || worst_case_rows() <= (int64_t(1) << 30),
+               fmtr("EpConfig: normal mode worst case of {} rows is too large; set max_recv_rows", worst_case_rows()));
+  MOEKIT_CHECK(std::isfinite(timeout_s) && timeout_s > 0 && timeout_s <= 3600,
+               fmtr("EpConfig: timeout_s = {}, expected in (0, 3600]", timeout_s));
+  MOEKIT_CHECK(num_ctas >= 0 && num_ctas <= 65535, fmtr("EpConfig: num_ctas = {}, expected 0..65535", num_ctas));
+}
+
+std::string EpMemory::describe() const {
+  return fmtr("symmetric {} + outputs {} + state {} = {} per rank", mib(symmetric_bytes), mib(output_bytes),
+                     mib(state_bytes), mib(total()));
+}
+
+EpMemory ep_memory(const EpConfig& config) {
+  config.validate();
+  const PrivateLayout l = private_layout(config);
+  EpMemory m;
+  m.symmetric_bytes = ep_sizes(config).symmetric_bytes;
+  m.output_bytes = l.output_bytes;
+  m.state_bytes = l.state_bytes;
+  return m;
+}
+
+void validate_topk_idx(const EpConfig& config, const int32_t* topk_idx_host, int num_tokens) {
+  config.validate();
+  MOEKIT_CHECK(num_tokens >= 0 && num_tokens <= config.max_tokens,
+               fmtr("num_tokens = {}, expected 0..T_max = {}", num_tokens, config.max_tokens));
+  const int k = config.topk;
+  for (int t = 0; t < num_tokens; ++t)
+    for (int j = 0; j < k; ++j) {
+      const int v = topk_idx_host[size_t(t) * k + j];
+      MOEKIT_CHECK(v >= -1 && v < config.num_slots,
+                   fmtr("topk_idx[{}][{}] = {}, expected a slot in [0, {}) or -1", t, j, v, config.num_slots));
+      for (int i = 0; i < j; ++i)
+        MOEKIT_CHECK(v == -1 || topk_idx_host[size_t(t) * k + i] != v,
+                     fmtr("topk_idx[{}][{}] = {} repeats entry {} of the same token", t, j, v, i));
+    }
+}
+
+struct EpBuffer::Impl {
+  EpConfig config;
+  int rank = 0;
+  EpTransport transport = EpTransport::kLocal;
+  std::shared_ptr<EpExchange> exchange;
+  int num_ctas = 0;
+  EpArgs args{};
+  void* private_mem = nullptr;
+  void** peer_table = nullptr;
+  int expected = kPhaseDispatchSend;  // host-side protocol order check
+};
+
+EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, const EpPeers& peers,
+                   std::shared_ptr<EpExchange> exchange)
+    : impl_(std::make_unique<Impl>()) {
+  config.validate();
+  const int P = config.num_ranks;
+  MOEKIT_CHECK(rank >= 0 && rank < P, fmtr("EpBuffer: rank = {}, expected 0..{}", rank, P - 1));
+  MOEKIT_CHECK(int(peers.peer_dispatch.size()) == P && int(peers.peer_combine.size()) == P,
+               fmtr("EpBuffer: {} dispatch and {} combine peer pointers, expected {} each",
+                           peers.peer_dispatch.size(), peers.peer_combine.size(), P));
+  const EpSizes z = ep_sizes(config);
+  MOEKIT_CHECK(peers.symmetric != nullptr, "EpBuffer: the symmetric region is null");
+  MOEKIT_CHECK(peers.symmetric_bytes >= z.symmetric_bytes,
+               fmtr("EpBuffer: symmetric region of {} bytes is undersized, this config needs {} bytes",
+                           peers.symmetric_bytes, z.symmetric_bytes));
+  for (int r = 0; r < P; ++r)
+    MOEKIT_CHECK(peers.peer_dispatch[r] && peers.peer_combine[r], fmtr("EpBuffer: peer pointer of rank {} is null", r));
+
+  Impl& m = *impl_;
+  m.config = config;
+  m.rank = rank;
+  m.transport = transport;
+  m.exchange = std::move(exchange);
+  int device = 0, clock_khz = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  m.num_ctas = config.num_ctas > 0 ? config.num_ctas : query_device(device).num_sms;
+
+  const PrivateLayout l = private_layout(config);
+  MOEKIT_CUDA_CHECK(cudaMalloc(&m.private_mem, l.total));
+  MOEKIT_CUDA_CHECK(cudaMemset(m.private_mem, 0, l.total));
+  MOEKIT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&m.peer_table), 2 * sizeof(void*) * P));
+  std::vector<void*> table(peers.peer_dispatch);
+  table.insert(table.end(), peers.peer_combine.begin(), peers.peer_combine.end());
+  MOEKIT_CUDA_CHECK(cudaMemcpy(m.peer_table, table.data(), table.size() * sizeof(void*), cudaMemcpyHostToDevice));
+
+  uint8_t* base = static_cast<uint8_t*>(m.private_mem);
+  EpArgs& a = m.args;
+  a.rank = rank;
+  a.num_ranks = P;
+  a.max_tokens = config.max_tokens;
+  a.hidden = config.hidden;
+  a.topk = config.topk;
+  a.num_slots = config.num_slots;
+  a.local_experts = config.slots_per_rank();
+  a.max_m = config.max_m();
+  a.block_m = config.block_m;
+  a.max_rows = config.mode == EpMode::kNormal ? config.contiguous_rows() : 0;
+  a.msg_bytes = int(z.msg_bytes);
+  a.msg_scale_off = int(z.msg_scale_off);
+  a.msg_meta_off = int(z.msg_meta_off);
+  a.dispatch_header_bytes = int(z.dispatch_header_bytes);
+  a.dispatch_inbox_bytes = z.dispatch_inbox_bytes;
+  a.combine_inbox_bytes = z.combine_inbox_bytes;
+  a.parity_mask = peers.double_buffered ? 1 : 0;
+  a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);
+  a.symmetric = static_cast<uint8_t*>(peers.symmetric);
+  a.peer_dispatch = reinterpret_cast<uint8_t* const*>(m.peer_table);
+  a.peer_combine = reinterpret_cast<uint8_t* const*>(m.peer_table + P);
+  a.ctr = reinterpret_cast<EpCounters*>(base + l.counters);
+  a.status = reinterpret_cast<EpStatusWord*>(base + l.status);
+  a.route_ranks = reinterpret_cast<int32_t*>(base + l.route_ranks);
+  a.recv_msgs = reinterpret_cast<int32_t*>(base + l.recv_msgs);
+  a.map_token = reinterpret_cast<int32_t*>(base + l.map_token);
+  a.map_rows = reinterpret_cast<int32_t*>(base + l.map_rows);
+  a.map_w = reinterpret_cast<float*>(base + l.map_w);
+  a.recv_x = base + l.recv_x;
+  a.recv_scales = reinterpret_cast<float*>(base + l.recv_scales);
+  a.recv_count = reinterpret_cast<int32_t*>(base + l.recv_count);
+  a.recv_src = reinterpret_cast<int32_t*>(base + l.recv_src);
+  a.row_expert = config.mode == EpMode::kNormal ? reinterpret_cast<int32_t*>(base + l.row_expert) : nullptr;
+  a.total_rows = config.mode == EpMode::kNormal ? reinterpret_cast<int32_t*>(base + l.total_rows) : nullptr;
+}
+
+EpBuffer::~EpBuffer() {
+  // Destructors do not throw: a failed free at exit has nothing left to protect.
+  if (impl_->peer_table) cudaFree(impl_->peer_table);
+  if (impl_->private_mem) cudaFree(impl_->private_mem);
+}
+
+const EpConfig& EpBuffer::config() const { return impl_->config; }
+int EpBuffer::rank() const { return impl_->rank; }
+EpTransport EpBuffer::transport() const { return impl_->transport; }
+
+struct PhaseCheck {
+  static void expect(int& expected, int phase, int rank, const char* call) {
+    // A step may stop after dispatch_recv (dispatch-only loops): then a send may follow it.
+    const bool ok = expected == phase || (phase == kPhaseDispatchSend && expected == kPhaseCombineSend);
+    MOEKIT_CHECK(ok, fmtr("EP rank {}: {} called out of order, expected {} next", rank, call, phase_name(expected)));
+    expected = (phase + 1) % 4;
+  }
+};
+
+void EpBuffer::dispatch_send(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights, int num_tokens,
+                             cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(num_tokens >= 0 && num_tokens <= m.config.max_tokens,
+               fmtr("EP rank {}: dispatch_send: num_tokens = {}, expected 0..T_max = {}", m.rank, num_tokens,
+                           m.config.max_tokens));
+  MOEKIT_CHECK(num_tokens == 0 || (x && topk_idx && topk_weights),
+               fmtr("EP rank {}: dispatch_send: x, topk_idx and topk_weights must be device pointers, got null",
+                           m.rank));
+  MOEKIT_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0,
+               fmtr("EP rank {}: dispatch_send: x must be 16-byte aligned", m.rank));
+  PhaseCheck::expect(m.expected, kPhaseDispatchSend, m.rank, "dispatch_send");
+  launch_dispatch_send(m.args, x, topk_idx, topk_weights, num_tokens, m.num_ctas, stream);
+  if (m.exchange) m.exchange->after_dispatch_send(stream);
+}
+
+void EpBuffer::dispatch_recv(cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(m.config.mode == EpMode::kLowLatency,
+               fmtr("EP rank {}: dispatch_recv needs a low-latency buffer; this one is normal mode "
+                           "(call normal_dispatch_recv)", m.rank));
+  PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
+  launch_dispatch_recv(m.args, false, m.num_ctas, stream);
+}
+
+void EpBuffer::normal_dispatch_recv(cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(m.config.mode == EpMode::kNormal,
+               fmtr("EP rank {}: normal_dispatch_recv needs a normal-mode buffer; this one is low-latency "
+                           "(call dispatch_recv)", m.rank));
+  PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "normal_dispatch_recv");
+  launch_dispatch_recv(m.args, true, m.num_ctas, stream);
+}
+
+void EpBuffer::combine_send(const uint16_t* y, cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(y != nullptr && reinterpret_cast<uintptr_t>(y) % 16 == 0,
+               fmtr("EP rank {}: combine_send: y must be a 16-byte aligned device pointer", m.rank));
+  PhaseCheck::expect(m.expected, kPhaseCombineSend, m.rank, "combine_send");
+  launch_combine_send(m.args, y, m.num_ctas, stream);
+  if (m.exchange) m.exchange->after_combine_send(stream);
+}
+
+void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(add) % 16 == 0,
+               fmtr("EP rank {}: combine_recv: out (and add, if given) must be 16-byte aligned device pointers",
+                           m.rank));
+  PhaseCheck::expect(m.expected, kPhaseCombineRecv, m.rank, "combine_recv");
+  launch_combine_recv(m.args, add, out, std::min(m.num_ctas, m.config.max_tokens), stream);
+}
+
+MaskedLayout EpBuffer::masked_layout() const {
+  const EpConfig& c = impl_->config;
+  return MaskedLayout{c.slots_per_rank(), c.max_m(), c.hidden};
+}
+ContiguousLayout EpBuffer::contiguous_layout() const {
+  return ContiguousLayout{impl_->args.max_rows, impl_->config.hidden};
+}
+uint8_t* EpBuffer::recv_x() const { return impl_->args.recv_x; }
+float* EpBuffer::recv_scales() const { return impl_->args.recv_scales; }
+int32_t* EpBuffer::recv_count() const { return impl_->args.recv_count; }
+int32_t* EpBuffer::recv_src() const { return impl_->args.recv_src; }
+int32_t* EpBuffer::row_expert() const { return impl_->args.row_expert; }
+int32_t* EpBuffer::recv_total_rows() const { return impl_->args.total_rows; }
+
+void EpBuffer::check(cudaStream_t stream) {
+  Impl& m = *impl_;
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EpStatusWord s{};
+  MOEKIT_CUDA_CHECK(cudaMemcpy(&s, m.args.status, sizeof(s), cudaMemcpyDeviceToHost));
+  if (s.kind == 0) return;
+  MOEKIT_CUDA_CHECK(cudaMemset(m.args.status, 0, sizeof(s)));
+  const char* phase = phase_name(s.phase);
+  switch (EpErrorKind(s.kind)) {
+    case EpErrorKind::kTimeout:
+      MOEKIT_CHECK(false, fmtr("EP rank {}: {} timed out after {} s waiting for rank {} at step {}", s.rank, phase,
+                                      m.config.timeout_s, s.peer, s.step));
+    case EpErrorKind::kBadSlot:
+      MOEKIT_CHECK(false, fmtr("EP rank {}: {} at step {}: topk_idx[{}][{}] = {}, expected a slot in [0, {}) or -1 "
+                                      "(the entry was skipped)", s.rank, phase, s.step, s.token, s.index, s.value,
+                                      m.config.num_slots));
+    case EpErrorKind::kDuplicateSlot:
+      MOEKIT_CHECK(false, fmtr("EP rank {}: {} at step {}: topk_idx[{}][{}] = {} repeats an earlier slot of the "
+                                      "token (the entry was skipped)", s.rank, phase, s.step, s.token, s.index, s.value));
+    case EpErrorKind::kNotFinite:
+      MOEKIT_CHECK(false, fmtr("EP rank {}: {} at step {}: token {} has a non-finite {} at index {}", s.rank, phase,
+                                      s.step, s.token, s.value ? "x value" : "topk weight", s.index));
+    case EpErrorKind::kCapacity:
+      MOEKIT_CHECK(false, fmtr("EP rank {}: {} at step {}: the contiguous layout needs {} rows, the buffer has {} "
+                                      "(raise max_recv_rows)", s.rank, phase, s.step, s.value, s.index));
+    default:
+      MOEKIT_CHECK(false, fmtr("EP rank {}: unknown fault kind {} in the status word", s.rank, s.kind));
+  }
+}
+
+EpLocalGroup::EpLocalGroup(const EpConfig& config) {
+  config.validate();
+  const int P = config.num_ranks;
+  const EpSizes z = ep_sizes(config);
+  symmetric_.assign(P, nullptr);
+  try {
+    for (int r = 0; r < P; ++r) {
+      MOEKIT_CUDA_CHECK(cudaMalloc(&symmetric_[r], z.symmetric_bytes));
+      MOEKIT_CUDA_CHECK(cudaMemset(symmetric_[r], 0, z.symmetric_bytes));
+    }
+    for (int me = 0; me < P; ++me) {
+      EpPeers peers;
+      peers.symmetric = symmetric_[me];
+      peers.symmetric_bytes = z.symmetric_bytes;
+      for (int r = 0; r < P; ++r) {
+        uint8_t* peer = static_cast<uint8_t*>(symmetric_[r]);
+        // Rank r's inboxes for source `me`, parity 0 (the kernels add the parity offset).
+        peers.peer_dispatch.push_back(peer + size_t(me) * z.dispatch_inbox_bytes);
+        peers.peer_combine.push_back(peer + 2 * size_t(P) * z.dispatch_inbox_bytes + size_t(me) * z.combine_inbox_bytes);
+      }
+      ranks_.push_back(std::make_unique<EpBuffer>(config, me, EpTransport::kLocal, peers));
+    }
+  } catch (...) {
+    ranks_.clear();
+    for (void* p : symmetric_)
+      if (p) cudaFree(p);
+    throw;
+  }
+}
+
+EpLocalGroup::~EpLocalGroup() {
+  ranks_.clear();
+  for (void* p : symmetric_)
+    if (p) cudaFree(p);
+}
+
+EpBuffer& EpLocalGroup::rank(int r) {
+  MOEKIT_CHECK(r >= 0 && r < num_ranks(), fmtr("EpLocalGroup: rank {} out of range 0..{}", r, num_ranks() - 1));
+  return *ranks_[r];
+}
+
+}  // namespace moekit::gpu

@@ -1,0 +1,121 @@
+// Internal to src/ep/cuda: the byte layout of one rank's memory and the kernel arguments,
+// shared by the host code (ep_buffer.cu) and the kernels (dispatch.cu, combine.cu).
+//
+// Symmetric region (peers write here), base = EpArgs::symmetric:
+//   dispatch inboxes [parity 2][src P] of dispatch_inbox_bytes:
+//     [uint64 flag = step << 32 | messages][8 pad][int32 counts[E_loc], padded to 16][T_max messages]
+//   combine inboxes  [parity 2][src P] of combine_inbox_bytes:
+//     [uint64 flag = step << 32][8 pad][T_max x d bf16]
+// One dispatch message (message_bytes, a multiple of 16):
+//   [fp8 x[d]][fp32 scales[d/128]][int32 src_token][int32 entry[k]][fp32 weight[k]], padded,
+//   entry[j] = local_expert << 16 | row position among this source's rows of that expert, or -1
+//   when top-k entry j is not on the receiving rank. The sender computes the positions.
+// Private state (only this rank touches it): EpCounters, EpStatusWord, then
+//   route_ranks [T_max][k] int32: distinct target ranks of each own token, ascending, -1 padded
+//   recv_msgs   [P] int32: messages received from each source this step
+//   map_token   [P][T_max] int32: source token of inbox message (s, j)
+//   map_rows    [P][T_max][k] int32: output row of each entry of message (s, j), -1 none
+//   map_w       [P][T_max][k] fp32: its top-k weight
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace moekit::gpu {
+
+enum EpPhase : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend = 2, kPhaseCombineRecv = 3 };
+
+struct EpCounters {
+  unsigned int step[4];  // per phase: steps completed by this rank
+  unsigned int done[4];  // per phase: CTAs of the running kernel that finished (last one resets)
+  int num_tokens;        // T of the last dispatch_send
+  int pad[3];
+};
+
+struct EpStatusWord {
+  int kind;  // EpErrorKind; the first fault wins
+  int phase;
+  int rank;
+  int peer;
+  unsigned int step;
+  int token;
+  int index;
+  int value;
+};
+
+constexpr int kEpThreads = 256;
+constexpr size_t kEpFlagBytes = 16;
+
+inline size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+struct EpArgs {
+  int rank, num_ranks, max_tokens, hidden, topk, num_slots, local_experts, max_m;
+  int block_m, max_rows;  // normal mode
+  int msg_bytes, msg_scale_off, msg_meta_off;
+  int dispatch_header_bytes;
+  size_t dispatch_inbox_bytes, combine_inbox_bytes;
+  int parity_mask;  // 1: double buffered, 0: single
+  long long timeout_cycles;
+
+  uint8_t* symmetric;
+  uint8_t* const* peer_dispatch;  // [P]
+  uint8_t* const* peer_combine;   // [P]
+
+  EpCounters* ctr;
+  EpStatusWord* status;
+  int32_t* route_ranks;
+  int32_t* recv_msgs;
+  int32_t* map_token;
+  int32_t* map_rows;
+  float* map_w;
+
+  uint8_t* recv_x;
+  float* recv_scales;
+  int32_t* recv_count;
+  int32_t* recv_src;
+  int32_t* row_expert;
+  int32_t* total_rows;
+
+  // Inboxes of this rank (what peers wrote), by parity and source.
+  __host__ __device__ uint8_t* dispatch_inbox(int parity, int src) const {
+    return symmetric + (size_t(parity) * num_ranks + src) * dispatch_inbox_bytes;
+  }
+  __host__ __device__ uint8_t* combine_inbox(int parity, int src) const {
+    return symmetric + 2 * size_t(num_ranks) * dispatch_inbox_bytes + (size_t(parity) * num_ranks + src) * combine_inbox_bytes;
+  }
+  // Where this rank's messages for `dst` go (dst's inbox for this rank), by parity.
+  __host__ __device__ uint8_t* dispatch_outbox(int parity, int dst) const {
+    return peer_dispatch[dst] + size_t(parity) * num_ranks * dispatch_inbox_bytes;
+  }
+  __host__ __device__ uint8_t* combine_outbox(int parity, int dst) const {
+    return peer_combine[dst] + size_t(parity) * num_ranks * combine_inbox_bytes;
+  }
+};
+
+// Byte sizes derived from the config (host side, ep_buffer.cu).
+struct EpSizes {
+  size_t msg_bytes, msg_scale_off, msg_meta_off;
+  size_t dispatch_header_bytes, dispatch_inbox_bytes, combine_inbox_bytes;
+  size_t symmetric_bytes;
+  size_t state_bytes;
+};
+
+// What a transport does on the stream right after a send kernel: nothing for transports whose
+// kernels write straight into peers' memory; grouped ncclSend/ncclRecv of the inboxes for `nccl`.
+class EpExchange {
+ public:
+  virtual ~EpExchange() = default;
+  virtual void after_dispatch_send(cudaStream_t stream) = 0;
+  virtual void after_combine_send(cudaStream_t stream) = 0;
+};
+
+// Kernel launchers (dispatch.cu, combine.cu). Each launches one kernel on the stream.
+void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+                          int num_tokens, int num_ctas, cudaStream_t stream);
+void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream);
+void launch_combine_send(const EpArgs& args, const uint16_t* y, int num_ctas, cudaStream_t stream);
+void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, cudaStream_t stream);
+
+}  // namespace moekit::gpu
