@@ -1,0 +1,132 @@
+// moekit/gemm.h: FP8 grouped expert GEMM on Hopper (sm_90a): masked (decode) and contiguous
+// (prefill) layouts of layout.h, out = A · Wᵀ per local expert, BF16 output.
+//
+// Numerics (DESIGN.md): A is FP8 e4m3 with one fp32 scale per (row, 128 columns of K), W is
+// FP8 e4m3 with one fp32 scale per 128x128 block. Every 128-deep K block is accumulated in the
+// tensor core, then both scales are applied and the block is added into an fp32 accumulator on
+// the CUDA cores (two-level accumulation); the result is rounded once to BF16.
+//
+// Plan once, run many. A plan binds the problem shape and the device buffers, builds the TMA
+// descriptors (which hold the addresses) and owns any workspace (split-K partials and their
+// counters). `run` is graph-safe: it launches one kernel on the stream, allocates nothing,
+// never synchronises, and never reads shapes on the host: masked_m stays on the device, so a
+// CUDA Graph captured once and replayed with new masked_m contents and new data in the same
+// buffers computes the new result. A plan's workspace is used by one run at a time (runs of one
+// plan on one stream are ordered; two streams need two plans).
+//
+// Masked (decode):
+//   a         [E_loc, M_max, K] fp8 e4m3         a_scales [E_loc, K/128, M_max] fp32
+//   w         [E_loc, N, K] fp8 e4m3             w_scales [E_loc, N/128, K/128] fp32
+//   masked_m  [E_loc] int32 on the device: rows of expert e that are real; values are clamped
+//             to [0, M_max]. Experts with masked_m = 0 read no weights.
+//   out       [E_loc, M_max, N] bf16 bits (moekit/bf16.h); rows at or past masked_m[e] are not
+//             written.
+// Contiguous (prefill):
+//   a [M_total, K] fp8, a_scales [K/128, M_total] fp32, row_expert [M_total] int32 (-1: padding,
+//   its output row is not written), out [M_total, N] bf16 bits. Each expert's rows are together
+//   and every segment is padded to a multiple of kContiguousAlign rows, padding at its end, so
+//   that every block of the GEMM's BM rows belongs to a single expert.
+//
+// Requirements (checked when a plan is made, with the bad value in the message): N and K
+// multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
+// M_total a multiple of kContiguousAlign, all pointers non-null, device buffers 16-byte aligned,
+// a compute capability 9.0 device.
+//
+// Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
+// that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
+// only steers the choice; correctness never depends on it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace moekit {
+
+constexpr int kContiguousAlign = 128;  // rows per padded expert segment in the contiguous layout
+
+// The tile shape and schedule of one launch.
+struct GemmConfig {
+  bool swap_ab = false;  // weights on the MMA's M side, tokens on its N side (small M_e)
+  int block_m = 0;       // tokens per tile (MMA N when swap_ab, else 64 · math warpgroups)
+  int block_n = 0;       // weight rows (output columns) per tile
+  int num_stages = 0;    // shared-memory pipeline depth
+  int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
+  int num_ctas = 0;      // persistent grid size
+  int smem_bytes = 0;
+  std::string to_string() const;
+};
+
+struct MaskedGemmProblem {
+  int num_experts = 0;  // E_loc
+  int n = 0;
+  int k = 0;
+  int max_m = 0;        // M_max
+  int expected_m = 0;   // typical rows per expert with tokens; 0: unknown (assume M_max)
+};
+
+struct ContiguousGemmProblem {
+  int num_experts = 0;
+  int n = 0;
+  int k = 0;
+  int total_m = 0;  // M_total
+};
+
+// Heuristics (pure functions of the problem and the multiprocessor count).
+GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms);
+GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms);
+
+struct MaskedGemmBuffers {
+  const uint8_t* a = nullptr;
+  const float* a_scales = nullptr;
+  const uint8_t* w = nullptr;
+  const float* w_scales = nullptr;
+  const int32_t* masked_m = nullptr;
+  uint16_t* out = nullptr;
+};
+
+struct ContiguousGemmBuffers {
+  const uint8_t* a = nullptr;
+  const float* a_scales = nullptr;
+  const int32_t* row_expert = nullptr;
+  const uint8_t* w = nullptr;
+  const float* w_scales = nullptr;
+  uint16_t* out = nullptr;
+};
+
+class MaskedGemm {
+ public:
+  // Validates, chooses a config (or takes `config` when given; its num_ctas/num_stages may be 0
+  // to be filled in), builds the TMA descriptors and allocates the workspace.
+  MaskedGemm(const MaskedGemmProblem& problem, const MaskedGemmBuffers& buffers, const GemmConfig* config = nullptr);
+  ~MaskedGemm();
+  MaskedGemm(const MaskedGemm&) = delete;
+  MaskedGemm& operator=(const MaskedGemm&) = delete;
+
+  void run(cudaStream_t stream) const;  // graph-safe
+  const GemmConfig& config() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+class ContiguousGemm {
+ public:
+  ContiguousGemm(const ContiguousGemmProblem& problem, const ContiguousGemmBuffers& buffers,
+                 const GemmConfig* config = nullptr);
+  ~ContiguousGemm();
+  ContiguousGemm(const ContiguousGemm&) = delete;
+  ContiguousGemm& operator=(const ContiguousGemm&) = delete;
+
+  void run(cudaStream_t stream) const;  // graph-safe
+  const GemmConfig& config() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moekit

@@ -1,0 +1,98 @@
+// The contiguous (prefill) grouped GEMM plan: validation, config, TMA maps, launch.
+#include <string>
+
+#include "kernels/cuda/gemm_host.cuh"
+
+namespace moekit {
+
+using namespace gemm_detail;
+
+struct ContiguousGemm::Impl {
+  ContiguousGemmProblem problem;
+  GemmConfig cfg;
+  CUtensorMap tma_a{}, tma_w{}, tma_sa{};
+  KernelArgs args;
+  Launch launch;
+  SplitWorkspace workspace;
+};
+
+namespace {
+
+template <class F>
+void with_contiguous_instance(const GemmConfig& cfg, F&& f) {
+  const std::string bad = "contiguous GEMM config " + cfg.to_string() + " is not compiled; expected ";
+  MOEKIT_CHECK(!cfg.swap_ab && cfg.block_n == 128, bad + "the normal orientation with block_n = 128");
+  switch (cfg.block_m) {
+    case 64: return f(Instance<false, false, 1, 64, 128>{});
+    case 128: return f(Instance<false, false, 2, 128, 128>{});
+  }
+  MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
+}
+
+std::string describe(const ContiguousGemmProblem& p) {
+  return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
+         " M_total=" + std::to_string(p.total_m);
+}
+
+}  // namespace
+
+ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousGemmBuffers& b,
+                               const GemmConfig* config)
+    : impl_(std::make_unique<Impl>()) {
+  MOEKIT_CHECK(p.num_experts > 0, "contiguous GEMM: E_loc = " + std::to_string(p.num_experts) + "; expected >= 1");
+  check_shape(p.n, p.k);
+  MOEKIT_CHECK(p.total_m > 0 && p.total_m % kContiguousAlign == 0,
+               "contiguous GEMM: M_total = " + std::to_string(p.total_m) + " must be a positive multiple of " +
+                   std::to_string(kContiguousAlign) + " (padded expert segments)");
+  check_pointer(b.a, "a");
+  check_pointer(b.a_scales, "a_scales");
+  check_pointer(b.row_expert, "row_expert");
+  check_pointer(b.w, "w");
+  check_pointer(b.w_scales, "w_scales");
+  check_pointer(b.out, "out");
+  const int k_blocks = p.k / kBlockK;
+
+  Impl& im = *impl_;
+  im.problem = p;
+  im.cfg = config ? *config : choose_contiguous_config(p, num_sms());
+  MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
+               "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
+                   std::to_string(k_blocks));
+  with_contiguous_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, 0); });
+
+  const int bm = im.cfg.block_m, bn = im.cfg.block_n;
+  im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm, kBlockK, true);
+  im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
+  im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, false);
+
+  KernelArgs& a = im.args;
+  a.num_experts = p.num_experts;
+  a.n = p.n;
+  a.k = p.k;
+  a.rows = p.total_m;
+  a.row_expert = b.row_expert;
+  a.w_scales = b.w_scales;
+  a.out = b.out;
+  a.num_splits = im.cfg.num_splits;
+  a.num_stages = im.cfg.num_stages;
+  if (im.cfg.num_splits > 1) {
+    size_t slots = size_t(p.total_m / bm) * (p.n / bn);
+    im.workspace.allocate(slots, im.cfg.num_splits, bm * bn);
+    a.partials = im.workspace.partials;
+    a.counters = im.workspace.counters;
+  }
+  maybe_print_config("contiguous", describe(p), im.cfg);
+}
+
+ContiguousGemm::~ContiguousGemm() = default;
+
+const GemmConfig& ContiguousGemm::config() const { return impl_->cfg; }
+
+void ContiguousGemm::run(cudaStream_t stream) const {
+  const Impl& im = *impl_;
+  im.launch.kernel<<<im.cfg.num_ctas, im.launch.threads, im.cfg.smem_bytes, stream>>>(im.tma_a, im.tma_w, im.tma_sa,
+                                                                                      im.args);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moekit

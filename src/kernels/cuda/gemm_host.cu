@@ -1,0 +1,98 @@
+// Host pieces shared by the GEMM plans (gemm_host.cuh).
+#include <cudaTypedefs.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include "kernels/cuda/gemm_host.cuh"
+
+namespace moekit {
+
+std::string GemmConfig::to_string() const {
+  std::ostringstream os;
+  os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
+     << " stages=" << num_stages << " splits=" << num_splits << " ctas=" << num_ctas << " smem=" << smem_bytes;
+  return os.str();
+}
+
+namespace gemm_detail {
+
+namespace {
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    MOEKIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
+    MOEKIT_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                 "the driver has no cuTensorMapEncodeTiled (TMA needs a CUDA 12+ driver)");
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  return fn;
+}
+}  // namespace
+
+CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t cols, uint64_t row_stride,
+                        uint32_t box_rows, uint32_t box_cols, bool swizzle128) {
+  CUtensorMap map{};
+  const uint64_t elem = is_fp32 ? 4 : 1;
+  cuuint64_t dims[2] = {cols, rows};
+  cuuint64_t strides[1] = {row_stride * elem};
+  cuuint32_t box[2] = {box_cols, box_rows};
+  cuuint32_t elem_strides[2] = {1, 1};
+  CUresult r = encode_fn()(&map, is_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                           const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                           swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) + " for a " +
+                                      std::to_string(rows) + "x" + std::to_string(cols) + " tensor, box " +
+                                      std::to_string(box_rows) + "x" + std::to_string(box_cols));
+  return map;
+}
+
+void check_shape(int n, int k) {
+  MOEKIT_CHECK(n > 0 && n % kBlockK == 0, "GEMM: N = " + std::to_string(n) + " must be a positive multiple of 128");
+  MOEKIT_CHECK(k > 0 && k % kBlockK == 0, "GEMM: K = " + std::to_string(k) + " must be a positive multiple of 128");
+}
+
+void check_pointer(const void* p, const char* name) {
+  MOEKIT_CHECK(p != nullptr, std::string("GEMM: ") + name + " is null; expected a device pointer");
+  MOEKIT_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+               std::string("GEMM: ") + name + " is not 16-byte aligned (TMA needs 16-byte aligned global memory)");
+}
+
+void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg) {
+  const char* env = std::getenv("MOEKIT_PRINT_CONFIGS");
+  if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
+}
+
+int max_smem_per_block() {
+  int dev = 0, v = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return v;
+}
+
+int num_sms() {
+  int dev = 0, v = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+  return v;
+}
+
+void SplitWorkspace::allocate(size_t slots, int splits, int tile_elems) {
+  MOEKIT_CUDA_CHECK(cudaMalloc(&partials, slots * splits * size_t(tile_elems) * sizeof(float)));
+  MOEKIT_CUDA_CHECK(cudaMalloc(&counters, slots * sizeof(int)));
+  MOEKIT_CUDA_CHECK(cudaMemset(counters, 0, slots * sizeof(int)));
+}
+
+SplitWorkspace::~SplitWorkspace() {
+  cudaFree(partials);  // no throw from a destructor; freeing null is a no-op
+  cudaFree(counters);
+}
+
+}  // namespace gemm_detail
+}  // namespace moekit

@@ -1,0 +1,96 @@
+// gemm_host.cuh: host-side pieces shared by the masked and contiguous GEMM plans: TMA
+// descriptor encoding (through the runtime's driver entry point: libcuda is not linked),
+// argument checks, the config heuristic's helpers, and the launcher of one kernel instance.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/gemm_fp8.cuh"
+#include "moekit/cuda_check.h"
+#include "moekit/gemm.h"
+
+namespace moekit::gemm_detail {
+
+// A row-major 2D tensor of `rows` x `cols` elements (cols innermost, row stride in elements)
+// as a TMA map with a box of box_rows x box_cols; swizzle128 for the FP8 operand tiles.
+CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t cols, uint64_t row_stride,
+                        uint32_t box_rows, uint32_t box_cols, bool swizzle128);
+
+void check_shape(int n, int k);            // N, K positive multiples of 128
+void check_pointer(const void* p, const char* name);  // non-null, 16-byte aligned
+void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
+int max_smem_per_block();
+int num_sms();
+
+// Stages that fit next to the fixed part, capped where deeper buys nothing.
+template <int kBlockT, int kBlockW>
+int stages_that_fit(int num_experts) {
+  int per = SmemLayout<kBlockT, kBlockW>::kStageBytes;
+  int fixed = SmemLayout<kBlockT, kBlockW>::bytes(0, num_experts) + 2048;  // + static shared and slack
+  int s = (max_smem_per_block() - fixed) / per;
+  return s > 16 ? 16 : s;
+}
+
+// Fills num_stages, smem_bytes and num_ctas of cfg for the instance <kBlockT, kBlockW>.
+template <int kBlockT, int kBlockW>
+void finish_config(GemmConfig& cfg, int num_experts) {
+  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<kBlockT, kBlockW>(num_experts);
+  MOEKIT_CHECK(cfg.num_stages >= 2, "GEMM config: " + std::to_string(cfg.num_stages) +
+                                        " pipeline stages do not fit in shared memory; expected at least 2");
+  cfg.smem_bytes = SmemLayout<kBlockT, kBlockW>::bytes(cfg.num_stages, num_experts);
+  MOEKIT_CHECK(cfg.smem_bytes <= max_smem_per_block(),
+               "GEMM config needs " + std::to_string(cfg.smem_bytes) + " bytes of shared memory; the device has " +
+                   std::to_string(max_smem_per_block()));
+  if (cfg.num_ctas <= 0) cfg.num_ctas = num_sms();
+}
+
+struct Launch {
+  void (*kernel)(CUtensorMap, CUtensorMap, CUtensorMap, KernelArgs) = nullptr;
+  int threads = 0;
+};
+
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW>
+Launch get_launch(int smem_bytes) {
+  auto kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW>;
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  Launch l;
+  l.kernel = kernel;
+  l.threads = (kMathWGs + 1) * 128;
+  return l;
+}
+
+// Split-K workspace owned by a plan.
+struct SplitWorkspace {
+  float* partials = nullptr;
+  int* counters = nullptr;
+  void allocate(size_t slots, int splits, int tile_elems);
+  ~SplitWorkspace();
+};
+
+}  // namespace moekit::gemm_detail
+
+namespace moekit::gemm_detail {
+
+// One compiled kernel instance, as a type the plans dispatch on.
+template <bool kSwapAB_, bool kMasked_, int kMathWGs_, int kBlockT_, int kBlockW_>
+struct Instance {
+  static constexpr bool kSwapAB = kSwapAB_;
+  static constexpr bool kMasked = kMasked_;
+  static constexpr int kMathWGs = kMathWGs_;
+  static constexpr int kBlockT = kBlockT_;
+  static constexpr int kBlockW = kBlockW_;
+  static Launch launch(GemmConfig& cfg, int num_experts) {
+    finish_config<kBlockT, kBlockW>(cfg, num_experts);
+    return get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW>(cfg.smem_bytes);
+  }
+};
+
+// Split-K factor: the fewest splits that keep at least 90% of the CTA slots of the last wave
+// busy (a memory-bound stream loses its tail otherwise), at most 4 and at most K/128.
+int choose_splits(long tiles, int num_sms, int k_blocks);
+
+}  // namespace moekit::gemm_detail

@@ -1,0 +1,108 @@
+// The masked (decode) grouped GEMM plan: validation, config, TMA maps, workspace, launch.
+#include <string>
+
+#include "kernels/cuda/gemm_host.cuh"
+
+namespace moekit {
+
+using namespace gemm_detail;
+
+struct MaskedGemm::Impl {
+  MaskedGemmProblem problem;
+  GemmConfig cfg;
+  CUtensorMap tma_a{}, tma_w{}, tma_sa{};
+  KernelArgs args;
+  Launch launch;
+  SplitWorkspace workspace;
+};
+
+namespace {
+
+// The instances compiled for the masked layout.
+template <class F>
+void with_masked_instance(const GemmConfig& cfg, F&& f) {
+  const std::string bad = "masked GEMM config " + cfg.to_string() + " is not compiled; expected ";
+  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128");
+  if (cfg.swap_ab) {
+    switch (cfg.block_m) {
+      case 16: return f(Instance<true, true, 2, 16, 128>{});
+      case 32: return f(Instance<true, true, 2, 32, 128>{});
+      case 64: return f(Instance<true, true, 2, 64, 128>{});
+      case 128: return f(Instance<true, true, 2, 128, 128>{});
+    }
+    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64, 128} for swap-AB");
+  }
+  switch (cfg.block_m) {
+    case 64: return f(Instance<false, true, 1, 64, 128>{});
+    case 128: return f(Instance<false, true, 2, 128, 128>{});
+  }
+  MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
+}
+
+std::string describe(const MaskedGemmProblem& p) {
+  return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
+         " M_max=" + std::to_string(p.max_m) + " expected_m=" + std::to_string(p.expected_m);
+}
+
+}  // namespace
+
+MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, const GemmConfig* config)
+    : impl_(std::make_unique<Impl>()) {
+  MOEKIT_CHECK(p.num_experts > 0 && p.num_experts <= 4096,
+               "masked GEMM: E_loc = " + std::to_string(p.num_experts) + "; expected 1..4096");
+  check_shape(p.n, p.k);
+  MOEKIT_CHECK(p.max_m > 0 && p.max_m % 4 == 0,
+               "masked GEMM: M_max = " + std::to_string(p.max_m) + " must be a positive multiple of 4");
+  MOEKIT_CHECK(p.expected_m >= 0, "masked GEMM: expected_m = " + std::to_string(p.expected_m) + " must be >= 0");
+  check_pointer(b.a, "a");
+  check_pointer(b.a_scales, "a_scales");
+  check_pointer(b.w, "w");
+  check_pointer(b.w_scales, "w_scales");
+  check_pointer(b.masked_m, "masked_m");
+  check_pointer(b.out, "out");
+  const int k_blocks = p.k / kBlockK;
+
+  Impl& im = *impl_;
+  im.problem = p;
+  im.cfg = config ? *config : choose_masked_config(p, num_sms());
+  MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
+               "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
+                   std::to_string(k_blocks));
+  with_masked_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });
+
+  const int bm = im.cfg.block_m, bn = im.cfg.block_n;
+  im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm, kBlockK, true);
+  im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
+  im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
+
+  KernelArgs& a = im.args;
+  a.num_experts = p.num_experts;
+  a.n = p.n;
+  a.k = p.k;
+  a.rows = p.max_m;
+  a.masked_m = b.masked_m;
+  a.w_scales = b.w_scales;
+  a.out = b.out;
+  a.num_splits = im.cfg.num_splits;
+  a.num_stages = im.cfg.num_stages;
+  if (im.cfg.num_splits > 1) {
+    size_t slots = size_t(p.num_experts) * (p.n / bn) * ((p.max_m + bm - 1) / bm);
+    im.workspace.allocate(slots, im.cfg.num_splits, bm * bn);
+    a.partials = im.workspace.partials;
+    a.counters = im.workspace.counters;
+  }
+  maybe_print_config("masked", describe(p), im.cfg);
+}
+
+MaskedGemm::~MaskedGemm() = default;
+
+const GemmConfig& MaskedGemm::config() const { return impl_->cfg; }
+
+void MaskedGemm::run(cudaStream_t stream) const {
+  const Impl& im = *impl_;
+  im.launch.kernel<<<im.cfg.num_ctas, im.launch.threads, im.cfg.smem_bytes, stream>>>(im.tma_a, im.tma_w, im.tma_sa,
+                                                                                      im.args);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moekit

@@ -1,0 +1,405 @@
+// GPU tests of the FP8 grouped GEMM (gemm.h) against a float64 reference computed here on the
+// dequantised operands (DESIGN.md's oracle). Every test draws fresh random operands (never
+// zeros), fills the output with a NaN poison first, and checks that every real row was written
+// and every padding row left alone.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "moekit/bf16.h"
+#include "moekit/cuda_check.h"
+#include "moekit/fp8.h"
+#include "moekit/gemm.h"
+#include "moekit/layout.h"
+
+namespace moekit {
+namespace {
+
+constexpr uint16_t kPoison = 0xFFFF;  // a BF16 NaN: an unwritten element can never pass
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceBuffer(size_t n) : count(n) { MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, n * sizeof(T))); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const std::vector<T>& v) { MOEKIT_CUDA_CHECK(cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice)); }
+  std::vector<T> download() const {
+    std::vector<T> v(count);
+    MOEKIT_CUDA_CHECK(cudaMemcpy(v.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+};
+
+// Random FP8 codes: every finite e4m3 value, or only the positive ones; never NaN.
+std::vector<uint8_t> random_fp8(size_t n, std::mt19937& rng, bool positive = false) {
+  std::vector<uint8_t> v(n);
+  std::uniform_int_distribution<int> d(0, 255);
+  for (auto& x : v) {
+    int c;
+    do c = d(rng); while ((c & 0x7F) == 0x7F || (positive && (c & 0x80)));
+    x = uint8_t(c);
+  }
+  return v;
+}
+
+std::vector<float> random_scales(size_t n, std::mt19937& rng) {
+  std::vector<float> v(n);
+  std::uniform_real_distribution<float> d(0.5e-3f, 2e-3f);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// out[n] for one token row: sum over K blocks of a_scale(kb) * w_scale(n, kb) * dot(a, w) in float64.
+struct Operands {
+  int num_experts, n, k;
+  std::vector<uint8_t> w;
+  std::vector<float> w_scales;
+  std::vector<double> w_deq;  // dequantised without scales, [E, N, K]
+};
+
+Operands make_weights(int e, int n, int k, std::mt19937& rng, bool positive = false) {
+  Operands o{e, n, k, random_fp8(size_t(e) * n * k, rng, positive), random_scales(size_t(e) * (n / 128) * (k / 128), rng), {}};
+  o.w_deq.resize(o.w.size());
+  for (size_t i = 0; i < o.w.size(); ++i) o.w_deq[i] = fp8_e4m3_to_float(o.w[i]);
+  return o;
+}
+
+// Reference row: `a` is one token's K codes, `a_scale(kb)` its scales.
+template <class ScaleFn>
+void reference_row(const Operands& w, int e, const uint8_t* a, ScaleFn a_scale, std::vector<double>& out) {
+  const int kb_count = w.k / 128;
+  WeightLayout wl{w.num_experts, w.n, w.k};
+  std::vector<double> a_deq(w.k);
+  for (int i = 0; i < w.k; ++i) a_deq[i] = fp8_e4m3_to_float(a[i]);
+  out.assign(w.n, 0.0);
+  for (int n = 0; n < w.n; ++n) {
+    const double* wr = &w.w_deq[wl.w_offset(e, n)];
+    double sum = 0;
+    for (int kb = 0; kb < kb_count; ++kb) {
+      double dot = 0;
+      for (int i = kb * 128; i < kb * 128 + 128; ++i) dot += a_deq[i] * wr[i];
+      sum += dot * a_scale(kb) * w.w_scales[wl.scale_offset(e, n, kb * 128)];
+    }
+    out[n] = sum;
+  }
+}
+
+struct ErrorStats {
+  double num = 0, den = 0;
+  long unwritten = 0, clobbered = 0;
+  double rel() const { return std::sqrt(num / den); }
+  void add_row(const uint16_t* got, const std::vector<double>& ref) {
+    for (size_t i = 0; i < ref.size(); ++i) {
+      if (got[i] == kPoison) ++unwritten;
+      double g = bf16_to_float(got[i]);
+      double d = std::isnan(g) ? 1e30 : g - ref[i];
+      num += d * d;
+      den += ref[i] * ref[i];
+    }
+  }
+  void check_untouched(const uint16_t* got, int n) {
+    for (int i = 0; i < n; ++i) clobbered += got[i] != kPoison;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Masked
+
+struct MaskedCase {
+  MaskedGemmProblem problem;
+  Operands w;
+  std::vector<uint8_t> a;
+  std::vector<float> a_scales;
+  DeviceBuffer<uint8_t> d_a, d_w;
+  DeviceBuffer<float> d_as, d_ws;
+  DeviceBuffer<int32_t> d_m;
+  DeviceBuffer<uint16_t> d_out;
+  MaskedLayout layout;
+
+  MaskedCase(const MaskedGemmProblem& p, std::mt19937& rng, bool positive = false)
+      : problem(p),
+        w(make_weights(p.num_experts, p.n, p.k, rng, positive)),
+        d_a(size_t(p.num_experts) * p.max_m * p.k),
+        d_w(w.w.size()),
+        d_as(size_t(p.num_experts) * (p.k / 128) * p.max_m),
+        d_ws(w.w_scales.size()),
+        d_m(p.num_experts),
+        d_out(size_t(p.num_experts) * p.max_m * p.n),
+        layout{p.num_experts, p.max_m, p.k} {
+    d_w.upload(w.w);
+    d_ws.upload(w.w_scales);
+    new_activations(rng, positive);
+  }
+  void new_activations(std::mt19937& rng, bool positive = false) {
+    a = random_fp8(d_a.count, rng, positive);
+    a_scales = random_scales(d_as.count, rng);
+    d_a.upload(a);
+    d_as.upload(a_scales);
+  }
+  MaskedGemmBuffers buffers() const { return {d_a.ptr, d_as.ptr, d_w.ptr, d_ws.ptr, d_m.ptr, d_out.ptr}; }
+  void poison() { MOEKIT_CUDA_CHECK(cudaMemset(d_out.ptr, 0xFF, d_out.count * sizeof(uint16_t))); }
+
+  ErrorStats check(const std::vector<int32_t>& masked_m) const {
+    std::vector<uint16_t> out = d_out.download();
+    ErrorStats st;
+    std::vector<double> ref;
+    for (int e = 0; e < problem.num_experts; ++e) {
+      for (int m = 0; m < problem.max_m; ++m) {
+        const uint16_t* got = &out[layout.out_offset(e, m, problem.n)];
+        if (m >= masked_m[e]) {
+          st.check_untouched(got, problem.n);
+          continue;
+        }
+        reference_row(w, e, &a[layout.a_offset(e, m)],
+                      [&](int kb) { return double(a_scales[layout.scale_offset(e, m, kb)]); }, ref);
+        st.add_row(got, ref);
+      }
+    }
+    return st;
+  }
+};
+
+ErrorStats run_masked(MaskedCase& c, const std::vector<int32_t>& masked_m, const GemmConfig* cfg) {
+  c.d_m.upload(masked_m);
+  c.poison();
+  MaskedGemm gemm(c.problem, c.buffers(), cfg);
+  gemm.run(nullptr);
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  return c.check(masked_m);
+}
+
+void expect_good(const ErrorStats& st, double tol, const std::string& what) {
+  EXPECT_EQ(st.unwritten, 0) << what;
+  EXPECT_EQ(st.clobbered, 0) << what;
+  EXPECT_LE(st.rel(), tol) << what;
+  EXPECT_GT(st.den, 0) << what;
+}
+
+GemmConfig forced(bool swap, int block_m, int splits) {
+  GemmConfig c;
+  c.swap_ab = swap;
+  c.block_m = block_m;
+  c.block_n = 128;
+  c.num_splits = splits;
+  return c;
+}
+
+TEST(GemmMasked, EveryTilePath) {
+  std::mt19937 rng(1234);
+  // M_max not a multiple of any block: the last token block of a full expert is partial.
+  MaskedCase c({5, 384, 1024, 132, 0}, rng);
+  const std::vector<int32_t> masked_m = {0, 1, 17, 132, 70};
+  struct Path {
+    bool swap;
+    int block_m, splits;
+  };
+  for (Path p : {Path{true, 16, 1}, Path{true, 32, 1}, Path{true, 64, 1}, Path{true, 128, 1}, Path{true, 16, 3},
+                 Path{true, 64, 8}, Path{false, 64, 1}, Path{false, 128, 1}, Path{false, 128, 2}}) {
+    GemmConfig cfg = forced(p.swap, p.block_m, p.splits);
+    ErrorStats st = run_masked(c, masked_m, &cfg);
+    expect_good(st, 3e-3, cfg.to_string());
+    c.new_activations(rng);
+  }
+}
+
+TEST(GemmMasked, HeuristicConfigsAndStages) {
+  std::mt19937 rng(99);
+  MaskedCase c({8, 512, 2048, 64, 8}, rng);
+  std::vector<int32_t> masked_m = {3, 0, 8, 64, 1, 5, 0, 16};
+  for (int expected : {0, 5, 16, 40, 64}) {
+    MaskedGemmProblem p = c.problem;
+    p.expected_m = expected;
+    GemmConfig cfg = choose_masked_config(p, query_device().num_sms);
+    cfg.num_stages = 2;  // the shallowest ring wraps the most often
+    expect_good(run_masked(c, masked_m, &cfg), 3e-3, cfg.to_string());
+    expect_good(run_masked(c, masked_m, nullptr), 3e-3, "heuristic default");
+  }
+}
+
+TEST(GemmMasked, AccuracyK7168) {
+  std::mt19937 rng(7);
+  MaskedCase c({3, 256, 7168, 32, 16}, rng);
+  std::vector<int32_t> masked_m = {16, 32, 9};
+  for (bool swap : {true, false}) {
+    GemmConfig cfg = forced(swap, swap ? 16 : 64, 1);
+    ErrorStats st = run_masked(c, masked_m, &cfg);
+    std::printf("K=7168 random data, %s: relative Frobenius error %.3e\n", cfg.to_string().c_str(), st.rel());
+    expect_good(st, 3e-3, cfg.to_string());
+  }
+}
+
+// Without promotion the tensor core's accumulator keeps about 14 significant bits (DeepSeek-V3
+// report): each k32 step's products are aligned to the accumulator's exponent and the bits
+// below its 14th are dropped. Emulated on the unscaled sums of one token row (the scales are
+// per block and would only reweight the blocks) against the exact float64 sum.
+double single_level_error(const MaskedCase& c, int e, int m) {
+  MaskedLayout l = c.layout;
+  WeightLayout wl{c.problem.num_experts, c.problem.n, c.problem.k};
+  double num = 0, den = 0;
+  for (int n = 0; n < c.problem.n; ++n) {
+    double acc = 0, exact = 0;
+    for (int k0 = 0; k0 < c.problem.k; k0 += 32) {
+      double quantum = acc > 0 ? std::ldexp(1.0, std::ilogb(acc) - 13) : 0;
+      double step = 0;
+      for (int i = k0; i < k0 + 32; ++i) {
+        double p = fp8_e4m3_to_float(c.a[l.a_offset(e, m) + i]) * c.w.w_deq[wl.w_offset(e, n) + i];
+        exact += p;
+        step += quantum > 0 ? std::floor(p / quantum) * quantum : p;
+      }
+      acc += step;
+    }
+    num += (acc - exact) * (acc - exact);
+    den += exact * exact;
+  }
+  return std::sqrt(num / den);
+}
+
+TEST(GemmMasked, AccuracyPositiveK16384) {
+  std::mt19937 rng(11);
+  MaskedCase c({2, 128, 16384, 16, 8}, rng, /*positive=*/true);
+  std::vector<int32_t> masked_m = {8, 5};
+  for (bool swap : {true, false}) {
+    GemmConfig cfg = forced(swap, swap ? 16 : 64, 1);
+    ErrorStats st = run_masked(c, masked_m, &cfg);
+    std::printf("K=16384 all-positive data, %s: two-level relative error %.3e\n", cfg.to_string().c_str(), st.rel());
+    expect_good(st, 5e-3, cfg.to_string());
+  }
+  double single = single_level_error(c, 0, 0);
+  std::printf("K=16384 all-positive data: emulated single-level (14-bit accumulator) relative error %.3e\n", single);
+  EXPECT_GT(single, 5e-3);  // the reason for two-level accumulation
+}
+
+TEST(GemmMasked, GraphReplayWithNewMaskedMAndData) {
+  std::mt19937 rng(5);
+  MaskedCase c({6, 256, 1024, 48, 8}, rng);
+  std::vector<int32_t> masked_m = {4, 0, 48, 7, 1, 30};
+  c.d_m.upload(masked_m);
+  MaskedGemm gemm(c.problem, c.buffers());
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  gemm.run(stream);
+  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::uniform_int_distribution<int> d(0, 48);
+  for (int replay = 0; replay < 4; ++replay) {
+    if (replay > 0) {
+      for (auto& m : masked_m) m = d(rng);
+      masked_m[replay] = 0;
+      c.new_activations(rng);
+      c.d_m.upload(masked_m);
+    }
+    c.poison();
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_good(c.check(masked_m), 3e-3, "graph replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GemmMasked, SplitKGraphReplayResetsCounters) {
+  std::mt19937 rng(21);
+  MaskedCase c({2, 256, 2048, 16, 8}, rng);
+  std::vector<int32_t> masked_m = {9, 16};
+  c.d_m.upload(masked_m);
+  GemmConfig cfg = forced(true, 16, 4);
+  MaskedGemm gemm(c.problem, c.buffers(), &cfg);
+  for (int i = 0; i < 3; ++i) {
+    c.new_activations(rng);
+    c.poison();
+    gemm.run(nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_good(c.check(masked_m), 3e-3, "split-K run " + std::to_string(i));
+  }
+}
+
+TEST(GemmMasked, BadArgumentsRejected) {
+  std::mt19937 rng(3);
+  MaskedCase c({2, 256, 256, 16, 8}, rng);
+  auto make = [&](MaskedGemmProblem p, MaskedGemmBuffers b, const GemmConfig* cfg = nullptr) {
+    MaskedGemm g(p, b, cfg);
+  };
+  MaskedGemmProblem p = c.problem;
+  MaskedGemmBuffers b = c.buffers();
+  EXPECT_THROW(make({2, 200, 256, 16, 8}, b), Error);   // N not a multiple of 128
+  EXPECT_THROW(make({2, 256, 100, 16, 8}, b), Error);   // K not a multiple of 128
+  EXPECT_THROW(make({0, 256, 256, 16, 8}, b), Error);   // no experts
+  EXPECT_THROW(make({2, 256, 256, 18, 8}, b), Error);   // M_max not a multiple of 4
+  MaskedGemmBuffers nul = b;
+  nul.masked_m = nullptr;
+  EXPECT_THROW(make(p, nul), Error);
+  MaskedGemmBuffers mis = b;
+  mis.a = b.a + 8;
+  EXPECT_THROW(make(p, mis), Error);
+  GemmConfig bad = forced(true, 24, 1);
+  EXPECT_THROW(make(p, b, &bad), Error);  // no such instance
+  GemmConfig too_split = forced(true, 16, 3);
+  EXPECT_THROW(make(p, b, &too_split), Error);  // K/128 = 2 blocks cannot take 3 splits
+  try {
+    make({2, 256, 100, 16, 8}, b);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("K = 100"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Contiguous
+
+TEST(GemmContiguous, SegmentsWithPadding) {
+  std::mt19937 rng(42);
+  const int E = 4, N = 384, K = 2048;
+  const std::vector<int> seg_rows = {130, 0, 7, 256};  // real rows per expert
+  std::vector<int32_t> row_expert;
+  for (int e = 0; e < E; ++e) {
+    int padded = (seg_rows[e] + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
+    for (int r = 0; r < padded; ++r) row_expert.push_back(r < seg_rows[e] ? e : -1);
+  }
+  row_expert.insert(row_expert.end(), kContiguousAlign, -1);  // a trailing all-padding segment
+  const int total = int(row_expert.size());
+  Operands w = make_weights(E, N, K, rng);
+  ContiguousLayout l{total, K};
+  DeviceBuffer<uint8_t> d_a(l.a_elems()), d_w(w.w.size());
+  DeviceBuffer<float> d_as(l.scale_elems()), d_ws(w.w_scales.size());
+  DeviceBuffer<int32_t> d_re(total);
+  DeviceBuffer<uint16_t> d_out(size_t(total) * N);
+  d_w.upload(w.w);
+  d_ws.upload(w.w_scales);
+  d_re.upload(row_expert);
+  for (int block_m : {64, 128}) {
+    std::vector<uint8_t> a = random_fp8(l.a_elems(), rng);
+    std::vector<float> as = random_scales(l.scale_elems(), rng);
+    d_a.upload(a);
+    d_as.upload(as);
+    MOEKIT_CUDA_CHECK(cudaMemset(d_out.ptr, 0xFF, d_out.count * 2));
+    GemmConfig cfg = forced(false, block_m, 1);
+    ContiguousGemm gemm({E, N, K, total}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}, &cfg);
+    gemm.run(nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out = d_out.download();
+    ErrorStats st;
+    std::vector<double> ref;
+    for (int m = 0; m < total; ++m) {
+      if (row_expert[m] < 0) {
+        st.check_untouched(&out[size_t(m) * N], N);
+        continue;
+      }
+      reference_row(w, row_expert[m], &a[l.a_offset(m)], [&](int kb) { return double(as[l.scale_offset(m, kb)]); }, ref);
+      st.add_row(&out[size_t(m) * N], ref);
+    }
+    expect_good(st, 3e-3, gemm.config().to_string());
+  }
+  EXPECT_THROW(ContiguousGemm({E, N, K, 100}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}), Error);
+  EXPECT_THROW(ContiguousGemm({E, N, K, total}, {d_a.ptr, d_as.ptr, nullptr, d_w.ptr, d_ws.ptr, d_out.ptr}), Error);
+}
+
+}  // namespace
+}  // namespace moekit
