@@ -38,16 +38,15 @@ const float* fp8_table() {
 // The tensor core's 128-deep partial: the exact sum of 128 products of e4m3 values, rounded
 // once to fp32. Each product is exact in fp32 (at most 8 significant bits) and every partial
 // sum is a multiple of 2^-18 below 2^25, so float64 holds all of them exactly, in any order:
-// four accumulators just give the CPU independent additions.
+// the lanes just give the CPU independent additions (and let the compiler vectorise).
 float block_partial(const float* a, const float* w) {
-  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  for (int i = 0; i < kQuantBlock; i += 4) {
-    s0 += double(a[i] * w[i]);
-    s1 += double(a[i + 1] * w[i + 1]);
-    s2 += double(a[i + 2] * w[i + 2]);
-    s3 += double(a[i + 3] * w[i + 3]);
-  }
-  return float((s0 + s1) + (s2 + s3));
+  constexpr int kLanes = 8;
+  double lane[kLanes] = {};
+  for (int i = 0; i < kQuantBlock; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += double(a[i + l] * w[i + l]);
+  double sum = 0.0;
+  for (int l = 0; l < kLanes; ++l) sum += lane[l];
+  return float(sum);
 }
 
 // out[row, n] for all rows of one expert. w [n, k] fp8 and w_scales [n/128, k/128] are that
