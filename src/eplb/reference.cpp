@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <queue>
+#include <utility>
 
 #include "eplb/internal.h"
 #include "moekit/check.h"
@@ -23,26 +25,29 @@ void balanced_packing(const double* weight, int num_items, int num_packs, int* p
   std::vector<int> order(num_items);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return weight[a] > weight[b]; });
-  std::vector<double> pack_weight(num_packs, 0.0);
+  // The lightest non-full pack, ties to the lowest index: a min-heap on (weight, index) that
+  // drops a pack once it is full (same choice as a linear scan, O(log packs) per item).
+  using Pack = std::pair<double, int>;
+  std::priority_queue<Pack, std::vector<Pack>, std::greater<Pack>> open;
+  for (int p = 0; p < num_packs; ++p) open.push({0.0, p});
   std::vector<int> pack_items(num_packs, 0);
   for (int item : order) {
-    int best = -1;
-    for (int p = 0; p < num_packs; ++p)
-      if (pack_items[p] < per_pack && (best < 0 || pack_weight[p] < pack_weight[best])) best = p;
+    auto [w, best] = open.top();
+    open.pop();
     pack[item] = best;
     rank[item] = pack_items[best]++;
-    pack_weight[best] += weight[item];
+    if (pack_items[best] < per_pack) open.push({w + weight[item], best});
   }
 }
 
 void replicate(const double* weight, int num_log, int num_phy, int* phy2log, int* rank, int* count) {
+  std::vector<double> share(weight, weight + num_log);  // weight / count, kept up to date
   for (int i = 0; i < num_log; ++i) phy2log[i] = i, rank[i] = 0, count[i] = 1;
   for (int p = num_log; p < num_phy; ++p) {
-    int best = 0;
-    for (int e = 1; e < num_log; ++e)
-      if (weight[e] / count[e] > weight[best] / count[best]) best = e;
+    const int best = int(std::max_element(share.begin(), share.end()) - share.begin());  // first maximum
     phy2log[p] = best;
     rank[p] = count[best]++;
+    share[best] = weight[best] / count[best];
   }
 }
 
