@@ -7,6 +7,7 @@
 // fp8 * s (each 2^-24 relative), covered here by a 2^-21 |x| allowance.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -160,8 +161,12 @@ TEST(Quant, BadInputIsAnError) {
   EXPECT_THROW(quantize_row_fp8(x.data(), 100, q.data(), s.data(), 1), Error);
   EXPECT_THROW(quantize_blocks_fp8(x.data(), 2, 128, q.data(), s.data()), Error);
   EXPECT_THROW(dequantize_row_fp8(q.data(), s.data(), 1, 130, x.data()), Error);
-  x[5] = NAN;
+  x[200] = NAN;  // in the second group: the first must not be written either
+  std::fill(q.begin(), q.end(), 0x55);
   EXPECT_THROW(quantize_row_fp8(x.data(), 256, q.data(), s.data(), 1), Error);
+  for (uint8_t v : q) ASSERT_EQ(v, 0x55);
+  x[200] = 1.0f;
+  x[5] = NAN;
   x[5] = INFINITY;
   EXPECT_THROW(quantize_row_fp8(x.data(), 256, q.data(), s.data(), 1), Error);
 }
