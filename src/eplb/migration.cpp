@@ -3,9 +3,10 @@
 //
 // A fresh rebalance ignores where the weights are: its greedy order reshuffles almost every
 // slot even when the loads barely moved, and moving one DeepSeek-V3 expert is 44 MB per
-// layer. Per layer we take the cheapest of three placements that meet the balancedness
-// target: the current one unchanged, a greedy repair of the current one, and the fresh one
-// relabelled (nodes, then GPUs, then slots) to overlap the current one the most.
+// layer. Per layer we take the placement that meets the balancedness target with the fewest
+// replicas copied among: the current one (kept when it meets the target), greedy repairs of
+// it (in place, or after moving a few groups between nodes in hierarchical mode), and the
+// fresh one, also relabelled (nodes, then GPUs) to overlap the current one the most.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -345,8 +346,12 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
     // A layer may sit anywhere at or above the target: the worst layer sets the step time.
     const double cap = r.target_balancedness > 0 ? total / G / r.target_balancedness : 0.0;
 
-    std::vector<int32_t> best = align_to(old, fresh.phy2log_row(l), current);
+    // The fresh layer as is, or relabelled for overlap (greedy matching, so check both).
+    std::vector<int32_t> best(fresh.phy2log_row(l), fresh.phy2log_row(l) + S);
     int best_moves = layer_moves(old, best.data(), G, per_gpu);
+    std::vector<int32_t> aligned = align_to(old, fresh.phy2log_row(l), current);
+    if (const int moves = layer_moves(old, aligned.data(), G, per_gpu); moves < best_moves)
+      best = std::move(aligned), best_moves = moves;
     // Candidates: the current layer repaired in place, and (hierarchical) the current layer
     // with groups first moved to the fresh node assignment, then repaired.
     std::vector<std::vector<int32_t>> starts;
@@ -360,17 +365,14 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
       if (layer_moves(old, start.data(), G, per_gpu) >= best_moves) continue;
       Repair repair(current, weight[l].data(), std::move(start), cap);
       if (!repair.run()) continue;
-      // Repair swaps can bring an expert back to its GPU in another slot: re-seat in place.
-      std::vector<int32_t> seated(S);
-      for (int g = 0; g < G; ++g)
-        place_keeping(old + g * per_gpu,
-                      std::vector<int32_t>(repair.slots().begin() + g * per_gpu,
-                                           repair.slots().begin() + (g + 1) * per_gpu),
-                      per_gpu, seated.data() + g * per_gpu);
-      const int moves = layer_moves(old, seated.data(), G, per_gpu);
-      if (moves < best_moves) best = std::move(seated), best_moves = moves;
+      const int moves = layer_moves(old, repair.slots().data(), G, per_gpu);
+      if (moves < best_moves) best = repair.slots(), best_moves = moves;
     }
-    std::copy(best.begin(), best.end(), phy2log.begin() + size_t(l) * S);
+    // Kept replicas stay in their slots (repair swaps can bring an expert back to its GPU in
+    // another slot; the raw fresh layer ignores slots altogether).
+    for (int g = 0; g < G; ++g)
+      place_keeping(old + g * per_gpu, std::vector<int32_t>(best.begin() + g * per_gpu, best.begin() + (g + 1) * per_gpu),
+                    per_gpu, &phy2log[size_t(l) * S + g * per_gpu]);
     r.replicas_moved_per_layer.push_back(best_moves);
     r.replicas_moved += best_moves;
   }
