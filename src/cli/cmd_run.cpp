@@ -1,12 +1,328 @@
-// `moekit run`: placeholder until its issue lands; it says so instead of pretending.
+// `moekit run`: L MoE layers for one decode step of B tokens over P in-process ranks, on the CPU
+// reference path (include/moekit/layer_cpu.h), with per-stage times, bytes moved per rank,
+// recv_count statistics, the measured de-duplicated target count next to the planner's closed
+// form, and the load skew.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+
 #include "cli/commands.h"
+#include "moekit/bf16.h"
 #include "moekit/check.h"
+#include "moekit/eplb.h"
+#include "moekit/layer_cpu.h"
+#include "moekit/simulate.h"
+#include "moekit/spec.h"
+#include "moekit/weights.h"
 
 namespace moekit::cli {
+namespace {
+
+struct RunOptions {
+  std::string model = "tiny-moe";
+  std::string backend = "cpu";
+  int ep = 4;
+  int64_t batch = 64;
+  int layers = 1;
+  int first_layer = 0;
+  std::string weights;
+  std::string routing;  // empty: the model's router
+  std::string protocol = "low-latency";
+  int redundant = 0;
+  uint64_t seed = 1;
+  bool check = false;
+  bool json = false;
+};
+
+// A temporary checkpoint directory, removed when the run ends (also on error).
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "moekit-run-XXXXXX").string();
+    MOEKIT_CHECK(mkdtemp(tmpl.data()) != nullptr, fmt::format("cannot create a temporary directory {}", tmpl));
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+// Per-layer figures gathered from every rank's last step.
+struct LayerFigures {
+  StageTimes slowest;             // each stage's max over ranks
+  std::vector<RankStep> ranks;    // [P]
+  double error_vs_oracle = -1;    // --check
+};
+
+double max_stage(const std::vector<RankStep>& ranks, double StageTimes::*stage) {
+  double m = 0;
+  for (const auto& r : ranks) m = std::max(m, r.times.*stage);
+  return m;
+}
+
+int first_token(int rank, int num_ranks, int64_t batch) { return int((rank * batch + num_ranks - 1) / num_ranks); }
+
+void run_cpu(const RunOptions& o) {
+  const ModelSpec spec = load_model_spec(o.model);
+  MOEKIT_CHECK(spec.is_moe(), fmt::format("--model {} is dense: it has no MoE layer to run", o.model));
+  const int E = spec.num_routed_experts, k = spec.num_experts_per_token, d = int(spec.hidden_size), P = o.ep;
+  const int64_t B = o.batch;
+  MOEKIT_CHECK(P >= 1 && E % P == 0, fmt::format("--ep {}: expected >= 1 and dividing the {} experts of {}", P, E, spec.name));
+  MOEKIT_CHECK(B >= 1, fmt::format("--batch {}: expected >= 1", B));
+  MOEKIT_CHECK(o.layers >= 1 && o.first_layer >= 0 && o.first_layer + o.layers <= spec.num_layers,
+               fmt::format("--first-layer {} --layers {}: expected layers inside the model's {}", o.first_layer, o.layers,
+                           spec.num_layers));
+  MOEKIT_CHECK(o.redundant >= 0 && (E + o.redundant) % P == 0,
+               fmt::format("--redundant {}: expected >= 0 with E + redundant = {} a multiple of --ep {}", o.redundant,
+                           E + o.redundant, P));
+  MOEKIT_CHECK(o.protocol == "low-latency" || o.protocol == "normal",
+               fmt::format("--protocol '{}': expected low-latency or normal", o.protocol));
+  std::optional<Routing> routing;
+  if (!o.routing.empty()) routing = parse_routing(o.routing);
+  const bool tty = isatty(STDERR_FILENO) == 1 && !o.json;
+
+  // Weights: the given checkpoint, or random ones written in the checkpoint format and read back.
+  std::optional<TempDir> tmp;
+  std::string weights_dir = o.weights;
+  uint64_t weight_bytes = 0;
+  if (weights_dir.empty()) {
+    tmp.emplace();
+    weights_dir = tmp->path;
+    RandomWeightsOptions wo;
+    wo.first_layer = o.first_layer;
+    wo.num_layers = o.layers;
+    wo.seed = o.seed;
+    weight_bytes = write_random_weights(spec, wo, weights_dir, [&](uint64_t done, uint64_t total) {
+                     if (tty) fmt::print(stderr, "\rwriting random weights: {:3d}% of {:.1f} MB\033[K", int(100 * done / total), total / 1e6);
+                   }).tensor_bytes;
+    if (tty) fmt::print(stderr, "\r\033[K");
+  }
+  const Checkpoint ckpt = Checkpoint::open(weights_dir);
+
+  // Expected per-expert loads (the routing's weights, uniform for the router) drive EPLB's replicas.
+  std::vector<double> expected_load(E, 1.0);
+  if (routing) expected_load = expert_weights(*routing, E);
+  const Placement placement = o.redundant > 0 ? balanced_placement(expected_load, o.redundant, P) : identity_placement(E, P);
+
+  CpuLayerConfig cfg;
+  cfg.num_ranks = P;
+  cfg.max_tokens = int((B + P - 1) / P);
+  cfg.protocol = o.protocol == "normal" ? EpProtocol::kNormal : EpProtocol::kLowLatency;
+  cfg.replica_seed = o.seed;
+  std::vector<std::unique_ptr<CpuMoeLayer>> layers;
+  std::vector<MoeLayerWeights> layer_weights;
+  for (int l = 0; l < o.layers; ++l) {
+    layer_weights.push_back(load_moe_layer(ckpt, spec, o.first_layer + l, 0, E));
+    layers.push_back(std::make_unique<CpuMoeLayer>(spec, layer_weights.back(), placement, 0, cfg));
+    if (!o.check) layer_weights.back() = MoeLayerWeights{};  // the layer holds its own copy
+  }
+
+  // Inputs: N(0, 1) hidden states in bf16; synthetic routing from the simulator's sampler.
+  std::mt19937_64 rng(o.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<uint16_t>> x(o.layers + 1, std::vector<uint16_t>(size_t(B) * d));
+  for (auto& v : x[0]) v = float_to_bf16(normal(rng));
+  SimulateInput sim;
+  sim.num_experts = E;
+  sim.topk = k;
+  sim.num_ranks = P;
+  sim.batch = B;
+  sim.seed = o.seed;
+  sim.routing = routing.value_or(Routing{});
+  sim.trials = std::max(200, o.layers);  // layer l uses sample l; the rest estimate the mean below
+  sim.num_threads = 1;
+  std::vector<std::vector<int32_t>> forced_idx(o.layers);
+  const std::vector<float> forced_w(size_t(B) * k, float(spec.router.routed_scaling_factor / k));
+  if (routing)
+    for (int l = 0; l < o.layers; ++l) forced_idx[l] = sample_step(sim, l);
+
+  // The step: every rank runs the L layers in order; layer l + 1's input is x + layer l's output
+  // (a residual add, no attention in between).
+  LocalEpGroup group(layers[0]->ep_config());
+  std::vector<std::vector<uint16_t>> out(o.layers, std::vector<uint16_t>(size_t(B) * d));
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(group, [&](int r) {
+    const int t0 = first_token(r, P, B), t1 = first_token(r + 1, P, B);
+    for (int l = 0; l < o.layers; ++l) {
+      layers[l]->forward(group, r, t1 - t0, t0, x[l].data() + size_t(t0) * d, out[l].data() + size_t(t0) * d,
+                         routing ? forced_idx[l].data() + size_t(t0) * k : nullptr,
+                         routing ? forced_w.data() + size_t(t0) * k : nullptr);
+      for (size_t i = size_t(t0) * d; i < size_t(t1) * d; ++i)
+        x[l + 1][i] = float_to_bf16(bf16_to_float(x[l][i]) + bf16_to_float(out[l][i]));
+    }
+  });
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  std::vector<LayerFigures> figs(o.layers);
+  for (int l = 0; l < o.layers; ++l) {
+    for (int r = 0; r < P; ++r) figs[l].ranks.push_back(layers[l]->last_step(r));
+    for (auto stage : {&StageTimes::gate, &StageTimes::dispatch, &StageTimes::gemm1, &StageTimes::activation,
+                       &StageTimes::gemm2, &StageTimes::combine, &StageTimes::shared})
+      figs[l].slowest.*stage = max_stage(figs[l].ranks, stage);
+    if (o.check) {
+      std::vector<int32_t> idx;
+      std::vector<float> w;
+      for (const auto& st : figs[l].ranks) {
+        idx.insert(idx.end(), st.topk_idx.begin(), st.topk_idx.end());
+        w.insert(w.end(), st.topk_weights.begin(), st.topk_weights.end());
+      }
+      const auto w64 = dequantize_layer_f64(layer_weights[l]);
+      std::vector<float> xf(size_t(B) * d);
+      for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(x[l][i]);
+      std::vector<double> want(xf.size()), got(xf.size());
+      ref::moe_layer_f64(xf.data(), int(B), idx.data(), w.data(), k, w64->view, want.data());
+      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_float(out[l][i]);
+      figs[l].error_vs_oracle = ref::relative_frobenius_error(got.data(), want.data(), got.size());
+    }
+  }
+
+  // Totals over layers.
+  const int e_loc = layers[0]->num_local_experts();
+  std::vector<int64_t> msgs(P), disp(P), disp_remote(P), comb(P), comb_remote(P), rows(P), tokens(P);
+  std::vector<int32_t> counts;  // every local expert's recv_count, all layers
+  int64_t all_msgs = 0, all_tokens = 0;
+  std::vector<double> skew(o.layers);
+  for (int l = 0; l < o.layers; ++l) {
+    double max_rows = 0, sum_rows = 0;
+    for (int r = 0; r < P; ++r) {
+      const RankStep& st = figs[l].ranks[r];
+      msgs[r] += st.ep.dispatch_messages;
+      disp[r] += st.ep.dispatch_bytes;
+      disp_remote[r] += st.ep.dispatch_bytes_remote;
+      comb[r] += st.ep.combine_bytes;
+      comb_remote[r] += st.ep.combine_bytes_remote;
+      rows[r] += st.ep.recv_rows;
+      tokens[r] += st.num_tokens;
+      all_msgs += st.ep.dispatch_messages;
+      all_tokens += st.num_tokens;
+      counts.insert(counts.end(), st.recv_count.begin(), st.recv_count.end());
+      max_rows = std::max(max_rows, double(st.ep.recv_rows));
+      sum_rows += double(st.ep.recv_rows);
+    }
+    skew[l] = sum_rows > 0 ? max_rows / (sum_rows / P) : 1.0;
+  }
+  const double measured_c = double(all_msgs) / double(all_tokens);
+  // The planner's closed form P·[1 − (1 − 1/P)^k] and the simulator's estimate for this routing.
+  const SimulateResult simres = simulate(sim);
+  const auto [cmin, cmax] = std::minmax_element(counts.begin(), counts.end());
+  const double cmean = std::accumulate(counts.begin(), counts.end(), 0.0) / double(counts.size());
+  const int64_t czero = std::count(counts.begin(), counts.end(), 0);
+  double skew_mean = std::accumulate(skew.begin(), skew.end(), 0.0) / double(o.layers);
+  StageTimes total;
+  for (const auto& f : figs)
+    for (auto stage : {&StageTimes::gate, &StageTimes::dispatch, &StageTimes::gemm1, &StageTimes::activation,
+                       &StageTimes::gemm2, &StageTimes::combine, &StageTimes::shared})
+      total.*stage += f.slowest.*stage;
+  const std::vector<std::pair<const char*, double>> stages = {
+      {"gate", total.gate},   {"dispatch", total.dispatch}, {"gemm1", total.gemm1},          {"activation", total.activation},
+      {"gemm2", total.gemm2}, {"combine", total.combine},   {"shared_expert", total.shared}};
+  const std::string routing_text =
+      routing ? to_string(*routing) + " (synthetic, from the simulator's sampler)" :
+                fmt::format("the model's router ({}, {} groups keep {}) on random inputs", spec.router.scoring,
+                            spec.router.num_groups, spec.router.topk_groups);
+
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = spec.name;
+    j["backend"] = "cpu";
+    j["ep"] = P;
+    j["batch"] = B;
+    j["layers"] = o.layers;
+    j["protocol"] = o.protocol;
+    j["routing"] = routing ? to_string(*routing) : "router";
+    j["num_slots"] = placement.num_slots;
+    j["redundant"] = o.redundant;
+    j["weights"] = o.weights.empty() ? "random" : o.weights;
+    j["wall_s"] = wall;
+    for (const auto& [name, t] : stages) j["stage_s"][name] = t;
+    for (int r = 0; r < P; ++r)
+      j["ranks"].push_back({{"rank", r},
+                            {"tokens", tokens[r]},
+                            {"dispatch_messages", msgs[r]},
+                            {"dispatch_bytes", disp[r]},
+                            {"dispatch_bytes_remote", disp_remote[r]},
+                            {"combine_bytes", comb[r]},
+                            {"combine_bytes_remote", comb_remote[r]},
+                            {"recv_rows", rows[r]}});
+    j["recv_count"] = {{"min", *cmin}, {"mean", cmean}, {"max", *cmax}, {"zero", czero}, {"experts", counts.size()}};
+    j["dedup_targets"] = {{"measured", measured_c},
+                          {"closed_form", simres.dedup_targets.closed_form},
+                          {"simulated", simres.dedup_targets.simulated},
+                          {"topk", k}};
+    j["load_max_over_mean"] = skew;
+    if (o.check)
+      for (const auto& f : figs) j["error_vs_oracle"].push_back(f.error_vs_oracle);
+    fmt::print("{}\n", j.dump(2));
+    return;
+  }
+
+  fmt::print("moekit run: {} on the CPU, EP {} (in-process ranks), batch {} ({}..{} tokens per rank), {} layer{}, {} protocol\n",
+             spec.name, P, B, B / P, cfg.max_tokens, o.layers, o.layers > 1 ? "s" : "", o.protocol);
+  fmt::print("weights: {}\n", o.weights.empty() ? fmt::format("random (seed {}), {:.1f} MB written in the checkpoint format and loaded back",
+                                                              o.seed, weight_bytes / 1e6)
+                                                : o.weights);
+  fmt::print("routing: {}\n", routing_text);
+  fmt::print("placement: {} slots on {} ranks ({} per rank){}\n\n", placement.num_slots, P, e_loc,
+             o.redundant > 0 ? fmt::format(", {} redundant experts placed by EPLB", o.redundant) : "");
+
+  const double stage_sum = total.gate + total.dispatch + total.gemm1 + total.activation + total.gemm2 + total.combine + total.shared;
+  fmt::print("{:<14} {:>10} {:>7}   (slowest rank per stage, summed over layers)\n", "stage", "time (ms)", "share");
+  for (const auto& [name, t] : stages) fmt::print("{:<14} {:>10.2f} {:>6.1f}%\n", name, t * 1e3, 100 * t / stage_sum);
+  fmt::print("{:<14} {:>10.2f}          (wall time of the step: {:.2f} ms)\n\n", "sum", stage_sum * 1e3, wall * 1e3);
+
+  fmt::print("{:>4} {:>7} {:>9} {:>15} {:>15} {:>15} {:>15} {:>9}\n", "rank", "tokens", "messages", "dispatch B",
+             "  of which remote", "combine B", "  of which remote", "recv rows");
+  for (int r = 0; r < P; ++r)
+    fmt::print("{:>4} {:>7} {:>9} {:>15} {:>15} {:>15} {:>15} {:>9}\n", r, tokens[r], msgs[r], disp[r], disp_remote[r],
+               comb[r], comb_remote[r], rows[r]);
+  fmt::print("\nrecv_count (masked_m) over {} local experts x {} layer{}: min {}, mean {:.2f}, max {}, {} empty\n",
+             P * e_loc, o.layers, o.layers > 1 ? "s" : "", *cmin, cmean, *cmax, czero);
+  fmt::print("distinct target ranks per token: measured {:.3f}, planner P[1-(1-1/P)^k] = {:.3f}, simulator ({}) {:.3f}; "
+             "k = {} without de-duplication\n",
+             measured_c, simres.dedup_targets.closed_form, to_string(sim.routing), simres.dedup_targets.simulated, k);
+  fmt::print("load (token-expert rows per rank), max/mean:");
+  for (int l = 0; l < o.layers; ++l) fmt::print(" {:.3f}", skew[l]);
+  fmt::print("{}\n", o.layers > 1 ? fmt::format(" (mean {:.3f})", skew_mean) : "");
+  if (o.check) {
+    fmt::print("relative error against the float64 oracle:");
+    for (const auto& f : figs) fmt::print(" {:.2e}", f.error_vs_oracle);
+    fmt::print(" (DESIGN.md tolerance 3e-3)\n");
+  }
+}
+
+}  // namespace
 
 void add_run_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("run", "(not built yet)");
-  cmd->callback([] { throw Error("'moekit run' is not built yet"); });
+  static RunOptions o;
+  auto* cmd = app.add_subcommand("run", "run L MoE layers for one decode step over P in-process ranks (CPU reference)");
+  cmd->add_option("--model", o.model, "model spec (embedded name or JSON file)")->capture_default_str();
+  cmd->add_option("--backend", o.backend, "cpu | cuda")->capture_default_str();
+  cmd->add_option("--ep", o.ep, "expert-parallel ranks P (threads)")->capture_default_str();
+  cmd->add_option("--batch", o.batch, "tokens B of the step, all ranks together")->capture_default_str();
+  cmd->add_option("--layers", o.layers, "MoE layers L")->capture_default_str();
+  cmd->add_option("--first-layer", o.first_layer, "index of the first layer in the checkpoint")->capture_default_str();
+  cmd->add_option("--weights", o.weights, "checkpoint (safetensors file or directory); default: random weights");
+  cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R instead of the router (synthetic skew)");
+  cmd->add_option("--protocol", o.protocol, "low-latency (decode, masked) | normal (prefill, contiguous)")->capture_default_str();
+  cmd->add_option("--redundant", o.redundant, "redundant experts placed by EPLB")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->capture_default_str();
+  cmd->add_flag("--check", o.check, "compare the output with the float64 oracle (slow on large models)");
+  cmd->add_flag("--json", o.json, "print JSON instead of the tables");
+  cmd->callback([] {
+    if (o.backend == "cuda")
+      throw Error("--backend cuda: the GPU MoE layer is not built in this binary yet (it is another issue); use --backend cpu");
+    MOEKIT_CHECK(o.backend == "cpu", fmt::format("--backend '{}': expected cpu or cuda", o.backend));
+    run_cpu(o);
+  });
 }
 
 }  // namespace moekit::cli
