@@ -14,7 +14,8 @@ from . import _core
 from ._core import Error, embedded_gpus, embedded_models, gpu_spec, model_spec
 from ._tensors import bf16_to_float32, dl, empty, empty_mn_major, float32_to_bf16, is_torch, shape_of, stream_of, FP8, F32
 
-from .ep import Buffer, LocalGroup
+from .ep import Buffer, LocalGroup, run_ranks
+from .layer import MoELayer, write_random_weights
 
 with_cuda = _core.with_cuda
 
@@ -25,7 +26,7 @@ __all__ = [
     "per_token_cast_to_fp8", "per_block_cast_to_fp8", "per_token_cast_back",
     "m_grouped_fp8_gemm_nt_masked", "masked_grouped_gemm",
     "m_grouped_fp8_gemm_nt_contiguous", "contiguous_grouped_gemm", "clear_gemm_plans",
-    "LocalGroup", "Buffer",
+    "LocalGroup", "Buffer", "run_ranks", "MoELayer", "write_random_weights",
     "bf16_to_float32", "float32_to_bf16",
 ]
 

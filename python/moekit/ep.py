@@ -28,6 +28,14 @@ from . import _core
 from ._tensors import BF16, FP8, I32, dl, empty, empty_mn_major, shape_of
 
 
+def run_ranks(num_ranks, fn):
+    """fn(rank) for every rank, each on its own thread (moekit releases the GIL while a rank waits
+    for its peers); returns the results in rank order and re-raises the first error."""
+    with ThreadPoolExecutor(max_workers=num_ranks) as pool:
+        futures = [pool.submit(fn, rank) for rank in range(num_ranks)]
+        return [f.result() for f in futures]
+
+
 class Handle:
     """What a dispatch hands to its combine: the step it belongs to, the rank's token count and
     the source map of the received rows (recv_src: src_rank * T_max + src_token)."""
@@ -56,11 +64,8 @@ class LocalGroup:
         return self.buffers[rank]
 
     def run(self, fn):
-        """fn(buffer) on every rank, each on its own thread (moekit releases the GIL while a rank
-        waits for its peers); returns the results in rank order and re-raises the first error."""
-        with ThreadPoolExecutor(max_workers=self.num_ranks) as pool:
-            futures = [pool.submit(fn, b) for b in self.buffers]
-            return [f.result() for f in futures]
+        """fn(buffer) on every rank, each on its own thread; returns the results in rank order."""
+        return run_ranks(self.num_ranks, lambda rank: fn(self.buffers[rank]))
 
 
 class Buffer:

@@ -13,28 +13,6 @@ namespace moekit::py {
 
 namespace {
 
-// A spec argument: a name / path (str) or a dict with the spec file's keys.
-std::string spec_text(nb::handle spec, const char* name, bool& is_dict) {
-  is_dict = nb::isinstance<nb::dict>(spec);
-  if (is_dict) return nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(spec));
-  if (nb::isinstance<nb::str>(spec)) return nb::cast<std::string>(spec);
-  throw nb::type_error(fmt::format("{} must be a spec name, a path to a JSON file or a dict, got {}", name,
-                                   nb::type_name(spec.type()).c_str())
-                           .c_str());
-}
-
-ModelSpec model_arg(nb::handle spec) {
-  bool is_dict = false;
-  std::string text = spec_text(spec, "model", is_dict);
-  return is_dict ? parse_model_spec(text, "model (dict)") : load_model_spec(text);
-}
-
-GpuSpec gpu_arg(nb::handle spec) {
-  bool is_dict = false;
-  std::string text = spec_text(spec, "gpu", is_dict);
-  return is_dict ? parse_gpu_spec(text, "gpu (dict)") : load_gpu_spec(text);
-}
-
 nb::object plan_py(nb::handle model, nb::handle gpu, int ep, nb::handle batches, nb::handle tpot_sla, int64_t context,
                    double mem_fraction, const std::string& dtype) {
   PlanInput in;

@@ -1,4 +1,5 @@
 // Specs as Python dicts (the JSON of spec.h's to_json, so the keys are the spec files' keys).
+#include <fmt/format.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -8,6 +9,31 @@
 namespace nb = nanobind;
 
 namespace moekit::py {
+
+namespace {
+// A spec argument: a name / path (str) or a dict with the spec file's keys.
+std::string spec_text(nb::handle spec, const char* name, bool& is_dict) {
+  is_dict = nb::isinstance<nb::dict>(spec);
+  if (is_dict) return nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(spec));
+  if (nb::isinstance<nb::str>(spec)) return nb::cast<std::string>(spec);
+  throw nb::type_error(fmt::format("{} must be a spec name, a path to a JSON file or a dict, got {}", name,
+                                   nb::type_name(spec.type()).c_str())
+                           .c_str());
+}
+
+}  // namespace
+
+ModelSpec model_arg(nb::handle spec) {
+  bool is_dict = false;
+  std::string text = spec_text(spec, "model", is_dict);
+  return is_dict ? parse_model_spec(text, "model (dict)") : load_model_spec(text);
+}
+
+GpuSpec gpu_arg(nb::handle spec) {
+  bool is_dict = false;
+  std::string text = spec_text(spec, "gpu", is_dict);
+  return is_dict ? parse_gpu_spec(text, "gpu (dict)") : load_gpu_spec(text);
+}
 
 nb::object json_to_python(const std::string& text) { return nb::module_::import_("json").attr("loads")(text); }
 

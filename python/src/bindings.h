@@ -5,10 +5,16 @@
 
 #include <string>
 
+#include "moekit/spec.h"
+
 namespace moekit::py {
 
 // The Python value of a JSON text (json.loads).
 nanobind::object json_to_python(const std::string& text);
+
+// A spec argument: a name or JSON path (str) or a dict with the spec file's keys.
+ModelSpec model_arg(nanobind::handle spec);
+GpuSpec gpu_arg(nanobind::handle spec);
 
 void bind_spec(nanobind::module_& m);
 void bind_quant(nanobind::module_& m);
@@ -16,5 +22,6 @@ void bind_plan(nanobind::module_& m);
 void bind_eplb(nanobind::module_& m);
 void bind_gemm(nanobind::module_& m);
 void bind_ep(nanobind::module_& m);
+void bind_layer(nanobind::module_& m);
 
 }  // namespace moekit::py

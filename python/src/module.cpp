@@ -24,4 +24,5 @@ NB_MODULE(_core, m) {
   moekit::py::bind_eplb(m);
   moekit::py::bind_gemm(m);
   moekit::py::bind_ep(m);
+  moekit::py::bind_layer(m);
 }

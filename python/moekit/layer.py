@@ -1,0 +1,62 @@
+"""The MoE layer over P in-process ranks (moekit's CPU reference layer, layer_cpu.h).
+
+    moekit.write_random_weights("tiny-moe", "weights/")           # or a DeepSeek-style checkpoint
+    layer = moekit.MoELayer("tiny-moe", "weights/", num_ranks=2, max_tokens=8)
+    outs = layer.forward_all([x0, x1])                             # x_r [T_r, hidden] bf16, rank r's tokens
+
+One step runs the whole of DESIGN.md's decode step on every rank: gate, replica choice, dispatch,
+GEMM1, SiLU·up + FP8, GEMM2, combine, plus the shared expert.
+"""
+
+from . import _core
+from ._tensors import BF16, empty, shape_of
+from .ep import run_ranks
+
+write_random_weights = _core.write_random_weights
+
+
+class MoELayer:
+    """One MoE layer of `model` (a spec name, JSON path or dict) with its weights from
+    `weights_dir` (layer `layer` of the checkpoint), served by `num_ranks` in-process ranks of at
+    most `max_tokens` tokens each. protocol: "low-latency" (masked GEMMs) or "normal" (contiguous);
+    phy2log: the slots' logical experts (EPLB's placement of this layer), identity when None."""
+
+    def __init__(self, model, weights_dir, num_ranks, max_tokens, layer=0, protocol="low-latency", phy2log=None,
+                 block_m=64, replica_seed=0, timeout_s=60.0):
+        if phy2log is not None and hasattr(phy2log, "detach"):
+            phy2log = phy2log.detach().cpu()
+        self.core = _core.CpuMoeLayer(model, str(weights_dir), layer, num_ranks, max_tokens, protocol, phy2log,
+                                      block_m, replica_seed, timeout_s)
+
+    @property
+    def num_ranks(self):
+        return self.core.num_ranks
+
+    def forward(self, rank, x, first_token=0, topk_idx=None, topk_weights=None, out=None):
+        """Rank `rank`'s part of one step (call it on that rank's thread, every rank in the same
+        step): x [T, hidden] bf16 -> out [T, hidden] bf16. first_token: the global index of x's first
+        token (the replica choice hashes global ids). topk_idx / topk_weights [T, k] (int32 logical
+        experts, float32) replace the gate's routing when given."""
+        if out is None:
+            out = empty(x, (shape_of(x, "x")[0], self.core.hidden), BF16)
+        self.core.forward(rank, x, out, first_token, topk_idx, topk_weights)
+        return out
+
+    def forward_all(self, xs, routing=None):
+        """One step of every rank, each on its own thread: xs[r] are rank r's tokens; routing, when
+        given, is a list of (topk_idx, topk_weights) per rank. Returns the outputs in rank order."""
+        if len(xs) != self.num_ranks:
+            raise ValueError(f"xs must hold one tensor per rank ({self.num_ranks}), got {len(xs)}")
+        firsts = [0]
+        for x in xs[:-1]:
+            firsts.append(firsts[-1] + shape_of(x, "x")[0])
+
+        def step(rank):
+            idx, w = routing[rank] if routing is not None else (None, None)
+            return self.forward(rank, xs[rank], firsts[rank], idx, w)
+
+        return run_ranks(self.num_ranks, step)
+
+    def last_step(self, rank):
+        """What rank `rank` saw in its last step: routing, recv_count, messages, stage times (s)."""
+        return self.core.last_step(rank)
