@@ -34,6 +34,7 @@ struct RunOptions {
   int layers = 1;
   int first_layer = 0;
   std::string weights;
+  std::string save_weights;
   std::string routing;  // empty: the model's router
   std::string protocol = "low-latency";
   int redundant = 0;
@@ -95,8 +96,12 @@ void run_cpu(const RunOptions& o) {
   std::string weights_dir = o.weights;
   uint64_t weight_bytes = 0;
   if (weights_dir.empty()) {
-    tmp.emplace();
-    weights_dir = tmp->path;
+    if (o.save_weights.empty()) {
+      tmp.emplace();
+      weights_dir = tmp->path;
+    } else {
+      weights_dir = o.save_weights;
+    }
     RandomWeightsOptions wo;
     wo.first_layer = o.first_layer;
     wo.num_layers = o.layers;
@@ -267,8 +272,8 @@ void run_cpu(const RunOptions& o) {
 
   fmt::print("moekit run: {} on the CPU, EP {} (in-process ranks), batch {} ({}..{} tokens per rank), {} layer{}, {} protocol\n",
              spec.name, P, B, B / P, cfg.max_tokens, o.layers, o.layers > 1 ? "s" : "", o.protocol);
-  fmt::print("weights: {}\n", o.weights.empty() ? fmt::format("random (seed {}), {:.1f} MB written in the checkpoint format and loaded back",
-                                                              o.seed, weight_bytes / 1e6)
+  fmt::print("weights: {}\n", o.weights.empty() ? fmt::format("random (seed {}), {:.1f} MB written in the checkpoint format to {} and loaded back",
+                                                              o.seed, weight_bytes / 1e6, o.save_weights.empty() ? "a temporary directory" : o.save_weights)
                                                 : o.weights);
   fmt::print("routing: {}\n", routing_text);
   fmt::print("placement: {} slots on {} ranks ({} per rank){}\n\n", placement.num_slots, P, e_loc,
@@ -311,6 +316,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--layers", o.layers, "MoE layers L")->capture_default_str();
   cmd->add_option("--first-layer", o.first_layer, "index of the first layer in the checkpoint")->capture_default_str();
   cmd->add_option("--weights", o.weights, "checkpoint (safetensors file or directory); default: random weights");
+  cmd->add_option("--save-weights", o.save_weights, "write the random weights into this directory and keep them");
   cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R instead of the router (synthetic skew)");
   cmd->add_option("--protocol", o.protocol, "low-latency (decode, masked) | normal (prefill, contiguous)")->capture_default_str();
   cmd->add_option("--redundant", o.redundant, "redundant experts placed by EPLB")->capture_default_str();
