@@ -6,6 +6,9 @@
 // Weights: one fp32 scale per 128x128 block, the same rule over the block.
 // The division x / scale is done in fp32 exactly as written here, so the GPU kernels that
 // compute `x / scale` in fp32 produce the same bits.
+// Round trip (docs/numerics.md): |x - dequantised| <= max(2^-4 |x|, 2^-10 scale), plus fp32
+// rounding. Errors: k or a shape not a multiple of 128, a NaN or infinite input (named by its
+// index); the whole input is checked before anything is written.
 #pragma once
 
 #include <cstdint>
