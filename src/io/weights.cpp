@@ -4,13 +4,16 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
+#include <exception>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numbers>
+#include <thread>
 
 #include "moekit/bf16.h"
 #include "moekit/check.h"
@@ -159,21 +162,26 @@ std::map<std::string, std::string> shard_metadata(const ModelSpec& spec, const R
   return {{"format", "pt"}, {"generator", "moekit random weights"}, {"model", spec.name}, {"seed", std::to_string(o.seed)}};
 }
 
-// Draws, quantises and writes one item through `w`.
-void write_item(const GenItem& item, uint64_t seed, SafetensorsWriter& w) {
+// The bytes of one item's tensors, drawn and quantised.
+std::vector<std::vector<uint8_t>> draw_item(const GenItem& item, uint64_t seed) {
   const TensorDecl& t = item.tensors[0];
   NormalStream rng(seed, t.name);
+  std::vector<std::vector<uint8_t>> out(item.tensors.size());
   if (t.dtype == Dtype::kBF16) {
-    std::vector<uint16_t> v(size_t(t.num_bytes() / 2));
-    for (auto& x : v) x = float_to_bf16(rng.next(item.stddev));
-    w.write({reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2});
-    return;
+    out[0].resize(t.num_bytes());
+    for (size_t i = 0; i < out[0].size(); i += 2) {
+      const uint16_t h = float_to_bf16(rng.next(item.stddev));
+      std::memcpy(&out[0][i], &h, 2);
+    }
+    return out;
   }
   if (t.dtype == Dtype::kF32) {
-    std::vector<float> v(size_t(t.num_bytes() / 4));
-    for (auto& x : v) x = rng.next(item.stddev);
-    w.write({reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4});
-    return;
+    out[0].resize(t.num_bytes());
+    for (size_t i = 0; i < out[0].size(); i += 4) {
+      const float v = rng.next(item.stddev);
+      std::memcpy(&out[0][i], &v, 4);
+    }
+    return out;
   }
   // An fp8 matrix: draw row-major, quantise in 128x128 blocks over the matrix zero-padded to
   // whole blocks (so an edge block's scale is the amax of its real values), then crop.
@@ -184,13 +192,16 @@ void write_item(const GenItem& item, uint64_t seed, SafetensorsWriter& w) {
   std::vector<float> x(size_t(prow * pcol), 0.0f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) x[size_t(r * pcol + c)] = rng.next(item.stddev);
-  std::vector<uint8_t> q(x.size());
+  std::vector<uint8_t>& q = out[0];
+  q.resize(x.size());
   std::vector<float> scales(size_t(prow / kQuantBlock * (pcol / kQuantBlock)));
   quantize_blocks_fp8(x.data(), int(prow), int(pcol), q.data(), scales.data());
   if (pcol != cols)
     for (int64_t r = 0; r < rows; ++r) std::memmove(&q[size_t(r * cols)], &q[size_t(r * pcol)], size_t(cols));
-  w.write({q.data(), size_t(rows * cols)});
-  w.write({reinterpret_cast<const uint8_t*>(scales.data()), scales.size() * 4});
+  q.resize(size_t(rows * cols));
+  out[1].resize(scales.size() * 4);
+  std::memcpy(out[1].data(), scales.data(), out[1].size());
+  return out;
 }
 
 }  // namespace
@@ -315,18 +326,43 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
   const int num_layers = o.num_layers < 0 ? spec.num_moe_layers : o.num_layers;
   const int num_experts = o.num_experts < 0 ? spec.num_routed_experts - o.first_expert : o.num_experts;
   const std::vector<GenItem> items = plan_items(spec, o, num_layers, num_experts);
+  // Items are drawn in parallel (each from its own seed, so the bytes do not depend on the
+  // thread count) and written in order; at most `workers` items are held at a time.
+  const size_t workers = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16);
   size_t next_item = 0;
   uint64_t done = 0;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   for (const WeightShard& s : plan.shards) {
     SafetensorsWriter w((fs::path(dir) / s.file_name).string(), s.tensors, metadata);
-    for (size_t t = 0; t < s.tensors.size(); ) {
-      const GenItem& item = items[next_item++];
-      t += item.tensors.size();
-      write_item(item, o.seed, w);
-      for (const auto& decl : item.tensors) weight_map[decl.name] = s.file_name;
-      done += item.bytes();
-      if (progress) progress(done, plan.tensor_bytes);
+    for (size_t t = 0; t < s.tensors.size();) {
+      std::vector<size_t> batch;  // the next items of this shard, at most `workers`
+      for (size_t tt = t; tt < s.tensors.size() && batch.size() < workers;) {
+        batch.push_back(next_item + batch.size());
+        tt += items[batch.back()].tensors.size();
+      }
+      std::vector<std::vector<std::vector<uint8_t>>> drawn(batch.size());
+      std::vector<std::exception_ptr> errors(batch.size());
+      {
+        std::vector<std::jthread> threads;
+        for (size_t b = 0; b < batch.size(); ++b)
+          threads.emplace_back([&, b] {
+            try {
+              drawn[b] = draw_item(items[batch[b]], o.seed);
+            } catch (...) {
+              errors[b] = std::current_exception();
+            }
+          });
+      }
+      for (size_t b = 0; b < batch.size(); ++b) {
+        if (errors[b]) std::rethrow_exception(errors[b]);
+        const GenItem& item = items[batch[b]];
+        for (const auto& bytes : drawn[b]) w.write(bytes);
+        for (const auto& decl : item.tensors) weight_map[decl.name] = s.file_name;
+        t += item.tensors.size();
+        done += item.bytes();
+        if (progress) progress(done, plan.tensor_bytes);
+      }
+      next_item += batch.size();
     }
     w.finish();
   }

@@ -1,0 +1,593 @@
+// MoE layer weights: the random-checkpoint generator, the loader and its fused gate/up layout,
+// its errors, and cross-checks against the `safetensors` Python package in both directions
+// (tests/python/safetensors_interop.py).
+#include "moekit/weights.h"
+
+#include <gtest/gtest.h>
+#include <fmt/format.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <nlohmann/json.hpp>
+
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/fp8.h"
+
+namespace fs = std::filesystem;
+using namespace moekit;
+
+namespace {
+
+fs::path test_dir() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  fs::path dir = fs::path(MOEKIT_BINARY_DIR) / "test_tmp" / "weights" / (std::string(info->test_suite_name()) + "." + info->name());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// A small DeepSeek-style model: hidden 256, 8 experts of inter 128, one shared expert of 128,
+// sigmoid router with bias, 2 MoE layers.
+ModelSpec small_spec() {
+  ModelSpec s = load_model_spec("tiny-moe");
+  s.name = "small-test";
+  s.hidden_size = 256;
+  s.moe_intermediate_size = 128;
+  s.num_routed_experts = 8;
+  s.num_experts_per_token = 2;
+  s.num_moe_layers = 2;
+  s.num_layers = 2;
+  s.num_shared_experts = 1;
+  s.shared_intermediate_size = 128;
+  return s;
+}
+
+// Shapes that are not multiples of 128 (as gpt-oss-120b's 2880): partial edge blocks.
+ModelSpec odd_spec() {
+  ModelSpec s = small_spec();
+  s.name = "odd-test";
+  s.hidden_size = 200;
+  s.moe_intermediate_size = 72;
+  s.num_routed_experts = 2;
+  s.num_shared_experts = 0;
+  s.shared_intermediate_size = 0;
+  s.router.scoring = "softmax";
+  s.num_moe_layers = 1;
+  return s;
+}
+
+template <typename Fn>
+void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    for (const auto& part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what() << "\n  lacks: " << part;
+  }
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+float f32_at(std::span<const uint8_t> bytes, size_t i) {
+  float v;
+  std::memcpy(&v, bytes.data() + 4 * i, 4);
+  return v;
+}
+
+uint16_t u16_at(std::span<const uint8_t> bytes, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, bytes.data() + 2 * i, 2);
+  return v;
+}
+
+// The dequantised values of an fp8 matrix of `ckpt`: fp8 value times its block's scale.
+std::vector<double> dequantized(const Checkpoint& ckpt, const std::string& name) {
+  const TensorInfo& info = ckpt.info(name);
+  const int64_t rows = info.shape[0], cols = info.shape[1];
+  auto w = ckpt.bytes(name, Dtype::kF8E4M3, info.shape);
+  const auto sshape = block_scale_shape(rows, cols);
+  auto s = ckpt.bytes(scale_inv_name(name), Dtype::kF32, sshape);
+  std::vector<double> out(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      out[size_t(r * cols + c)] =
+          double(fp8_e4m3_to_float(w[size_t(r * cols + c)])) * double(f32_at(s, size_t(r / 128 * sshape[1] + c / 128)));
+  return out;
+}
+
+// Rebuilds a checkpoint as one file, dropping or replacing tensors: edit(name) returns
+// nullopt to keep a tensor, a TensorDecl with empty name to drop it, else the replacement
+// (whose bytes are `replacement_bytes`).
+void rewrite_checkpoint(const Checkpoint& ckpt, const fs::path& out,
+                        const std::function<std::optional<TensorDecl>(const std::string&)>& edit,
+                        const std::vector<uint8_t>& replacement_bytes = {}) {
+  std::vector<TensorData> tensors;
+  for (const auto& name : ckpt.tensor_names()) {
+    const TensorInfo& info = ckpt.info(name);
+    auto e = edit(name);
+    if (!e) {
+      tensors.push_back({{name, info.dtype, info.shape}, ckpt.bytes(name, info.dtype, info.shape)});
+    } else if (!e->name.empty()) {
+      tensors.push_back({*e, replacement_bytes});
+    }
+  }
+  write_safetensors(out.string(), tensors);
+}
+
+// ---- the Python side ----
+
+struct PythonRun {
+  int status = -1;
+  std::string output;
+};
+
+PythonRun run_python(const std::string& args) {
+  const std::string script = std::string(MOEKIT_SOURCE_DIR) + "/tests/python/safetensors_interop.py";
+  const std::string cmd = "python3 '" + script + "' " + args + " 2>&1";
+  PythonRun r;
+  std::FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+bool skip_python() {
+  const char* v = std::getenv("MOEKIT_SKIP_PYTHON");
+  return v && std::string(v) == "1";
+}
+
+std::string quoted(const fs::path& p) { return fmt::format("'{}'", p.string()); }
+
+// Fails the test (never skips it, unless MOEKIT_SKIP_PYTHON=1) when python3 or its packages are missing.
+#define RUN_PYTHON(result, args)                                                                                   \
+  if (skip_python()) GTEST_SKIP() << "MOEKIT_SKIP_PYTHON=1: the cross-check against the safetensors package is skipped"; \
+  const PythonRun result = run_python(args);                                                                       \
+  ASSERT_NE(result.status, 127) << "python3 is not on PATH: " << result.output;                                   \
+  ASSERT_NE(result.status, 3) << result.output << "\n(run scripts/setup, or set MOEKIT_SKIP_PYTHON=1 to skip)";     \
+  ASSERT_EQ(result.status, 0) << "python3 safetensors_interop.py " << args << " failed:\n" << result.output
+
+}  // namespace
+
+TEST(WeightNames, FollowDeepSeekV3) {
+  EXPECT_EQ(expert_weight_name(3, 7, "gate_proj"), "model.layers.3.mlp.experts.7.gate_proj.weight");
+  EXPECT_EQ(scale_inv_name(expert_weight_name(60, 255, "down_proj")), "model.layers.60.mlp.experts.255.down_proj.weight_scale_inv");
+  EXPECT_EQ(shared_expert_weight_name(3, "up_proj"), "model.layers.3.mlp.shared_experts.up_proj.weight");
+  EXPECT_EQ(router_weight_name(3), "model.layers.3.mlp.gate.weight");
+  EXPECT_EQ(router_bias_name(3), "model.layers.3.mlp.gate.e_score_correction_bias");
+  EXPECT_EQ(block_scale_shape(2048, 7168), (std::vector<int64_t>{16, 56}));
+  EXPECT_EQ(block_scale_shape(2880, 2880), (std::vector<int64_t>{23, 23}));
+  EXPECT_EQ(block_scale_shape(1, 129), (std::vector<int64_t>{1, 2}));
+}
+
+// The plan tells the size before anything is written; sizes worked out by hand.
+TEST(RandomWeights, PlanSaysTheBytesBeforeWriting) {
+  // Per layer of small_spec: router 8*256 bf16 = 4096 B, bias 8 f32 = 32 B, and 9 MLPs (8 experts +
+  // the shared one) of 3 fp8 matrices of 128*256 = 32768 B with 2 scales (8 B) each = 98328 B.
+  const RandomWeightsPlan small = plan_random_weights(small_spec(), {});
+  EXPECT_EQ(small.tensor_bytes, 2u * (4096 + 32 + 9 * 98328));
+  ASSERT_EQ(small.shards.size(), 1u);
+  EXPECT_EQ(small.shards[0].file_name, "model-00001-of-00001.safetensors");
+  EXPECT_GT(small.file_bytes, small.tensor_bytes);
+
+  // DeepSeek-V3, all 58 MoE layers: per MLP 3 * 2048 * 7168 fp8 + 3 * 16 * 56 f32 scales = 44050944 B;
+  // per layer 257 MLPs + router 256 * 7168 * 2 + bias 1024.
+  const ModelSpec v3 = load_model_spec("deepseek-v3");
+  const RandomWeightsPlan full = plan_random_weights(v3, {});
+  const uint64_t per_layer = 257ull * 44050944 + 256ull * 7168 * 2 + 1024;
+  EXPECT_EQ(full.tensor_bytes, 58 * per_layer);  // 657 GB
+  uint64_t files = 0;
+  for (const auto& s : full.shards) {
+    EXPECT_LE(s.file_bytes, (uint64_t(4) << 30) + (1 << 20)) << s.file_name;
+    files += s.file_bytes;
+  }
+  EXPECT_EQ(files, full.file_bytes);
+  EXPECT_EQ(full.shards.back().file_name, fmt::format("model-{:05d}-of-{:05d}.safetensors", full.shards.size(), full.shards.size()));
+
+  // One layer, experts [0, 8): 8 experts + the shared one, router and bias.
+  const RandomWeightsPlan part = plan_random_weights(v3, {.first_layer = 3, .num_layers = 1, .first_expert = 0, .num_experts = 8});
+  EXPECT_EQ(part.tensor_bytes, 9ull * 44050944 + 256ull * 7168 * 2 + 1024);
+  EXPECT_EQ(part.shards[0].tensors[0].name, "model.layers.3.mlp.gate.weight");
+
+  expect_error([&] { plan_random_weights(load_model_spec("llama-3-70b"), {}); }, {"is dense"});
+  expect_error([&] { plan_random_weights(v3, {.first_expert = 250, .num_experts = 8}); }, {"experts [250, 258) must lie inside [0, 256)"});
+  expect_error([&] { plan_random_weights(v3, {.num_layers = 0}); }, {"layers [0, 0) must be a non-empty range"});
+}
+
+TEST(RandomWeights, WriteThenLoadBitForBit) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = small_spec();
+  uint64_t last_done = 0, calls = 0;
+  const RandomWeightsPlan plan = write_random_weights(spec, {.seed = 7, .max_shard_bytes = 300000}, dir.string(),
+                                                      [&](uint64_t done, uint64_t total) {
+                                                        EXPECT_GT(done, last_done);
+                                                        EXPECT_EQ(total, 2u * (4096 + 32 + 9 * 98328));
+                                                        last_done = done;
+                                                        ++calls;
+                                                      });
+  EXPECT_EQ(last_done, plan.tensor_bytes);
+  EXPECT_GT(calls, 50u);
+  ASSERT_GE(plan.shards.size(), 6u);  // 1.78 MB in files of at most 300 kB
+  uint64_t on_disk = 0;
+  for (const auto& s : plan.shards) {
+    const uint64_t size = fs::file_size(dir / s.file_name);
+    EXPECT_EQ(size, s.file_bytes) << s.file_name;
+    EXPECT_LE(size, 300000u + 4096) << s.file_name;  // tensors within the bound, plus the header
+    on_disk += size;
+  }
+  EXPECT_EQ(on_disk, plan.file_bytes);
+
+  const Checkpoint ckpt = Checkpoint::open(dir.string());
+  EXPECT_EQ(ckpt.tensor_names().size(), 2u * (2 + 9 * 6));
+  for (const auto& name : ckpt.tensor_names()) {  // a matrix and its scales share a file
+    if (name.ends_with(".weight") && ckpt.info(name).dtype == Dtype::kF8E4M3) {
+      EXPECT_EQ(ckpt.file_of(name).path(), ckpt.file_of(scale_inv_name(name)).path()) << name;
+    }
+  }
+
+  const MoeLayerWeights w = load_moe_layer(ckpt, spec, 1, 2, 3);
+  EXPECT_EQ(w.layer, 1);
+  EXPECT_EQ(w.first_expert, 2);
+  EXPECT_EQ(w.num_local_experts(), 3);
+  EXPECT_EQ(w.num_experts, 8);
+  EXPECT_EQ(w.w1.layout.n, 256);
+  EXPECT_EQ(w.w1.layout.k, 256);
+  EXPECT_EQ(w.w2.layout.n, 256);
+  EXPECT_EQ(w.w2.layout.k, 128);
+  ASSERT_EQ(w.w1.w.size(), 3u * 256 * 256);
+  ASSERT_EQ(w.w1.scales.size(), 3u * 2 * 2);
+  ASSERT_EQ(w.w2.w.size(), 3u * 256 * 128);
+  ASSERT_EQ(w.w2.scales.size(), 3u * 2 * 1);
+
+  // Each file tensor, read by name, sits where the fused convention puts it: gate rows
+  // [0, 128), up rows [128, 256) of W1; scales likewise by block rows.
+  auto expect_block = [&](const std::string& name, const ExpertWeights& ew, int e, int row0) {
+    const TensorInfo& info = ckpt.info(name);
+    auto src = ckpt.bytes(name, Dtype::kF8E4M3, info.shape);
+    EXPECT_EQ(std::memcmp(&ew.w[ew.layout.w_offset(e, row0)], src.data(), src.size()), 0) << name;
+    auto sshape = block_scale_shape(info.shape[0], info.shape[1]);
+    auto ssrc = ckpt.bytes(scale_inv_name(name), Dtype::kF32, sshape);
+    EXPECT_EQ(std::memcmp(&ew.scales[ew.layout.scale_offset(e, row0, 0)], ssrc.data(), ssrc.size()), 0) << name;
+  };
+  for (int i = 0; i < 3; ++i) {
+    expect_block(expert_weight_name(1, 2 + i, "gate_proj"), w.w1, i, 0);
+    expect_block(expert_weight_name(1, 2 + i, "up_proj"), w.w1, i, 128);
+    expect_block(expert_weight_name(1, 2 + i, "down_proj"), w.w2, i, 0);
+  }
+  ASSERT_TRUE(w.has_shared_experts());
+  expect_block(shared_expert_weight_name(1, "gate_proj"), w.shared_w1, 0, 0);
+  expect_block(shared_expert_weight_name(1, "up_proj"), w.shared_w1, 0, 128);
+  expect_block(shared_expert_weight_name(1, "down_proj"), w.shared_w2, 0, 0);
+
+  const int64_t router_shape[] = {8, 256}, bias_shape[] = {8};
+  auto router = ckpt.bytes(router_weight_name(1), Dtype::kBF16, router_shape);
+  ASSERT_EQ(w.router_weight.size(), 8u * 256);
+  for (size_t i = 0; i < w.router_weight.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &w.router_weight[i], 4);
+    ASSERT_EQ(bits, uint32_t(u16_at(router, i)) << 16) << i;  // bf16 is the top half of the fp32
+  }
+  auto bias = ckpt.bytes(router_bias_name(1), Dtype::kF32, bias_shape);
+  ASSERT_EQ(w.router_bias.size(), 8u);
+  EXPECT_EQ(std::memcmp(w.router_bias.data(), bias.data(), 32), 0);
+}
+
+// Normal(0, 1/fan_in) before quantisation; every 128x128 block's largest magnitude is 448 (scale = amax/448).
+TEST(RandomWeights, ValuesHaveTheIntendedScale) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = small_spec();
+  write_random_weights(spec, {.num_layers = 1, .seed = 3}, dir.string());
+  const Checkpoint ckpt = Checkpoint::open(dir.string());
+  for (const std::string proj : {"gate_proj", "up_proj", "down_proj"}) {
+    double sum = 0, sumsq = 0;
+    size_t n = 0;
+    for (int e = 0; e < 8; ++e) {
+      const std::string name = expert_weight_name(0, e, proj);
+      for (double v : dequantized(ckpt, name)) {
+        sum += v;
+        sumsq += v * v;
+        ++n;
+      }
+      const TensorInfo& info = ckpt.info(name);
+      auto q = ckpt.bytes(name, Dtype::kF8E4M3, info.shape);
+      for (int64_t rb = 0; rb < info.shape[0] / 128; ++rb)
+        for (int64_t cb = 0; cb < info.shape[1] / 128; ++cb) {
+          float amax = 0;
+          for (int r = 0; r < 128; ++r)
+            for (int c = 0; c < 128; ++c)
+              amax = std::max(amax, std::fabs(fp8_e4m3_to_float(q[size_t((rb * 128 + r) * info.shape[1] + cb * 128 + c)])));
+          EXPECT_EQ(amax, 448.0f) << name << " block " << rb << "," << cb;
+        }
+    }
+    const double fan_in = proj == "down_proj" ? 128 : 256;
+    const double stddev = std::sqrt(sumsq / double(n));
+    EXPECT_NEAR(stddev * std::sqrt(fan_in), 1.0, 0.03) << proj;      // 262144 samples: sampling error ~0.2%
+    EXPECT_NEAR(sum / double(n) * std::sqrt(fan_in), 0.0, 0.01) << proj;  // ~5 standard errors
+  }
+  const MoeLayerWeights w = load_moe_layer(ckpt, spec, 0, 0, 8);
+  double sumsq = 0;
+  for (float v : w.router_weight) sumsq += double(v) * v;
+  EXPECT_NEAR(std::sqrt(sumsq / double(w.router_weight.size())) * 16.0, 1.0, 0.06);  // 2048 samples
+  for (float b : w.router_bias) EXPECT_LT(std::fabs(b), 0.3f);                      // 6 sigma of N(0, 0.05^2)
+}
+
+TEST(RandomWeights, DeterministicAndIndependentOfSubsetAndSharding) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = small_spec();
+  write_random_weights(spec, {.seed = 11, .max_shard_bytes = 300000}, (dir / "a").string());
+  write_random_weights(spec, {.seed = 11, .max_shard_bytes = 300000}, (dir / "b").string());
+  write_random_weights(spec, {.seed = 11}, (dir / "one_file").string());
+  write_random_weights(spec, {.first_layer = 1, .num_layers = 1, .first_expert = 5, .num_experts = 2, .seed = 11},
+                       (dir / "subset").string());
+  write_random_weights(spec, {.num_layers = 1, .seed = 12}, (dir / "other_seed").string());
+
+  for (const auto& entry : fs::directory_iterator(dir / "a"))
+    EXPECT_EQ(read_file(entry.path()), read_file(dir / "b" / entry.path().filename())) << entry.path();
+
+  const Checkpoint a = Checkpoint::open((dir / "a").string());
+  auto same_as_a = [&](const Checkpoint& c) {
+    for (const auto& name : c.tensor_names()) {
+      const TensorInfo& info = c.info(name);
+      auto x = c.bytes(name, info.dtype, info.shape);
+      auto y = a.bytes(name, info.dtype, info.shape);
+      ASSERT_EQ(x.size(), y.size()) << name;
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size()), 0) << name;
+    }
+  };
+  const Checkpoint one = Checkpoint::open((dir / "one_file").string());
+  EXPECT_EQ(one.tensor_names(), a.tensor_names());
+  same_as_a(one);
+  const Checkpoint subset = Checkpoint::open((dir / "subset").string());
+  // router, bias, 2 experts and the shared MLP, 3 matrices each with scales.
+  EXPECT_EQ(subset.tensor_names().size(), 2u + 3 * 3 * 2);
+  EXPECT_TRUE(subset.contains(expert_weight_name(1, 6, "down_proj")));
+  EXPECT_FALSE(subset.contains(expert_weight_name(1, 4, "down_proj")));
+  EXPECT_FALSE(subset.contains(router_weight_name(0)));
+  same_as_a(subset);
+  // The subset loads as the local experts [5, 7).
+  EXPECT_NO_THROW(load_moe_layer(subset, spec, 1, 5, 2));
+  expect_error([&] { load_moe_layer(subset, spec, 1, 4, 2); }, {"tensor 'model.layers.1.mlp.experts.4.gate_proj.weight' not found"});
+
+  const Checkpoint other = Checkpoint::open((dir / "other_seed").string());
+  const std::string g = expert_weight_name(0, 0, "gate_proj");
+  const int64_t shape[] = {128, 256};
+  EXPECT_NE(std::memcmp(other.bytes(g, Dtype::kF8E4M3, shape).data(), a.bytes(g, Dtype::kF8E4M3, shape).data(), 128 * 256), 0);
+}
+
+TEST(RandomWeights, ShapesThatAreNotMultiplesOf128) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = odd_spec();
+  write_random_weights(spec, {.seed = 5}, dir.string());
+  const Checkpoint ckpt = Checkpoint::open(dir.string());
+  const std::string gate = expert_weight_name(0, 1, "gate_proj"), down = expert_weight_name(0, 1, "down_proj");
+  EXPECT_EQ(ckpt.info(gate).shape, (std::vector<int64_t>{72, 200}));
+  EXPECT_EQ(ckpt.info(scale_inv_name(gate)).shape, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(ckpt.info(scale_inv_name(down)).shape, (std::vector<int64_t>{2, 1}));
+  EXPECT_FALSE(ckpt.contains(router_bias_name(0)));  // softmax router: no bias
+  // A partial block [72 rows, 72 columns] has its own scale: its largest magnitude is 448 too.
+  auto q = ckpt.bytes(gate, Dtype::kF8E4M3, ckpt.info(gate).shape);
+  float amax = 0;
+  for (int r = 0; r < 72; ++r)
+    for (int c = 128; c < 200; ++c) amax = std::max(amax, std::fabs(fp8_e4m3_to_float(q[size_t(r * 200 + c)])));
+  EXPECT_EQ(amax, 448.0f);
+  expect_error([&] { load_moe_layer(ckpt, spec, 0, 0, 2); }, {"hidden_size = 200 is not a multiple of 128"});
+}
+
+TEST(LoadMoeLayer, BadCheckpointsAreClearErrors) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = small_spec();
+  write_random_weights(spec, {.num_layers = 1, .seed = 1, .max_shard_bytes = 200000}, (dir / "gen").string());
+  const Checkpoint gen = Checkpoint::open((dir / "gen").string());
+  EXPECT_NO_THROW(load_moe_layer(gen, spec, 0, 0, 8));
+
+  auto variant = [&](const std::string& file, const std::function<std::optional<TensorDecl>(const std::string&)>& edit,
+                     const std::vector<uint8_t>& bytes = {}) {
+    const fs::path p = dir / file;
+    rewrite_checkpoint(gen, p, edit, bytes);
+    return Checkpoint::open(p.string());
+  };
+  const std::string up3 = expert_weight_name(0, 3, "up_proj"), gate1 = expert_weight_name(0, 1, "gate_proj"),
+                    down2s = scale_inv_name(expert_weight_name(0, 2, "down_proj"));
+  using D = std::optional<TensorDecl>;
+
+  const Checkpoint missing = variant("missing.safetensors", [&](const std::string& n) { return n == up3 ? D(TensorDecl{}) : D(); });
+  expect_error([&] { load_moe_layer(missing, spec, 0, 0, 8); },
+               {"tensor 'model.layers.0.mlp.experts.3.up_proj.weight' not found in checkpoint '" + (dir / "missing.safetensors").string() + "'"});
+  EXPECT_NO_THROW(load_moe_layer(missing, spec, 0, 4, 4));  // experts that are all there
+
+  const Checkpoint shape = variant(
+      "shape.safetensors", [&](const std::string& n) { return n == gate1 ? D(TensorDecl{gate1, Dtype::kF8E4M3, {128, 384}}) : D(); },
+      std::vector<uint8_t>(128 * 384));
+  expect_error([&] { load_moe_layer(shape, spec, 0, 0, 8); },
+               {"tensor 'model.layers.0.mlp.experts.1.gate_proj.weight' in '" + (dir / "shape.safetensors").string() +
+                "': expected dtype F8_E4M3 shape [128, 256], got F8_E4M3 [128, 384]"});
+
+  const Checkpoint dtype = variant(
+      "dtype.safetensors", [&](const std::string& n) { return n == down2s ? D(TensorDecl{down2s, Dtype::kBF16, {2, 1}}) : D(); },
+      std::vector<uint8_t>(4));
+  expect_error([&] { load_moe_layer(dtype, spec, 0, 0, 8); },
+               {"tensor '" + down2s + "' in '", "expected dtype F32 shape [2, 1], got BF16 [2, 1]"});
+
+  const std::string router = router_weight_name(0);
+  const Checkpoint f16 = variant(
+      "f16.safetensors", [&](const std::string& n) { return n == router ? D(TensorDecl{router, Dtype::kF16, {8, 256}}) : D(); },
+      std::vector<uint8_t>(8 * 256 * 2));
+  expect_error([&] { load_moe_layer(f16, spec, 0, 0, 8); },
+               {"tensor 'model.layers.0.mlp.gate.weight' in '", "expected dtype BF16 or F32 shape [8, 256], got F16 [8, 256]"});
+
+  // An F32 router is read as it is: 0.5 * i.
+  std::vector<float> f32_router(8 * 256);
+  for (size_t i = 0; i < f32_router.size(); ++i) f32_router[i] = 0.5f * float(i);
+  const Checkpoint f32 = variant(
+      "f32.safetensors", [&](const std::string& n) { return n == router ? D(TensorDecl{router, Dtype::kF32, {8, 256}}) : D(); },
+      std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(f32_router.data()),
+                           reinterpret_cast<const uint8_t*>(f32_router.data() + f32_router.size())));
+  EXPECT_EQ(load_moe_layer(f32, spec, 0, 0, 8).router_weight, f32_router);
+
+  const std::string bias = router_bias_name(0);
+  const Checkpoint no_bias = variant("no_bias.safetensors", [&](const std::string& n) { return n == bias ? D(TensorDecl{}) : D(); });
+  expect_error([&] { load_moe_layer(no_bias, spec, 0, 0, 8); }, {"tensor 'model.layers.0.mlp.gate.e_score_correction_bias' not found"});
+  ModelSpec softmax = spec;
+  softmax.router.scoring = "softmax";
+  EXPECT_TRUE(load_moe_layer(no_bias, softmax, 0, 0, 8).router_bias.empty());
+
+  const std::string gate5s = scale_inv_name(expert_weight_name(0, 5, "gate_proj"));
+  std::vector<float> nan_scales = {0.01f, std::nanf("")};
+  const Checkpoint nan = variant(
+      "nan.safetensors", [&](const std::string& n) { return n == gate5s ? D(TensorDecl{gate5s, Dtype::kF32, {1, 2}}) : D(); },
+      std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(nan_scales.data()), reinterpret_cast<const uint8_t*>(nan_scales.data() + 2)));
+  expect_error([&] { load_moe_layer(nan, spec, 0, 0, 8); }, {"tensor '" + gate5s + "'", "block [0, 1] holds nan, expected a finite positive scale"});
+
+  expect_error([&] { load_moe_layer(gen, spec, 1, 0, 8); }, {"tensor 'model.layers.1.mlp.experts.0.gate_proj.weight' not found in checkpoint"});
+  expect_error([&] { load_moe_layer(gen, spec, 0, 6, 3); }, {"experts [6, 9) must be a non-empty range inside [0, 8)"});
+  expect_error([&] { load_moe_layer(gen, spec, 0, 0, 0); }, {"experts [0, 0)"});
+  expect_error([&] { load_moe_layer(gen, load_model_spec("llama-3-70b"), 0, 0, 1); }, {"is dense"});
+  ModelSpec bigger = spec;
+  bigger.hidden_size = 384;
+  expect_error([&] { load_moe_layer(gen, bigger, 0, 0, 8); }, {"expected dtype F8_E4M3 shape [128, 384], got F8_E4M3 [128, 256]"});
+
+  // A truncated shard: the error names the file and says so.
+  const fs::path shard = dir / "gen" / "model-00002-of-00005.safetensors";
+  ASSERT_TRUE(fs::exists(shard));
+  fs::resize_file(shard, fs::file_size(shard) - 1000);
+  const Checkpoint cut = Checkpoint::open((dir / "gen").string());
+  expect_error([&] { load_moe_layer(cut, spec, 0, 0, 8); }, {shard.string(), "truncated"});
+}
+
+// ---- cross-checks against the safetensors package ----
+
+TEST(PythonInterop, PackageWritesMoekitReads) {
+  const fs::path p = test_dir() / "python.safetensors";
+  RUN_PYTHON(r, "write-basic " + quoted(p));
+  const SafetensorsFile f = SafetensorsFile::open(p.string());
+  EXPECT_EQ(f.metadata(), (std::map<std::string, std::string>{{"origin", "python"}, {"format", "pt"}}));
+  EXPECT_EQ(f.tensors().size(), 5u);
+  const int64_t s37[] = {3, 7}, s23[] = {2, 3}, s5[] = {5}, s2[] = {2}, s04[] = {0, 4};
+  auto fp8 = f.bytes("fp8", Dtype::kF8E4M3, s37);
+  for (size_t i = 0; i < 21; ++i) EXPECT_EQ(fp8[i], uint8_t((37 * i + 5) % 256)) << i;
+  auto f32 = f.bytes("f32", Dtype::kF32, s23);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(f32_at(f32, i), 0.25f * float(i) - 1.0f) << i;
+  auto bf16 = f.bytes("bf16", Dtype::kBF16, s5);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(u16_at(bf16, i), 0x3F80 + i) << i;
+  auto i64 = f.bytes("i64", Dtype::kI64, s2);
+  int64_t v[2];
+  std::memcpy(v, i64.data(), 16);
+  EXPECT_EQ(v[0], -3);
+  EXPECT_EQ(v[1], int64_t(1) << 40);
+  EXPECT_EQ(f.bytes("empty", Dtype::kF32, s04).size(), 0u);
+}
+
+TEST(PythonInterop, MoekitWritesPackageReads) {
+  const fs::path p = test_dir() / "moekit.safetensors";
+  std::vector<uint8_t> fp8(21);
+  for (size_t i = 0; i < fp8.size(); ++i) fp8[i] = uint8_t((37 * i + 5) % 256);
+  std::vector<float> f32(6);
+  for (size_t i = 0; i < f32.size(); ++i) f32[i] = 0.25f * float(i) - 1.0f;
+  std::vector<uint16_t> bf16(5);
+  for (size_t i = 0; i < bf16.size(); ++i) bf16[i] = uint16_t(0x3F80 + i);
+  const std::vector<int64_t> i64 = {-3, int64_t(1) << 40};
+  const double scalar = 2.5;
+  auto bytes = [](const auto* data, size_t n) { return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(data), n); };
+  const std::vector<TensorData> tensors = {{{"fp8", Dtype::kF8E4M3, {3, 7}}, fp8},
+                                           {{"f32", Dtype::kF32, {2, 3}}, bytes(f32.data(), 24)},
+                                           {{"bf16", Dtype::kBF16, {5}}, bytes(bf16.data(), 10)},
+                                           {{"i64", Dtype::kI64, {2}}, bytes(i64.data(), 16)},
+                                           {{"empty", Dtype::kF32, {0, 4}}, {}},
+                                           {{"scalar", Dtype::kF64, {}}, bytes(&scalar, 8)}};
+  write_safetensors(p.string(), tensors, {{"origin", "moekit"}, {"format", "pt"}});
+  RUN_PYTHON(r, "check-basic " + quoted(p));
+  EXPECT_NE(r.output.find("OK: 6 tensors checked"), std::string::npos) << r.output;
+}
+
+// A DeepSeek-style layer written by the package (two shards and an index, values by formula, see
+// the script) loads into the fused layout with every value where the convention says.
+TEST(PythonInterop, DeepSeekCheckpointFromThePackageLoads) {
+  const fs::path dir = test_dir();
+  const int layer = 3, num_experts = 4, hidden = 256, inter = 128, shared_inter = 128;
+  RUN_PYTHON(r, fmt::format("write-deepseek {} {} {} {} {} {}", quoted(dir), layer, num_experts, hidden, inter, shared_inter));
+  ModelSpec spec = small_spec();
+  spec.num_routed_experts = num_experts;
+  const Checkpoint ckpt = Checkpoint::open(dir.string());
+  const MoeLayerWeights w = load_moe_layer(ckpt, spec, layer, 1, 2);
+
+  auto weight = [&](int64_t r, int64_t c, int e, int p) { return uint8_t((31 * r + 7 * c + 13 * e + 101 * p + layer) % 256); };
+  auto scale = [&](int64_t rb, int64_t cb, int e, int p) { return float(1 + 4 * rb + cb + 16 * e + 64 * p) / 1024.0f; };
+  // W1 row n of local expert i: gate row n (p = 0) below inter, up row n - inter (p = 1) above.
+  auto check_mlp = [&](const ExpertWeights& w1, const ExpertWeights& w2, int i, int e, int mlp_inter) {
+    for (int n = 0; n < 2 * mlp_inter; ++n) {
+      const int p = n < mlp_inter ? 0 : 1, row = n % mlp_inter;
+      for (int k = 0; k < hidden; ++k) ASSERT_EQ(w1.w[w1.layout.w_offset(i, n) + k], weight(row, k, e, p)) << e << " " << n << " " << k;
+      for (int k = 0; k < hidden; k += 128) ASSERT_EQ(w1.scales[w1.layout.scale_offset(i, n, k)], scale(row / 128, k / 128, e, p));
+    }
+    for (int n = 0; n < hidden; ++n) {
+      for (int k = 0; k < mlp_inter; ++k) ASSERT_EQ(w2.w[w2.layout.w_offset(i, n) + k], weight(n, k, e, 2)) << e << " " << n << " " << k;
+      for (int k = 0; k < mlp_inter; k += 128) ASSERT_EQ(w2.scales[w2.layout.scale_offset(i, n, k)], scale(n / 128, k / 128, e, 2));
+    }
+  };
+  check_mlp(w.w1, w.w2, 0, 1, inter);
+  check_mlp(w.w1, w.w2, 1, 2, inter);
+  ASSERT_TRUE(w.has_shared_experts());
+  check_mlp(w.shared_w1, w.shared_w2, 0, 99, shared_inter);
+  for (int e = 0; e < num_experts; ++e) {
+    for (int i = 0; i < hidden; ++i)
+      ASSERT_EQ(w.router_weight[size_t(e * hidden + i)], bf16_to_float(uint16_t(0x0100 + (e * hidden + i) % 0x3E00)));
+    EXPECT_EQ(w.router_bias[size_t(e)], 0.125f * float(e) - 0.25f);
+  }
+  EXPECT_NO_THROW(load_moe_layer(ckpt, spec, layer, 0, num_experts));
+  expect_error([&] { load_moe_layer(ckpt, spec, 2, 0, 1); }, {"tensor 'model.layers.2.mlp.experts.0.gate_proj.weight' not found"});
+}
+
+// The package reads moekit's generated checkpoints (index, shards, every tensor) and its own
+// dequantisation of each fp8 matrix agrees with moekit's.
+TEST(PythonInterop, GeneratedCheckpointsReadByThePackage) {
+  const fs::path dir = test_dir();
+  for (const ModelSpec& spec : {small_spec(), odd_spec()}) {
+    SCOPED_TRACE(spec.name);
+    const fs::path out = dir / spec.name;
+    write_random_weights(spec, {.seed = 21, .max_shard_bytes = 250000}, out.string());
+    RUN_PYTHON(r, "summarize " + quoted(out));
+    const auto summary = nlohmann::json::parse(r.output);
+    const Checkpoint ckpt = Checkpoint::open(out.string());
+    ASSERT_EQ(summary.size(), ckpt.tensor_names().size());
+    for (const auto& name : ckpt.tensor_names()) {
+      ASSERT_TRUE(summary.contains(name)) << name;
+      const auto& s = summary[name];
+      const TensorInfo& info = ckpt.info(name);
+      EXPECT_EQ(s["dtype"], dtype_name(info.dtype)) << name;
+      EXPECT_EQ(s["shape"].get<std::vector<int64_t>>(), info.shape) << name;
+      std::vector<double> values;
+      auto bytes = ckpt.bytes(name, info.dtype, info.shape);
+      if (info.dtype == Dtype::kF8E4M3) {
+        values = dequantized(ckpt, name);
+      } else if (info.dtype == Dtype::kBF16) {
+        for (size_t i = 0; i < bytes.size() / 2; ++i) values.push_back(bf16_to_float(u16_at(bytes, i)));
+      } else {
+        for (size_t i = 0; i < bytes.size() / 4; ++i) values.push_back(f32_at(bytes, i));
+      }
+      double sum = 0, sumsq = 0, sumabs = 0;
+      for (double v : values) {
+        sum += v;
+        sumsq += v * v;
+        sumabs += std::fabs(v);
+      }
+      // Both sums are float64 over the same exact values, in different orders.
+      EXPECT_NEAR(s["sum"].get<double>(), sum, 1e-12 * sumabs + 1e-300) << name;
+      EXPECT_NEAR(s["sumsq"].get<double>(), sumsq, 1e-12 * sumsq + 1e-300) << name;
+      EXPECT_GT(sumsq, 0.0) << name;
+    }
+  }
+}
