@@ -214,4 +214,8 @@ std::unique_ptr<EpBuffer> connect_ep(const EpConfig& config, const EpProcessGrou
 // timeout_s; stragglers are killed). NCCL_NVLS_ENABLE=0 is set in every child.
 int launch_ranks(int num_ranks, double timeout_s, int (*body)(const EpProcessGroup& group, void* arg), void* arg);
 
+// The number of CUDA devices, asked in a short-lived child process so that the caller's process
+// stays free of CUDA state and may still fork ranks.
+int count_devices_in_child();
+
 }  // namespace moekit::gpu

@@ -31,19 +31,6 @@ constexpr int kMaxSlots = 8192;     // per-slot counters live in shared memory
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-EpSizes ep_sizes(const EpConfig& c) {
-  EpSizes z{};
-  const size_t d = size_t(c.hidden), k = size_t(c.topk);
-  z.msg_scale_off = d;
-  z.msg_meta_off = d + 4 * size_t(c.k_blocks());
-  z.msg_bytes = align16(z.msg_meta_off + 4 + 8 * k);
-  z.dispatch_header_bytes = kEpFlagBytes + align16(4 * size_t(c.slots_per_rank()));
-  z.dispatch_inbox_bytes = z.dispatch_header_bytes + size_t(c.max_tokens) * z.msg_bytes;
-  z.combine_inbox_bytes = kEpFlagBytes + size_t(c.max_tokens) * 2 * d;
-  z.symmetric_bytes = 2 * size_t(c.num_ranks) * (z.dispatch_inbox_bytes + z.combine_inbox_bytes);
-  return z;
-}
-
 // The private allocation, region by region (offsets are 256-byte aligned).
 struct PrivateLayout {
   size_t counters, status, route_ranks, recv_msgs, map_token, map_rows, map_w;
@@ -98,6 +85,19 @@ const char* phase_name(int phase) {
 }
 
 }  // namespace
+
+EpSizes ep_sizes(const EpConfig& c) {
+  EpSizes z{};
+  const size_t d = size_t(c.hidden), k = size_t(c.topk);
+  z.msg_scale_off = d;
+  z.msg_meta_off = d + 4 * size_t(c.k_blocks());
+  z.msg_bytes = align16(z.msg_meta_off + 4 + 8 * k);
+  z.dispatch_header_bytes = kEpFlagBytes + align16(4 * size_t(c.slots_per_rank()));
+  z.dispatch_inbox_bytes = z.dispatch_header_bytes + size_t(c.max_tokens) * z.msg_bytes;
+  z.combine_inbox_bytes = kEpFlagBytes + size_t(c.max_tokens) * 2 * d;
+  z.symmetric_bytes = 2 * size_t(c.num_ranks) * (z.dispatch_inbox_bytes + z.combine_inbox_bytes);
+  return z;
+}
 
 int64_t EpConfig::worst_case_rows() const {
   const int64_t per_token = std::min(topk, slots_per_rank());

@@ -99,8 +99,10 @@ struct EpSizes {
   size_t msg_bytes, msg_scale_off, msg_meta_off;
   size_t dispatch_header_bytes, dispatch_inbox_bytes, combine_inbox_bytes;
   size_t symmetric_bytes;
-  size_t state_bytes;
 };
+
+struct EpConfig;
+EpSizes ep_sizes(const EpConfig& config);  // ep_buffer.cu
 
 // What a transport does on the stream right after a send kernel: nothing for transports whose
 // kernels write straight into peers' memory; grouped ncclSend/ncclRecv of the inboxes for `nccl`.
