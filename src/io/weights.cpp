@@ -327,18 +327,28 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
   const int num_experts = o.num_experts < 0 ? spec.num_routed_experts - o.first_expert : o.num_experts;
   const std::vector<GenItem> items = plan_items(spec, o, num_layers, num_experts);
   // Items are drawn in parallel (each from its own seed, so the bytes do not depend on the
-  // thread count) and written in order; at most `workers` items are held at a time.
+  // thread count) and written in order. A batch holds at most `workers` items and, beyond its
+  // first, at most kDrawBudgetBytes of drawing buffers (fp32 values plus fp8 codes).
   const size_t workers = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16);
+  constexpr uint64_t kDrawBudgetBytes = uint64_t(1) << 30;
+  auto draw_bytes = [](const GenItem& item) { return item.tensors[0].num_bytes() / dtype_size(item.tensors[0].dtype) * 5; };
+  // An index left from an earlier run must not describe a half-written directory.
+  const fs::path index_path = fs::path(dir) / kIndexFileName;
+  fs::remove(index_path, ec);
   size_t next_item = 0;
   uint64_t done = 0;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   for (const WeightShard& s : plan.shards) {
     SafetensorsWriter w((fs::path(dir) / s.file_name).string(), s.tensors, metadata);
     for (size_t t = 0; t < s.tensors.size();) {
-      std::vector<size_t> batch;  // the next items of this shard, at most `workers`
+      std::vector<size_t> batch;  // the next items of this shard
+      uint64_t batch_bytes = 0;
       for (size_t tt = t; tt < s.tensors.size() && batch.size() < workers;) {
+        const GenItem& item = items[next_item + batch.size()];
+        if (!batch.empty() && batch_bytes + draw_bytes(item) > kDrawBudgetBytes) break;
         batch.push_back(next_item + batch.size());
-        tt += items[batch.back()].tensors.size();
+        batch_bytes += draw_bytes(item);
+        tt += item.tensors.size();
       }
       std::vector<std::vector<std::vector<uint8_t>>> drawn(batch.size());
       std::vector<std::exception_ptr> errors(batch.size());
@@ -367,10 +377,14 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
     w.finish();
   }
   nlohmann::ordered_json index = {{"metadata", {{"total_size", plan.tensor_bytes}}}, {"weight_map", weight_map}};
-  const fs::path index_path = fs::path(dir) / kIndexFileName;
-  std::ofstream out(index_path);
-  out << index.dump(2) << "\n";
-  MOEKIT_CHECK(out.good(), fmt::format("random weights: cannot write '{}'", index_path.string()));
+  const fs::path tmp_path = index_path.string() + ".tmp";
+  {
+    std::ofstream out(tmp_path);
+    out << index.dump(2) << "\n";
+    MOEKIT_CHECK(out.good(), fmt::format("random weights: cannot write '{}'", tmp_path.string()));
+  }
+  fs::rename(tmp_path, index_path, ec);
+  MOEKIT_CHECK(!ec, fmt::format("random weights: cannot rename '{}' to '{}': {}", tmp_path.string(), index_path.string(), ec.message()));
   return plan;
 }
 
