@@ -169,4 +169,10 @@ TEST(Quant, BadInputIsAnError) {
   x[5] = NAN;
   x[5] = INFINITY;
   EXPECT_THROW(quantize_row_fp8(x.data(), 256, q.data(), s.data(), 1), Error);
+  std::vector<float> m(128 * 256, 0.5f), ms(2, -1.0f);
+  std::vector<uint8_t> mq(m.size(), 0x55);
+  m[127 * 256 + 200] = NAN;  // in the last block: the first must not be written either
+  EXPECT_THROW(quantize_blocks_fp8(m.data(), 128, 256, mq.data(), ms.data()), Error);
+  for (uint8_t v : mq) ASSERT_EQ(v, 0x55);
+  EXPECT_EQ(ms[0], -1.0f);
 }

@@ -30,17 +30,19 @@ void quantize_row_fp8(const float* x, int k, uint8_t* q, float* scales, int64_t 
 void quantize_blocks_fp8(const float* x, int rows, int cols, uint8_t* q, float* scales) {
   MOEKIT_CHECK(rows > 0 && rows % kQuantBlock == 0 && cols > 0 && cols % kQuantBlock == 0,
                fmt::format("quantize_blocks_fp8: shape [{}, {}] must be positive multiples of 128", rows, cols));
+  // Check the whole matrix first, so that bad input writes nothing.
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      float v = x[size_t(r) * cols + c];
+      MOEKIT_CHECK(std::isfinite(v), fmt::format("quantize_blocks_fp8: x[{}, {}] = {} is not finite", r, c, v));
+    }
   const int col_blocks = cols / kQuantBlock;
   for (int rb = 0; rb < rows / kQuantBlock; ++rb)
     for (int cb = 0; cb < col_blocks; ++cb) {
       float amax = 0.0f;
       for (int r = 0; r < kQuantBlock; ++r)
-        for (int c = 0; c < kQuantBlock; ++c) {
-          float v = x[size_t(rb * kQuantBlock + r) * cols + cb * kQuantBlock + c];
-          MOEKIT_CHECK(std::isfinite(v), fmt::format("quantize_blocks_fp8: x[{}, {}] = {} is not finite",
-                                                     rb * kQuantBlock + r, cb * kQuantBlock + c, v));
-          amax = std::max(amax, std::fabs(v));
-        }
+        for (int c = 0; c < kQuantBlock; ++c)
+          amax = std::max(amax, std::fabs(x[size_t(rb * kQuantBlock + r) * cols + cb * kQuantBlock + c]));
       float scale = std::max(amax, kMinAmax) / kFp8Max;
       scales[size_t(rb) * col_blocks + cb] = scale;
       for (int r = 0; r < kQuantBlock; ++r)
