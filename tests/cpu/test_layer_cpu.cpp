@@ -3,6 +3,7 @@
 // both protocols, with and without redundant experts; FP8 payloads, scales and expert outputs the
 // same bits as one rank; the distinct-target count equal to the simulator's on the same routing;
 // bad input rejected.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +14,8 @@
 #include <set>
 #include <random>
 #include <tuple>
+
+#include <unistd.h>
 
 #include "moekit/bf16.h"
 #include "moekit/check.h"
@@ -52,7 +55,8 @@ constexpr int kTokens = 48;  // B, all ranks together
 // The model, its checkpoint written once by the generator and loaded back, and B random tokens.
 struct Fixture {
   ModelSpec model = parse_model_spec(kModelJson, "test");
-  fs::path dir = fs::path(MOEKIT_BINARY_DIR) / "test_layer_cpu_weights";
+  // One directory per process: ctest runs the cases of this file as parallel processes.
+  fs::path dir = fs::path(MOEKIT_BINARY_DIR) / fmt::format("test_layer_cpu_weights.{}", getpid());
   MoeLayerWeights weights;
   std::vector<uint16_t> x;  // [B, d] bf16
 
@@ -66,6 +70,10 @@ struct Fixture {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     x.resize(size_t(kTokens) * model.hidden_size);
     for (auto& v : x) v = float_to_bf16(normal(rng));
+  }
+  ~Fixture() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
   }
 };
 
@@ -174,7 +182,7 @@ const LayerRun& one_rank_reference() {
 std::string layer_case_name(const ::testing::TestParamInfo<std::tuple<int, EpProtocol, bool>>& info) {
   const int p = std::get<0>(info.param);
   const bool low_latency = std::get<1>(info.param) == EpProtocol::kLowLatency, redundant = std::get<2>(info.param);
-  return "P" + std::to_string(p) + (low_latency ? "_LowLatency" : "_Normal") + (redundant ? "_Redundant" : "");
+  return fmt::format("P{}_{}{}", p, low_latency ? "LowLatency" : "Normal", redundant ? "_Redundant" : "");
 }
 
 class LayerRanks : public ::testing::TestWithParam<std::tuple<int, EpProtocol, bool>> {};
@@ -325,7 +333,7 @@ TEST(Layer, BadInputIsRejected) {
 // The loader refuses a truncated shard and a checkpoint that does not match the spec.
 TEST(Layer, BadCheckpointIsRejected) {
   const Fixture& f = fixture();
-  const fs::path dir = fs::path(MOEKIT_BINARY_DIR) / "test_layer_cpu_truncated";
+  const fs::path dir = fs::path(MOEKIT_BINARY_DIR) / fmt::format("test_layer_cpu_truncated.{}", getpid());
   fs::remove_all(dir);
   fs::copy(f.dir, dir);
   fs::path shard;
