@@ -124,13 +124,16 @@ struct MigrationResult {
 
 // Given the `current` placement and new loads, find a placement whose worst-layer
 // balancedness is >= (1 - tolerance) x that of a fresh rebalance(), moving few replicas.
-// Per layer it keeps the current placement if it already meets the target; else it repairs
+// With per_layer_target (the default) every layer l also keeps balancedness >= (1 -
+// tolerance) x the fresh layer's: a step sums the layers' times, so letting good layers
+// sink to the worst layer's figure would slow the step; without it only the worst layer is
+// held (fewer moves). Per layer it keeps the current placement if it already meets the target; else it repairs
 // it greedily (swaps between GPUs, re-purposing a surplus replica), choosing the move that
 // removes the most load above the target cap per replica moved; it falls back to the fresh
 // placement, relabelled node-to-node and GPU-to-GPU for the most overlap, where that moves
 // fewer replicas or the repair gets stuck. Hierarchical placements keep groups inside nodes.
 MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>>& weight, const Placement& current,
-                                           double tolerance = 0.01);
+                                           double tolerance = 0.01, bool per_layer_target = true);
 
 // ---- Replica choice per token --------------------------------------------------------------
 

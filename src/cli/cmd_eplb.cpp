@@ -23,6 +23,7 @@ struct EplbArgs {
   double tolerance = 0.01;
   uint64_t seed = 0;
   bool json_stdout = false;
+  bool worst_layer = false;
 };
 
 template <class T>
@@ -73,7 +74,7 @@ void run(const EplbArgs& a) {
   std::optional<MigrationResult> migration;
   std::optional<DualResult> dual;
   if (current) {
-    migration = rebalance_with_fewer_moves(weight, *current, a.tolerance);
+    migration = rebalance_with_fewer_moves(weight, *current, a.tolerance, !a.worst_layer);
     placement = migration->placement;
   } else if (trace) {
     dual = rebalance_dual(*trace, a.slots, a.groups, a.nodes, a.gpus, a.seed);
@@ -113,6 +114,7 @@ void run(const EplbArgs& a) {
   j["bytes_moved"] = migration && bytes_per_expert ? json(*bytes_per_expert * migration->replicas_moved) : json(nullptr);
   if (migration)
     j["migration"] = {{"tolerance", a.tolerance},
+                      {"target", a.worst_layer ? "worst-layer" : "per-layer"},
                       {"target_balancedness", migration->target_balancedness},
                       {"fresh_worst_balancedness", migration->fresh_worst_balancedness},
                       {"fresh_replicas_moved", migration->fresh_replicas_moved},
@@ -160,10 +162,11 @@ void run(const EplbArgs& a) {
         return bytes_per_expert ? fmt::format("{:.2f} GB", n * *bytes_per_expert / 1e9) : std::string("n/a (--model)");
       };
       fmt::print("moves: {} replicas, {} (a fresh rebalance: {} replicas, {}); worst layer {:.4f} vs fresh {:.4f}, "
-                 "target {:.4f} (tolerance {})\n",
+                 "target {:.4f} (tolerance {}, {})\n",
                  migration->replicas_moved, bytes(migration->replicas_moved), migration->fresh_replicas_moved,
                  bytes(migration->fresh_replicas_moved), migration->worst_balancedness,
-                 migration->fresh_worst_balancedness, migration->target_balancedness, a.tolerance);
+                 migration->fresh_worst_balancedness, migration->target_balancedness, a.tolerance,
+                 a.worst_layer ? "worst layer only" : "every layer");
     }
     if (dual)
       fmt::print("dual loads (S = max/mean; * = balancing both): worse of rows/recv, worst layer: {:.3f} by counts "
@@ -195,6 +198,8 @@ void add_eplb_command(CLI::App& app) {
   cmd->add_option("--current", a.current, "current placement JSON: move as few replicas as possible");
   cmd->add_option("--tolerance", a.tolerance, "with --current: worst-layer balancedness may trail a fresh rebalance "
                                               "by this fraction (default 0.01)");
+  cmd->add_flag("--worst-layer", a.worst_layer, "with --current: hold only the worst layer to the tolerance, not every "
+                                                "layer (fewer moves, slower good layers)");
   cmd->add_option("--model", a.model, "model spec (name or JSON) for the bytes of one expert");
   cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)");
   cmd->add_option("--out", a.out, "write the placement JSON to this file");

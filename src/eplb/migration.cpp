@@ -321,7 +321,7 @@ std::vector<int32_t> regroup(const int32_t* old, const std::vector<int>& target,
 }  // namespace
 
 MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>>& weight, const Placement& current,
-                                           double tolerance) {
+                                           double tolerance, bool per_layer_target) {
   MOEKIT_CHECK(tolerance >= 0 && tolerance < 1,
                fmt::format("rebalance_with_fewer_moves: tolerance = {} must be in [0, 1)", tolerance));
   validate_rebalance_args(weight, current.num_slots, current.num_groups, current.num_nodes, current.num_gpus);
@@ -343,8 +343,13 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
   for (int l = 0; l < current.num_layers; ++l) {
     const int32_t* old = current.phy2log_row(l);
     const double total = std::accumulate(weight[l].begin(), weight[l].end(), 0.0);
-    // A layer may sit anywhere at or above the target: the worst layer sets the step time.
-    const double cap = r.target_balancedness > 0 ? total / G / r.target_balancedness : 0.0;
+    // Each layer's busiest GPU sets that layer's time and a step sums the layers, so by default
+    // every layer stays within the tolerance of its fresh balancedness; with a worst-layer
+    // target a layer may fall to the fresh worst layer's figure.
+    const double layer_target = per_layer_target
+                                    ? (1.0 - tolerance) * fresh_report.balancedness_after[l]
+                                    : r.target_balancedness;
+    const double cap = layer_target > 0 ? total / G / layer_target : 0.0;
 
     // The fresh layer as is, or relabelled for overlap (greedy matching, so check both).
     std::vector<int32_t> best(fresh.phy2log_row(l), fresh.phy2log_row(l) + S);
