@@ -202,7 +202,7 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
     // First-improvement descent on swaps between the GPU with the largest normalised load and
     // the others (its node only when hierarchical), coolest partners first. The pair budget
     // bounds the time on long traces.
-    int64_t budget = 400 * routing.num_pairs() + 100000;
+    int64_t budget = 100 * routing.num_pairs() + 100000;
     bool improved = true;
     while (improved && budget > 0) {
       improved = false;
