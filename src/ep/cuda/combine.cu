@@ -1,6 +1,7 @@
 // The combine kernels (both modes).
 //
-// combine_send: for each message this rank received (the map dispatch_recv wrote), the weighted
+// combine_send: for each message this rank received (the map dispatch_recv wrote, one warp per
+// message), the weighted
 // sum of its local experts' output rows in top-k order, in fp32 with explicit round-to-nearest
 // multiply and add (no FMA contraction, so the bits match the CPU reference's `acc += w * y`),
 // rounded once to bf16 and written into the source's combine inbox at the source token's row;
@@ -32,13 +33,16 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
 }
 
-__global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, const uint16_t* y) {
+// One warp per received message; each lane sums kUnroll 8-wide chunks at a time, so that many
+// independent loads of y are in flight.
+__global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, const uint16_t* __restrict__ y) {
+  constexpr int kUnroll = 4;
   extern __shared__ int smem[];
   int* src_start = smem;  // [P + 1]
-  __shared__ int rows[kEpMaxTopk];
-  __shared__ float weights[kEpMaxTopk];
-  __shared__ int token;
+  __shared__ int warp_rows[kEpThreads / 32][kEpMaxTopk];
+  __shared__ float warp_w[kEpThreads / 32][kEpMaxTopk];
   const int P = a.num_ranks, k = a.topk;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const unsigned step = current_step(a, kPhaseCombineSend);
   const int parity = int(step) & a.parity_mask;
   if (threadIdx.x == 0) {
@@ -46,32 +50,45 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
     for (int s = 0; s < P; ++s) src_start[s + 1] = src_start[s] + a.recv_msgs[s];
   }
   __syncthreads();
-  const int num_msgs = src_start[P];
-  for (int g = blockIdx.x; g < num_msgs; g += gridDim.x) {
+  const int num_msgs = src_start[P], num_chunks = a.hidden / 8;
+  int* rows = warp_rows[warp];
+  float* weights = warp_w[warp];
+  for (int g = blockIdx.x * warps + warp; g < num_msgs; g += gridDim.x * warps) {
     int s = 0;
     while (src_start[s + 1] <= g) ++s;
     const size_t item = size_t(s) * a.max_tokens + (g - src_start[s]);
-    if (threadIdx.x < k) {
-      rows[threadIdx.x] = a.map_rows[item * k + threadIdx.x];
-      weights[threadIdx.x] = a.map_w[item * k + threadIdx.x];
+    if (lane < k) {
+      rows[lane] = a.map_rows[item * k + lane];
+      weights[lane] = a.map_w[item * k + lane];
     }
-    if (threadIdx.x == 0) token = a.map_token[item];
-    __syncthreads();
+    const int token = a.map_token[item];
+    __syncwarp();
     uint4* dst = reinterpret_cast<uint4*>(a.combine_outbox(parity, s) + kEpFlagBytes + size_t(token) * a.hidden * 2);
-    for (int c = threadIdx.x; c < a.hidden / 8; c += blockDim.x) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
+      float acc[kUnroll][8] = {};
       for (int i = 0; i < k; ++i) {
         const int row = rows[i];
         if (row < 0) continue;
-        float v[8];
-        unpack8(reinterpret_cast<const uint4*>(y + size_t(row) * a.hidden)[c], v);
+        const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(row) * a.hidden);
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + 32 * u < num_chunks) v[u] = __ldg(yr + c0 + 32 * u);
         const float w = weights[i];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, v[q]));
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u >= num_chunks) continue;
+          float f[8];
+          unpack8(v[u], f);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, f[q]));
+        }
       }
-      dst[c] = pack8(acc);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c0 + 32 * u < num_chunks) dst[c0 + 32 * u] = pack8(acc[u]);
     }
-    __syncthreads();
+    __syncwarp();
   }
   if (finish_cta(a, kPhaseCombineSend)) {
     for (int s = threadIdx.x; s < P; s += blockDim.x)
@@ -99,13 +116,22 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
     for (int c = threadIdx.x; c < a.hidden / 8; c += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (add) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc);
-      for (int i = 0; i < k && ranks[i] >= 0; ++i) {
-        const uint4* part =
-            reinterpret_cast<const uint4*>(a.combine_inbox(parity, ranks[i]) + kEpFlagBytes + size_t(t) * a.hidden * 2);
-        float v[8];
-        unpack8(__ldcg(part + c), v);
+      // Four ranks' partials loaded before any is added (the adds stay in ascending rank order).
+      for (int i = 0; i < k && ranks[i] >= 0; i += 4) {
+        uint4 part[4];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], v[q]);
+        for (int u = 0; u < 4; ++u)
+          if (i + u < k && ranks[i + u] >= 0)
+            part[u] = __ldcg(reinterpret_cast<const uint4*>(a.combine_inbox(parity, ranks[i + u]) + kEpFlagBytes +
+                                                            size_t(t) * a.hidden * 2) + c);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (i + u >= k || ranks[i + u] < 0) continue;
+          float v[8];
+          unpack8(part[u], v);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], v[q]);
+        }
       }
       reinterpret_cast<uint4*>(out + size_t(t) * a.hidden)[c] = pack8(acc);
     }

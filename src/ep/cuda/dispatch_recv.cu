@@ -6,7 +6,7 @@
 // headers: base[e][s] = rows of local expert e from sources < s (the canonical order of
 // layout.h: by source rank, then source token) and, for the contiguous layout, the padded
 // segment starts. A row's index is then base + the position the sender computed, so the
-// copies need no atomics and no scan, and any CTA may copy any message.
+// copies need no atomics and no scan, and any warp may copy any message.
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
@@ -23,9 +23,9 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   int* src_start = base + E * P;    // [P + 1]: prefix of message counts
   int* seg = src_start + P + 1;     // [E + 1]: contiguous segment starts, seg[E] = M_total
   int* expert_rows = seg + E + 1;   // [E]: real rows per local expert
+  int* pad_start = expert_rows + E; // [E + 1]: contiguous: prefix of padding rows per segment
   __shared__ int ok;
-  __shared__ int rows[kEpMaxTopk];
-  __shared__ int token;
+  __shared__ int warp_rows[kEpThreads / 32][kEpMaxTopk];
 
   const unsigned step = current_step(a, kPhaseDispatchRecv);
   const int parity = int(step) & a.parity_mask;
@@ -59,8 +59,11 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       src_start[0] = 0;
       for (int s = 0; s < P; ++s) src_start[s + 1] += src_start[s];
       seg[0] = 0;
-      for (int e = 0; e < E; ++e)
+      pad_start[0] = 0;
+      for (int e = 0; e < E; ++e) {
         seg[e + 1] = seg[e] + (kContiguous ? (expert_rows[e] + a.block_m - 1) / a.block_m * a.block_m : 0);
+        pad_start[e + 1] = pad_start[e] + (kContiguous ? seg[e + 1] - seg[e] - expert_rows[e] : 0);
+      }
     }
     __syncthreads();
     const int total_rows = seg[E];
@@ -74,72 +77,84 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
     }
 
     if (kContiguous) {
-      // Rows that no message fills: padding inside a segment (zero payload and scales, as the
-      // reference writes) and the tail past M_total; both get expert -1 and source -1.
-      const int kb_count = a.hidden / kQuantBlock;
-      for (int r = blockIdx.x; r < a.max_rows; r += gridDim.x) {
-        int lo = 0, hi = E;  // last segment with seg[e] <= r
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (seg[mid] <= r) lo = mid; else hi = mid;
+      // Rows that no message fills get expert -1 and source -1: padding inside a segment and the
+      // tail past M_total (one thread per row). Padding rows also get a zero payload and zero
+      // scales, as the reference writes (one warp per padding row).
+      const int stride = gridDim.x * blockDim.x;
+      for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < a.max_rows; r += stride) {
+        bool real = false;
+        if (fits && r < total_rows) {
+          int lo = 0, hi = E;  // the last segment with seg[e] <= r
+          while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (seg[mid] <= r) lo = mid; else hi = mid;
+          }
+          real = r < seg[lo] + expert_rows[lo];
         }
-        const bool real = fits && r < total_rows && r < seg[lo] + expert_rows[lo];
-        if (real) continue;
-        if (threadIdx.x == 0) {
+        if (!real) {
           a.row_expert[r] = -1;
           a.recv_src[r] = -1;
         }
-        if (fits && r < total_rows) {
-          uint4* dst = reinterpret_cast<uint4*>(a.recv_x + size_t(r) * a.hidden);
-          for (int c = threadIdx.x; c < a.hidden / 16; c += blockDim.x) dst[c] = make_uint4(0, 0, 0, 0);
-          for (int kb = threadIdx.x; kb < kb_count; kb += blockDim.x) a.recv_scales[size_t(kb) * a.max_rows + r] = 0.0f;
-        }
+      }
+      const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+      const int kb_count = a.hidden / kQuantBlock;
+      for (int p = blockIdx.x * warps + (threadIdx.x >> 5); fits && p < pad_start[E]; p += gridDim.x * warps) {
+        int e = 0;
+        while (pad_start[e + 1] <= p) ++e;
+        const int r = seg[e] + expert_rows[e] + (p - pad_start[e]);
+        uint4* dst = reinterpret_cast<uint4*>(a.recv_x + size_t(r) * a.hidden);
+        for (int c = lane; c < a.hidden / 16; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
+        for (int kb = lane; kb < kb_count; kb += 32) a.recv_scales[size_t(kb) * a.max_rows + r] = 0.0f;
       }
     }
 
+    // One warp per message: a message is a few KB, so many in flight at once beat one CTA
+    // walking them in turn.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int* rows = warp_rows[warp];
     const int num_msgs = fits ? src_start[P] : 0;
-    for (int g = blockIdx.x; g < num_msgs; g += gridDim.x) {
+    const int kb_count = a.hidden / kQuantBlock, num_chunks = a.hidden / 16;
+    for (int g = blockIdx.x * warps + warp; g < num_msgs; g += gridDim.x * warps) {
       int s = 0;
       while (src_start[s + 1] <= g) ++s;
       const int j = g - src_start[s];
       const uint8_t* msg = a.dispatch_inbox(parity, s) + a.dispatch_header_bytes + size_t(j) * a.msg_bytes;
       const int* meta = reinterpret_cast<const int*>(msg + a.msg_meta_off);
       const size_t item = size_t(s) * a.max_tokens + j;
-      if (threadIdx.x == 0) {
-        token = __ldcg(meta);
-        a.map_token[item] = token;
-      }
-      __syncthreads();
-      if (threadIdx.x < k) {
-        const int code = __ldcg(meta + 1 + threadIdx.x);
-        const float w = __ldcg(reinterpret_cast<const float*>(meta + 1 + k) + threadIdx.x);
+      const int token = __ldcg(meta);
+      if (lane == 0) a.map_token[item] = token;
+      if (lane < k) {
+        const int code = __ldcg(meta + 1 + lane);
+        const float w = __ldcg(reinterpret_cast<const float*>(meta + 1 + k) + lane);
         int row = -1;
         if (code >= 0) {
           const int e = code >> 16;
           const int m = base[e * P + s] + (code & 0xFFFF);
-          if (kContiguous) {
-            row = seg[e] + m;
-            a.row_expert[row] = e;
-            a.recv_src[row] = s * a.max_tokens + token;
-          } else {
-            row = e * a.max_m + m;
-            a.recv_src[row] = s * a.max_tokens + token;
-          }
+          row = kContiguous ? seg[e] + m : e * a.max_m + m;
+          if (kContiguous) a.row_expert[row] = e;
+          a.recv_src[row] = s * a.max_tokens + token;
         }
-        rows[threadIdx.x] = row;
-        a.map_rows[item * k + threadIdx.x] = row;
-        a.map_w[item * k + threadIdx.x] = w;
+        rows[lane] = row;
+        a.map_rows[item * k + lane] = row;
+        a.map_w[item * k + lane] = w;
       }
-      __syncthreads();
+      __syncwarp();
+      // Two 16-byte chunks per lane per round, both loaded before any store.
       const uint4* src = reinterpret_cast<const uint4*>(msg);
-      for (int c = threadIdx.x; c < a.hidden / 16; c += blockDim.x) {
-        const uint4 v = __ldcg(src + c);
-        for (int i = 0; i < k; ++i)
-          if (rows[i] >= 0) *reinterpret_cast<uint4*>(a.recv_x + size_t(rows[i]) * a.hidden + size_t(c) * 16) = v;
+      for (int c = lane; c < num_chunks; c += 64) {
+        const bool second = c + 32 < num_chunks;
+        const uint4 v0 = __ldcg(src + c);
+        const uint4 v1 = second ? __ldcg(src + c + 32) : v0;
+        for (int i = 0; i < k; ++i) {
+          const int row = rows[i];
+          if (row < 0) continue;
+          uint4* dst = reinterpret_cast<uint4*>(a.recv_x + size_t(row) * a.hidden);
+          dst[c] = v0;
+          if (second) dst[c + 32] = v1;
+        }
       }
       const float* scales = reinterpret_cast<const float*>(msg + a.msg_scale_off);
-      const int kb_count = a.hidden / kQuantBlock;
-      for (int kb = threadIdx.x; kb < kb_count; kb += blockDim.x) {
+      for (int kb = lane; kb < kb_count; kb += 32) {
         const float sc = __ldcg(scales + kb);
         for (int i = 0; i < k; ++i) {
           const int row = rows[i];
@@ -152,7 +167,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
           }
         }
       }
-      __syncthreads();
+      __syncwarp();
     }
   }
 
@@ -163,7 +178,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
 
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream) {
   const int E = args.local_experts, P = args.num_ranks;
-  const size_t smem = sizeof(int) * (size_t(E) * P + P + 1 + E + 1 + E);
+  const size_t smem = sizeof(int) * (size_t(E) * P + P + 1 + E + 1 + E + E + 1);
   if (contiguous)
     dispatch_recv_kernel<true><<<num_ctas, kEpThreads, smem, stream>>>(args);
   else

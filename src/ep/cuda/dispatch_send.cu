@@ -3,8 +3,8 @@
 //
 // Message positions are deterministic without atomics on global memory: CTA c owns the tokens
 // [c*T/G, (c+1)*T/G) and first counts, over the tokens before its range, how many messages go to
-// each rank and how many rows go to each slot (shared-memory counters). Its thread 0 then walks
-// its own tokens in order, so token t's message lands at inbox position "messages to that rank
+// each rank and how many rows go to each slot (shared-memory counters). Its warp 0 then walks
+// its own tokens in order (one lane per top-k entry), so token t's message lands at inbox position "messages to that rank
 // from tokens < t", and each entry's row position is "rows of that slot from tokens < t": the
 // canonical order of layout.h, computed where the routing is known. The last CTA to finish
 // recounts the whole batch, writes each peer's per-expert counts into its inbox header and
@@ -19,25 +19,22 @@
 namespace moekit::gpu {
 namespace {
 
-// Counts, over tokens [t0, t1), rows per slot and messages per rank (entries that fail the
-// validity rule are skipped: every CTA applies the same rule, so all agree on positions).
+// Counts, over tokens [t0, t1), rows per slot and messages per rank. Each warp takes 32 / k tokens
+// at a time (one entry per lane); entries that fail the validity rule are skipped, and every CTA
+// applies the same rule, so all agree on positions.
 __device__ void count_tokens(const EpArgs& a, const int32_t* topk_idx, int t0, int t1, int* cnt_slot, int* cnt_rank) {
   for (int i = threadIdx.x; i < a.num_slots; i += blockDim.x) cnt_slot[i] = 0;
   for (int i = threadIdx.x; i < a.num_ranks; i += blockDim.x) cnt_rank[i] = 0;
   __syncthreads();
-  const int k = a.topk;
-  for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
-    const int32_t* row = topk_idx + size_t(t) * k;
-    for (int j = 0; j < k; ++j) {
-      const int s = entry_slot(row, j, a.num_slots);
-      if (s < 0) continue;
-      atomicAdd(&cnt_slot[s], 1);
-      const int r = s / a.local_experts;
-      bool first_on_rank = true;
-      for (int i = 0; i < j; ++i)
-        if (row[i] >= 0 && row[i] < a.num_slots && row[i] / a.local_experts == r) first_on_rank = false;
-      if (first_on_rank) atomicAdd(&cnt_rank[r], 1);
-    }
+  const int k = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int per_warp = 32 / k, group = lane / k, j = lane % k;
+  for (int first = t0 + warp * per_warp; first < t1; first += num_warps * per_warp) {
+    const int t = first + group;
+    const bool active = group < per_warp && t < t1;
+    const int slot = active ? topk_idx[size_t(t) * k + j] : -1;
+    const EntryInfo e = classify_entry(slot, active, group, a.num_slots, a.local_experts);
+    if (e.valid) atomicAdd(&cnt_slot[slot], 1);
+    if (e.first_on_rank) atomicAdd(&cnt_rank[e.rank], 1);
   }
   __syncthreads();
 }
@@ -51,45 +48,45 @@ struct TokenPlan {
   float entry_w[kEpMaxTopk];
 };
 
-// Thread 0: positions of token t's message(s) and rows, in token order; records bad entries.
+// Warp 0, lane j = entry j: positions of token t's messages and rows, in token order (the counters
+// hold the counts of all earlier tokens). Valid entries of a token have distinct slots and the
+// first entry per rank is unique, so no two lanes touch the same counter. Records bad entries.
 __device__ void plan_token(const EpArgs& a, const int32_t* topk_idx, const float* topk_weights, int t, int parity,
                            unsigned step, int* cnt_slot, int* cnt_rank, TokenPlan& p) {
-  const int k = a.topk;
-  const int32_t* row = topk_idx + size_t(t) * k;
-  p.num_targets = 0;
-  for (int j = 0; j < k; ++j) {
-    const int s = entry_slot(row, j, a.num_slots);
-    p.entry_rank[j] = -1;
-    p.entry_code[j] = -1;
-    p.entry_w[j] = 0.0f;
-    if (s == -2) record_fault(a, EpErrorKind::kBadSlot, kPhaseDispatchSend, -1, step, t, j, row[j]);
-    if (s == -3) record_fault(a, EpErrorKind::kDuplicateSlot, kPhaseDispatchSend, -1, step, t, j, row[j]);
-    if (s < 0) continue;
-    const int r = s / a.local_experts;
-    const float w = topk_weights[size_t(t) * k + j];
-    if (!isfinite(w)) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, j, 0);
-    p.entry_rank[j] = r;
-    p.entry_code[j] = ((s % a.local_experts) << 16) | cnt_slot[s]++;
-    p.entry_w[j] = w;
-    int i = 0;
-    while (i < p.num_targets && p.target_rank[i] != r) ++i;
-    if (i == p.num_targets) {
-      p.target_rank[i] = r;
-      p.target_msg[i] = a.dispatch_outbox(parity, r) + a.dispatch_header_bytes + size_t(cnt_rank[r]++) * a.msg_bytes;
-      ++p.num_targets;
-    }
+  const int k = a.topk, lane = threadIdx.x & 31;
+  const bool active = lane < k;
+  const int slot = active ? topk_idx[size_t(t) * k + lane] : -1;
+  const EntryInfo e = classify_entry(slot, active, 0, a.num_slots, a.local_experts);
+  if (e.fault) record_fault(a, EpErrorKind(e.fault), kPhaseDispatchSend, -1, step, t, lane, slot);
+  int code = -1;
+  float w = 0.0f;
+  if (e.valid) {
+    w = topk_weights[size_t(t) * k + lane];
+    if (!isfinite(w)) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, lane, 0);
+    code = ((slot % a.local_experts) << 16) | cnt_slot[slot]++;
   }
-  // The combine sums the partial results in ascending rank order.
-  int sorted[kEpMaxTopk];
-  for (int i = 0; i < p.num_targets; ++i) {
-    int v = p.target_rank[i], m = i;
-    while (m > 0 && sorted[m - 1] > v) {
-      sorted[m] = sorted[m - 1];
-      --m;
-    }
-    sorted[m] = v;
+  if (active) {
+    p.entry_rank[lane] = e.rank;
+    p.entry_code[lane] = code;
+    p.entry_w[lane] = w;
   }
-  for (int i = 0; i < k; ++i) a.route_ranks[size_t(t) * k + i] = i < p.num_targets ? sorted[i] : -1;
+  const unsigned leaders = __ballot_sync(0xFFFFFFFFu, e.first_on_rank);
+  if (e.first_on_rank) {
+    const int i = __popc(leaders & ((1u << lane) - 1));
+    p.target_rank[i] = e.rank;
+    p.target_msg[i] = a.dispatch_outbox(parity, e.rank) + a.dispatch_header_bytes + size_t(cnt_rank[e.rank]++) * a.msg_bytes;
+  }
+  // The combine sums the partial results in ascending rank order: a leader's place in that
+  // order is the number of leaders with a smaller rank.
+  int place = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int other = __shfl_sync(0xFFFFFFFFu, e.rank, i);
+    place += ((leaders >> i) & 1) && other < e.rank;
+  }
+  const int num_targets = __popc(leaders);
+  if (e.first_on_rank) a.route_ranks[size_t(t) * k + place] = e.rank;
+  if (active && lane >= num_targets) a.route_ranks[size_t(t) * k + lane] = -1;
+  if (lane == 0) p.num_targets = num_targets;
 }
 
 // All threads: 1x128 quantisation of token t (quant.h's rule: scale = max(amax, 1e-4) / 448,
@@ -154,7 +151,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
 
   count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
   for (int t = t_begin; t < t_end; ++t) {
-    if (threadIdx.x == 0) plan_token(a, topk_idx, topk_weights, t, parity, step, cnt_slot, cnt_rank, plan);
+    if (threadIdx.x < 32) plan_token(a, topk_idx, topk_weights, t, parity, step, cnt_slot, cnt_rank, plan);
     __syncthreads();
     if (threadIdx.x < plan.num_targets) {
       const int r = plan.target_rank[threadIdx.x];
@@ -177,7 +174,8 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
       const int r = i / a.local_experts;
       reinterpret_cast<int*>(a.dispatch_outbox(parity, r) + kEpFlagBytes)[i % a.local_experts] = cnt_slot[i];
     }
-    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();
     __syncthreads();
     for (int r = threadIdx.x; r < a.num_ranks; r += blockDim.x)
       st_release_sys(reinterpret_cast<uint64_t*>(a.dispatch_outbox(parity, r)),

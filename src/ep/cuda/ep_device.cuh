@@ -63,13 +63,15 @@ __device__ __forceinline__ unsigned current_step(const EpArgs& a, int phase) {
   return *reinterpret_cast<volatile unsigned*>(&a.ctr->step[phase]) + 1;
 }
 
-// Every CTA calls this once at its end (all threads). Returns true in the last CTA to finish,
-// after a fence that orders every CTA's earlier writes (system scope) before what it does next.
+// Every CTA calls this once at its end (all threads). Returns true in the last CTA to finish.
+// One system-scope fence per CTA, after the barrier, covers the whole CTA's earlier writes (the
+// barrier orders them before the fence); the last CTA fences again after it learns it is last,
+// so what it does next is ordered after every CTA's writes.
 __device__ __forceinline__ bool finish_cta(const EpArgs& a, int phase) {
   __shared__ int last;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     const unsigned prev = atomicAdd(&a.ctr->done[phase], 1u);
     last = prev == gridDim.x - 1;
     if (last) __threadfence_system();
@@ -82,15 +84,32 @@ __device__ __forceinline__ void advance_step(const EpArgs& a, int phase, unsigne
   a.ctr->done[phase] = 0;
 }
 
-// Top-k entry j of a token after the validity rule: the slot, -1 for "no expert", -2 for a slot
-// out of [-1, num_slots), -3 for a slot already taken by an earlier entry of the token.
-__device__ __forceinline__ int entry_slot(const int32_t* row, int j, int num_slots) {
-  const int v = row[j];
-  if (v == -1) return -1;
-  if (v < -1 || v >= num_slots) return -2;
-  for (int i = 0; i < j; ++i)
-    if (row[i] == v) return -3;
-  return v;
+// The validity rule for top-k entries, evaluated by a whole warp: lane = group * k + j holds
+// entry j of the group's token (several tokens per warp when k < 32). An entry is valid when its
+// slot is in [0, num_slots) and no earlier entry of the token has the same slot; -1 is "no expert".
+// first_on_rank marks the first valid entry of the token on its rank (that entry's lane sends the
+// message). Every lane of the warp must call it.
+struct EntryInfo {
+  bool valid;
+  bool first_on_rank;
+  int rank;   // slot / E_loc for valid entries, -1 otherwise
+  int fault;  // 0, or EpErrorKind::kBadSlot / kDuplicateSlot
+};
+__device__ __forceinline__ EntryInfo classify_entry(int slot, bool active, int group, int num_slots, int local_experts) {
+  const int lane = threadIdx.x & 31;
+  const unsigned earlier = (1u << lane) - 1;
+  const bool in_range = active && slot >= 0 && slot < num_slots;
+  const unsigned same_slot = __match_any_sync(0xFFFFFFFFu, in_range ? (group << 20) | slot : (1 << 30) | lane);
+  EntryInfo e;
+  e.valid = in_range && (same_slot & earlier) == 0;
+  e.rank = e.valid ? slot / local_experts : -1;
+  const unsigned same_rank = __match_any_sync(0xFFFFFFFFu, e.valid ? (group << 20) | e.rank : (1 << 30) | lane);
+  e.first_on_rank = e.valid && (same_rank & earlier) == 0;
+  e.fault = !active || slot == -1 ? 0
+            : !in_range           ? int(EpErrorKind::kBadSlot)
+            : !e.valid            ? int(EpErrorKind::kDuplicateSlot)
+                                  : 0;
+  return e;
 }
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
