@@ -3,7 +3,8 @@
 // those of the CPU reference (ep_cpu.h); the GPU output equals it bit for bit (FP8 payload,
 // scales, recv_count, recv_src, row_expert) and the combine within BF16 rounding.
 //
-// One EpBuffer per rank. Every call is one kernel on the caller's stream: nothing allocates,
+// One EpBuffer per rank. Every call is one kernel on the caller's stream (plus, for the `nccl`
+// transport, the grouped send/receive after each send kernel): nothing allocates,
 // nothing synchronises with the host and no shape is read back, so a whole step (send, compute,
 // receive) is captured by one CUDA Graph and replayed. Step numbers live on the device.
 //
@@ -48,10 +49,11 @@
 // to the rank's device status word; the kernel then finishes without hanging, and check() turns
 // the record into a moekit::Error naming them. Host-side arguments (T > T_max, null pointers,
 // wrong mode, undersized symmetric memory) are rejected before any kernel runs. topk_idx lives on
-// the device, so its validation happens in the send kernel: a slot out of [-1, num_slots), a slot
-// repeated within a token, or a non-finite x or weight is skipped (never written out of bounds),
-// recorded in the status word with the token and the value, and reported by check(); the step
-// still completes, so peers are never left waiting. Callers with a host copy of topk_idx can call
+// the device, so its validation happens in the send kernel: an entry whose slot is out of
+// [-1, num_slots) or repeats an earlier slot of the token is skipped (never written out of
+// bounds), a non-finite x value or weight is delivered as is; each is recorded in the status word
+// with the token, the entry and the value, and reported by check(); the step still completes, so
+// peers are never left waiting. Callers with a host copy of topk_idx can call
 // validate_topk_idx() first to get the error before any kernel runs.
 #pragma once
 
