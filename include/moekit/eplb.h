@@ -122,16 +122,18 @@ struct MigrationResult {
   std::vector<int> replicas_moved_per_layer;
 };
 
-// Given the `current` placement and new loads, find a placement whose worst-layer
-// balancedness is >= (1 - tolerance) x that of a fresh rebalance(), moving few replicas.
-// With per_layer_target (the default) every layer l also keeps balancedness >= (1 -
-// tolerance) x the fresh layer's: a step sums the layers' times, so letting good layers
-// sink to the worst layer's figure would slow the step; without it only the worst layer is
-// held (fewer moves). Per layer it keeps the current placement if it already meets the target; else it repairs
-// it greedily (swaps between GPUs, re-purposing a surplus replica), choosing the move that
-// removes the most load above the target cap per replica moved; it falls back to the fresh
-// placement, relabelled node-to-node and GPU-to-GPU for the most overlap, where that moves
-// fewer replicas or the repair gets stuck. Hierarchical placements keep groups inside nodes.
+// Given the `current` placement (same shape and topology) and new loads, find a placement
+// whose worst-layer balancedness is >= (1 - tolerance) x that of a fresh rebalance(),
+// moving few replicas. With per_layer_target (the default) every layer l also keeps
+// balancedness >= (1 - tolerance) x the fresh layer's: a step sums the layers' times, so
+// letting good layers sink to the worst layer's figure would slow the step; without it only
+// the worst layer is held (fewer moves). Per layer, of the candidates that meet the target
+// it keeps the one copying the fewest replicas: the current layer unchanged; a greedy repair
+// of it (swaps between GPUs, re-purposing a surplus replica; each step takes the move that
+// removes the most load above the cap per replica copied); in hierarchical mode the same
+// repair after swapping a few groups between nodes; and the fresh layer, as is or relabelled
+// node-to-node and GPU-to-GPU for the most overlap. So it never moves more than a fresh
+// rebalance. Kept replicas stay in their slots; groups stay inside nodes when hierarchical.
 MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>>& weight, const Placement& current,
                                            double tolerance = 0.01, bool per_layer_target = true);
 
@@ -144,15 +146,16 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
 //   1. a replica of e on the token's own GPU if there is one (several: the hash below picks);
 //   2. else replica number hash(seed, first_token + t, e) mod replica_count[e] in log2phy
 //      order, which spreads a hot expert's off-GPU tokens evenly over its replicas.
-// The hash is splitmix64, so the result is a pure function of (placement, layer, topk_idx,
-// first_token, seed): every rank computes the same choice for the same token. topk_idx
-// entries equal to -1 (dropped) map to -1; any other id outside [0, E) is an Error.
-// `first_token` is the global index of topk_idx's first token when a rank maps only its own
-// tokens (then pass that rank's tokens with num_tokens = all tokens and `rank_tokens` below).
+// The hash is splitmix64 of (seed, global token index t, e), so the result is a pure
+// function of (placement, layer, topk_idx, seed): every rank computes the same choice for the
+// same token. topk_idx entries equal to -1 (dropped) map to -1; any other id outside [0, E)
+// is an Error, raised before any slot is written. The own-GPU preference means a replica
+// serves its GPU's tokens plus its share of the others, not exactly 1/replica_count.
 void choose_replicas(const Placement& placement, int layer, const int32_t* topk_idx, int num_tokens, int topk,
                      uint64_t seed, int32_t* topk_slot);
-// One rank's tokens: `num_local` tokens of rank `rank`, global ids first_token .. first_token +
-// num_local - 1. Gives the same slots as choose_replicas() over all tokens.
+// One rank's tokens, as the layer runtime maps them: `num_local` tokens living on GPU `rank`,
+// with global indices first_token .. first_token + num_local - 1 (the hash uses the global
+// index). Gives the same slots as choose_replicas() over all tokens of the step.
 void choose_replicas_for_rank(const Placement& placement, int layer, int rank, const int32_t* topk_idx,
                               int num_local, int topk, int64_t first_token, uint64_t seed, int32_t* topk_slot);
 
