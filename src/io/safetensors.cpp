@@ -288,7 +288,7 @@ void SafetensorsWriter::write(std::span<const uint8_t> data) {
   MOEKIT_CHECK(data.size() == t.num_bytes(),
                fmt::format("safetensors writer '{}': tensor '{}' dtype {} shape {} needs {} bytes, got {}", path_, t.name,
                            dtype_name(t.dtype), shape_string(t.shape), t.num_bytes(), data.size()));
-  MOEKIT_CHECK(std::fwrite(data.data(), 1, data.size(), file_) == data.size(),
+  MOEKIT_CHECK(data.empty() || std::fwrite(data.data(), 1, data.size(), file_) == data.size(),
                fmt::format("safetensors writer '{}': write of tensor '{}' failed: {}", tmp_path_, t.name, std::strerror(errno)));
   ++written_;
 }

@@ -104,7 +104,9 @@ TEST(Safetensors, WriteThenReadBitForBit) {
     EXPECT_EQ(info.shape, t.decl.shape) << t.decl.name;
     auto got = f.bytes(t.decl.name, t.decl.dtype, t.decl.shape);
     ASSERT_EQ(got.size(), t.data.size()) << t.decl.name;
-    EXPECT_EQ(std::memcmp(got.data(), t.data.data(), got.size()), 0) << t.decl.name;
+    if (!got.empty()) {  // an empty span may hold a null pointer, which memcmp must not see
+      EXPECT_EQ(std::memcmp(got.data(), t.data.data(), got.size()), 0) << t.decl.name;
+    }
   }
   EXPECT_EQ(f.info("scalar").num_elements(), 1);
   EXPECT_EQ(f.info("empty").num_elements(), 0);
