@@ -17,15 +17,19 @@ Differences from DeepEP, each because of what moekit's protocol does:
 - topk_idx holds physical slots (EPLB's replica choice already made), int32 or int64.
 - The receive tensors are the buffer's own, allocated once with the framework of the first x
   and overwritten by the next dispatch (DeepEP's buffers behave the same way).
-- CPU tensors only for now: ranks are threads, so either run each rank on its own thread
-  (`group.run(fn)`) or, on one thread, call every rank's send (return_recv_hook=True) before
-  any rank's hook.
+- device="cpu" (ranks are threads): run each rank on its own thread (`group.run(fn)`) or, on
+  one thread, call every rank's send (return_recv_hook=True) before any rank's hook.
+  device="cuda" (ep.h, P virtual ranks on the current GPU, low-latency mode): every call is a
+  kernel on PyTorch's current stream, so the whole step can be captured by torch.cuda.graph; on
+  one stream every rank's send must come before any rank's receive, hence
+  return_recv_hook=True is required there. `group.check()` synchronises and raises the faults a
+  kernel recorded (a timeout, a bad slot). The receive tensors are the group's device memory.
 """
 
 from concurrent.futures import ThreadPoolExecutor
 
 from . import _core
-from ._tensors import BF16, FP8, I32, dl, empty, empty_mn_major, shape_of
+from ._tensors import BF16, FP8, I32, _torch, dl, empty, empty_mn_major, shape_of, stream_of
 
 
 def run_ranks(num_ranks, fn):
@@ -51,10 +55,25 @@ class LocalGroup:
     rank r holds slots [r * E_loc, (r + 1) * E_loc). hidden is a multiple of 128."""
 
     def __init__(self, num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk,
-                 block_m=64, timeout_s=30.0):
-        self.core = _core.LocalEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
-                                       block_m, timeout_s)
+                 block_m=64, timeout_s=30.0, device="cpu"):
+        self.is_cuda = str(device).startswith("cuda")
+        if self.is_cuda:
+            if not hasattr(_core, "CudaEpGroup"):
+                raise ValueError("device='cuda': this moekit was built without CUDA")
+            self.core = _core.CudaEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
+                                          timeout_s)
+        else:
+            self.core = _core.LocalEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
+                                           block_m, timeout_s)
         self.buffers = [Buffer(self, r) for r in range(num_ranks)]
+
+    def check(self):
+        """CUDA: waits for the current stream and raises moekit.Error for any fault a rank's kernel
+        recorded (nothing to do on the CPU, where errors are raised by the calls themselves)."""
+        if self.is_cuda:
+            import torch
+            for r in range(self.num_ranks):
+                self.core.check(r, torch.cuda.current_stream().cuda_stream)
 
     @property
     def num_ranks(self):
@@ -88,6 +107,10 @@ class Buffer:
                 f"{num_experts} must be the group's ({core.max_tokens}, {core.num_slots})")
 
     def _receive_tensors(self, like):
+        if self._recv is None and self.group.is_cuda:
+            import torch
+            recv_x, recv_scales, recv_count, recv_src = self.group.core.outputs(self.rank)
+            self._recv = (recv_x.view(torch.float8_e4m3fn), recv_scales, recv_count, recv_src)
         if self._recv is None:
             core = self.group.core
             e, m, d = core.num_local_experts, core.max_m, core.hidden
@@ -111,12 +134,25 @@ class Buffer:
         self._check_sizes(num_max_dispatch_tokens_per_rank, num_experts)
         num_tokens = shape_of(x, "x")[0]
         recv_x, recv_scales, recv_count, recv_src = self._receive_tensors(x)
-        self.group.core.dispatch_send(self.rank, x, topk_idx, topk_weights)
+        core = self.group.core
+        if self.group.is_cuda:
+            if not return_recv_hook:
+                raise ValueError("device='cuda' runs every rank on one stream: pass return_recv_hook=True and call "
+                                 "the hooks after every rank has sent")
+            if topk_idx.dtype != _torch_int32():
+                topk_idx = topk_idx.to(_torch_int32())  # DeepEP's int64 indices; the kernels read int32
+            stream = stream_of(x)
+            core.dispatch_send(self.rank, x, topk_idx, topk_weights, stream)
+
+            def hook():
+                core.dispatch_recv(self.rank, stream_of(x))
+        else:
+            core.dispatch_send(self.rank, x, topk_idx, topk_weights)
+
+            def hook():
+                core.dispatch_recv(self.rank, dl(recv_x), recv_scales, recv_count, recv_src)
         self.step += 1
         handle = Handle(self.rank, self.step, num_tokens, recv_src)
-
-        def hook():
-            self.group.core.dispatch_recv(self.rank, dl(recv_x), recv_scales, recv_count, recv_src)
 
         if not return_recv_hook:
             hook()
@@ -135,10 +171,20 @@ class Buffer:
                              f"(the dispatch's), got {list(shape)}")
         if out is None:
             out = empty(x, (handle.num_tokens, self.group.core.hidden), BF16)
-        self.group.core.combine_send(self.rank, x)
+        core = self.group.core
+        if self.group.is_cuda:
+            if not return_recv_hook:
+                raise ValueError("device='cuda' runs every rank on one stream: pass return_recv_hook=True and call "
+                                 "the hooks after every rank has sent")
+            core.combine_send(self.rank, x, stream_of(x))
 
-        def hook():
-            self.group.core.combine_recv(self.rank, handle.num_tokens, add, out)
+            def hook():
+                core.combine_recv(self.rank, handle.num_tokens, add, out, stream_of(out))
+        else:
+            core.combine_send(self.rank, x)
+
+            def hook():
+                core.combine_recv(self.rank, handle.num_tokens, add, out)
 
         if not return_recv_hook:
             hook()
@@ -154,6 +200,8 @@ class Buffer:
             num_recv_tokens_per_expert_list, handle, event).
         Every rank must call it (each waits for its peers' counts), so use group.run()."""
         core = self.group.core
+        if self.group.is_cuda:
+            raise ValueError("normal mode on device='cuda' has no binding yet: use a CPU group")
         layout = core.normal_notify(self.rank, topk_idx)
         total_m, hidden = layout["total_m"], core.hidden
         recv_x, recv_scales = empty(x, (total_m, hidden), FP8), empty_mn_major(x, (total_m, hidden // 128))
@@ -181,6 +229,10 @@ class Buffer:
     def _check_handle(self, handle):
         if not isinstance(handle, Handle) or handle.rank != self.rank or handle.step != self.step:
             raise ValueError("handle must be the one returned by this rank's latest dispatch")
+
+
+def _torch_int32():
+    return _torch().int32
 
 
 def _done():

@@ -25,4 +25,7 @@ NB_MODULE(_core, m) {
   moekit::py::bind_gemm(m);
   moekit::py::bind_ep(m);
   moekit::py::bind_layer(m);
+#if defined(MOEKIT_WITH_CUDA)
+  moekit::py::bind_ep_cuda(m);
+#endif
 }

@@ -79,3 +79,81 @@ def test_quantisation_has_no_cuda_path_yet():
     x = torch.zeros((2, 128), device="cuda")
     with pytest.raises(ValueError, match="no CUDA path"):
         moekit.per_token_cast_to_fp8(x)
+
+
+# ---- Expert parallelism on the GPU (ep.h, `local` transport): equal to the CPU group bit for bit ----
+
+def _ep_step(group, put, xs, routing, ys):
+    """Every rank's dispatch (hooks after all sends), then every rank's combine, DeepEP's calls."""
+    from test_ep import SLOTS, T_MAX
+    sent = [b.low_latency_dispatch(put(xs[r], "bf16"), put(routing[r][0]), T_MAX, SLOTS, topk_weights=put(routing[r][1]),
+                                   return_recv_hook=True) for r, b in enumerate(group.buffers)]
+    for s in sent:
+        s[4]()
+    combined = [b.low_latency_combine(put(ys[r], "bf16"), put(routing[r][0]), put(routing[r][1]), sent[r][2],
+                                      return_recv_hook=True) for r, b in enumerate(group.buffers)]
+    for c in combined:
+        c[2]()
+    return sent, [c[0] for c in combined]
+
+
+def _ep_inputs(rng):
+    from test_ep import E_LOC, P, T_MAX, HIDDEN, _routing, _tokens
+    xs = [_tokens(r, T_MAX - r, rng) for r in range(P)]
+    routing = [_routing(rng, T_MAX - r) for r in range(P)]
+    ys = [moekit.float32_to_bf16(rng.integers(-8, 9, size=(E_LOC, P * T_MAX, HIDDEN)).astype(np.float32)) for _ in range(P)]
+    return xs, routing, ys
+
+
+def _compare_ep(cpu, gpu, cuda):
+    (c_sent, c_out), (g_sent, g_out) = cpu, gpu
+    for r in range(len(c_sent)):
+        count = np.asarray(c_sent[r][1])
+        np.testing.assert_array_equal(cuda.get(g_sent[r][1]), count)
+        for t_cpu, t_gpu in zip(c_sent[r][0] + (c_sent[r][2].recv_src,), g_sent[r][0] + (g_sent[r][2].recv_src,)):
+            a, b = np.asarray(t_cpu), cuda.get(t_gpu)
+            for e, m in enumerate(count):
+                np.testing.assert_array_equal(b[e, :m], a[e, :m])  # rows past recv_count are not written
+        np.testing.assert_array_equal(cuda.get(g_out[r]), np.asarray(c_out[r]))
+
+
+def test_ep_local_cuda_equals_cpu_and_replays_in_a_graph(rng):
+    from test_ep import HIDDEN, K, P, SLOTS, T_MAX
+    cuda = TorchBackend("cuda")
+    cpu_group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K)
+    gpu_group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda")
+    xs, routing, ys = _ep_inputs(rng)
+    gpu = _ep_step(gpu_group, cuda.put, xs, routing, ys)
+    gpu_group.check()
+    _compare_ep(_ep_step(cpu_group, lambda a, kind=None: a, xs, routing, ys), gpu, cuda)
+    pointers = [gpu[0][r][0][0].data_ptr() for r in range(P)]
+
+    # The same step captured once; the replay reads new tokens, routing and expert outputs.
+    inputs = [(cuda.put(xs[r], "bf16"), cuda.put(routing[r][0]), cuda.put(routing[r][1]), cuda.put(ys[r], "bf16"))
+              for r in range(P)]
+    keep = lambda t, kind=None: t  # noqa: E731 (inputs already on the GPU)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _ep_step(gpu_group, keep, [i[0] for i in inputs], [(i[1], i[2]) for i in inputs], [i[3] for i in inputs])
+    xs2, routing2, ys2 = _ep_inputs(np.random.default_rng(5))
+    for r in range(P):
+        inputs[r][0].copy_(cuda.put(xs2[r], "bf16"))
+        inputs[r][1].copy_(cuda.put(routing2[r][0]))
+        inputs[r][2].copy_(cuda.put(routing2[r][1]))
+        inputs[r][3].copy_(cuda.put(ys2[r], "bf16"))
+    graph.replay()
+    gpu_group.check()
+    _compare_ep(_ep_step(cpu_group, lambda a, kind=None: a, xs2, routing2, ys2), captured, cuda)
+    assert [captured[0][r][0][0].data_ptr() for r in range(P)] == pointers  # the group's own receive memory
+
+
+def test_ep_cuda_needs_the_hook():
+    from test_ep import HIDDEN, K, P, SLOTS, T_MAX
+    group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda")
+    x = torch.zeros((2, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device="cuda")
+    w = torch.ones((2, K), device="cuda")
+    with pytest.raises(ValueError, match="return_recv_hook=True"):
+        group.buffer(0).low_latency_dispatch(x, idx, T_MAX, SLOTS, topk_weights=w)
+    with pytest.raises(ValueError, match="must be on cuda"):
+        group.buffer(0).low_latency_dispatch(x.cpu(), idx.cpu(), T_MAX, SLOTS, topk_weights=w.cpu(), return_recv_hook=True)

@@ -1,0 +1,159 @@
+// Expert-parallel dispatch and combine on the GPU (ep.h), the `local` transport: P virtual ranks
+// of one process on one GPU, low-latency mode. Every call launches on the caller's stream and
+// returns at once (graph-capturable); the receive tensors are the ranks' own device memory,
+// handed to Python as PyTorch tensors over DLPack that keep the group alive (no copies).
+// On one stream every rank's send must come before any rank's receive (ep.h).
+#if defined(MOEKIT_WITH_CUDA)
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <vector>
+
+#include "bindings.h"
+#include "moekit/cuda_check.h"
+#include "moekit/ep.h"
+#include "tensor.h"
+
+namespace nb = nanobind;
+
+namespace moekit::py {
+
+namespace {
+
+struct GpuGroup {
+  int device = 0;
+  std::unique_ptr<gpu::EpLocalGroup> group;
+
+  gpu::EpBuffer& rank(int r) {
+    if (r < 0 || r >= group->num_ranks())
+      throw nb::value_error(fmt::format("rank = {}: expected 0..{}", r, group->num_ranks() - 1).c_str());
+    return group->rank(r);
+  }
+  const gpu::EpConfig& config() { return group->rank(0).config(); }
+};
+
+cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+void expect_on(const GpuGroup& g, std::initializer_list<const Tensor*> tensors) {
+  if (expect_same_device(tensors) != Device::kCuda || (*tensors.begin())->device_id != g.device)
+    throw nb::value_error(fmt::format("{} must be on cuda:{}, the group's GPU", (*tensors.begin())->name, g.device).c_str());
+}
+
+// A device array of the group as a PyTorch tensor (DLPack), owned by the group's Python object.
+nb::object device_tensor(nb::handle owner, const GpuGroup& g, void* data, std::vector<size_t> shape,
+                         std::vector<int64_t> strides, nb::dlpack::dtype dtype) {
+  nb::ndarray<nb::pytorch> a(data, shape.size(), shape.data(), owner, strides.data(), dtype, nb::device::cuda::value, g.device);
+  return nb::cast(a);
+}
+
+void gpu_group_init(GpuGroup* self, int num_ranks, int max_tokens, int hidden, int topk, int num_slots, double timeout_s) {
+  gpu::EpConfig c;
+  c.num_ranks = num_ranks;
+  c.max_tokens = max_tokens;
+  c.hidden = hidden;
+  c.topk = topk;
+  c.num_slots = num_slots;
+  c.mode = gpu::EpMode::kLowLatency;
+  c.timeout_s = timeout_s;
+  c.validate();
+  int device = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+  auto group = std::make_unique<gpu::EpLocalGroup>(c);
+  new (self) GpuGroup{device, std::move(group)};
+}
+
+void dispatch_send(GpuGroup& g, int rank, nb::handle x_obj, nb::handle idx_obj, nb::handle w_obj, uintptr_t stream) {
+  const gpu::EpConfig& c = g.config();
+  Tensor idx = take(idx_obj, "topk_idx", {DType::kInt32});
+  expect_shape(idx, {{-1, "num_tokens"}, {c.topk, "num_topk"}});
+  expect_contiguous(idx);
+  int64_t num_tokens = idx.dim(0);
+  if (num_tokens > c.max_tokens)
+    throw nb::value_error(fmt::format("topk_idx holds {} tokens, more than num_max_dispatch_tokens_per_rank = {}", num_tokens,
+                                      c.max_tokens)
+                              .c_str());
+  Tensor x = take(x_obj, "x", {DType::kBf16});
+  expect_shape(x, {{num_tokens, "num_tokens"}, {c.hidden, "hidden"}});
+  expect_contiguous(x);
+  Tensor w = take(w_obj, "topk_weights", {DType::kFloat32});
+  expect_shape(w, {{num_tokens, "num_tokens"}, {c.topk, "num_topk"}});
+  expect_contiguous(w);
+  expect_on(g, {&x, &idx, &w});
+  g.rank(rank).dispatch_send(x.ptr<uint16_t>(), idx.ptr<int32_t>(), w.ptr<float>(), int(num_tokens), as_stream(stream));
+}
+
+void combine_send(GpuGroup& g, int rank, nb::handle y_obj, uintptr_t stream) {
+  const gpu::EpConfig& c = g.config();
+  Tensor y = take(y_obj, "x", {DType::kBf16});
+  expect_shape(y, {{c.slots_per_rank(), "E_loc"}, {c.max_m(), "M_max"}, {c.hidden, "hidden"}});
+  expect_contiguous(y);
+  expect_on(g, {&y});
+  g.rank(rank).combine_send(y.ptr<uint16_t>(), as_stream(stream));
+}
+
+void combine_recv(GpuGroup& g, int rank, int num_tokens, nb::handle add_obj, nb::handle out_obj, uintptr_t stream) {
+  const gpu::EpConfig& c = g.config();
+  Tensor out = take(out_obj, "out", {DType::kBf16}, Access::kWrite);
+  expect_shape(out, {{num_tokens, "num_tokens"}, {c.hidden, "hidden"}});
+  expect_contiguous(out);
+  expect_on(g, {&out});
+  const uint16_t* add = nullptr;
+  Tensor add_t;
+  if (!add_obj.is_none()) {
+    add_t = take(add_obj, "add", {DType::kBf16});
+    expect_shape(add_t, {{num_tokens, "num_tokens"}, {c.hidden, "hidden"}});
+    expect_contiguous(add_t);
+    expect_on(g, {&add_t});
+    add = add_t.ptr<uint16_t>();
+  }
+  g.rank(rank).combine_recv(add, out.ptr<uint16_t>(), as_stream(stream));
+}
+
+// The receive tensors of one rank: recv_x [E_loc, M_max, d] uint8 (e4m3 bytes), recv_scales
+// [E_loc, M_max, d/128] MN-major, recv_count [E_loc], recv_src [E_loc, M_max].
+nb::tuple outputs(nb::handle self, int rank) {
+  GpuGroup& g = nb::cast<GpuGroup&>(self);
+  gpu::EpBuffer& b = g.rank(rank);
+  const gpu::EpConfig& c = b.config();
+  size_t e = size_t(c.slots_per_rank()), m = size_t(c.max_m()), d = size_t(c.hidden), kb = size_t(c.k_blocks());
+  auto u8 = nb::dtype<uint8_t>();
+  auto f32 = nb::dtype<float>();
+  auto i32 = nb::dtype<int32_t>();
+  return nb::make_tuple(
+      device_tensor(self, g, b.recv_x(), {e, m, d}, {int64_t(m * d), int64_t(d), 1}, u8),
+      device_tensor(self, g, b.recv_scales(), {e, m, kb}, {int64_t(kb * m), 1, int64_t(m)}, f32),
+      device_tensor(self, g, b.recv_count(), {e}, {1}, i32),
+      device_tensor(self, g, b.recv_src(), {e, m}, {int64_t(m), 1}, i32));
+}
+
+}  // namespace
+
+void bind_ep_cuda(nb::module_& m) {
+  nb::class_<GpuGroup>(m, "CudaEpGroup")
+      .def("__init__", &gpu_group_init, nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"),
+           nb::arg("num_slots"), nb::arg("timeout_s") = 30.0)
+      .def_prop_ro("num_ranks", [](GpuGroup& g) { return g.config().num_ranks; })
+      .def_prop_ro("max_tokens", [](GpuGroup& g) { return g.config().max_tokens; })
+      .def_prop_ro("hidden", [](GpuGroup& g) { return g.config().hidden; })
+      .def_prop_ro("topk", [](GpuGroup& g) { return g.config().topk; })
+      .def_prop_ro("num_slots", [](GpuGroup& g) { return g.config().num_slots; })
+      .def_prop_ro("num_local_experts", [](GpuGroup& g) { return g.config().slots_per_rank(); })
+      .def_prop_ro("max_m", [](GpuGroup& g) { return g.config().max_m(); })
+      .def_prop_ro("device", [](GpuGroup& g) { return g.device; })
+      .def("dispatch_send", &dispatch_send, nb::arg("rank"), nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
+           nb::arg("stream"))
+      .def("dispatch_recv", [](GpuGroup& g, int rank, uintptr_t stream) { g.rank(rank).dispatch_recv(as_stream(stream)); },
+           nb::arg("rank"), nb::arg("stream"))
+      .def("combine_send", &combine_send, nb::arg("rank"), nb::arg("x"), nb::arg("stream"))
+      .def("combine_recv", &combine_recv, nb::arg("rank"), nb::arg("num_tokens"), nb::arg("add").none(), nb::arg("out"),
+           nb::arg("stream"))
+      .def("outputs", &outputs, nb::arg("rank"))
+      .def("check", [](GpuGroup& g, int rank, uintptr_t stream) { g.rank(rank).check(as_stream(stream)); }, nb::arg("rank"),
+           nb::arg("stream"),
+           "Synchronises the stream and raises moekit.Error if a kernel of this rank recorded a fault (a timeout, a bad slot).");
+}
+
+}  // namespace moekit::py
+
+#endif  // MOEKIT_WITH_CUDA
