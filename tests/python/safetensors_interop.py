@@ -22,7 +22,7 @@ import sys
 try:
     import numpy as np
     import safetensors
-    from safetensors import TensorSpec, deserialize, safe_open, serialize_file
+    from safetensors import deserialize, safe_open, serialize_file
     from safetensors.numpy import save_file
 except ImportError as e:  # the C++ test turns this into a clear failure
     print(f"python3 ({sys.executable}) cannot import numpy/safetensors: {e}; "
@@ -35,9 +35,18 @@ def fail(msg):
     sys.exit(1)
 
 
+# NumPy has no fp8 or bf16 type, so safetensors.numpy cannot write them (it names the dtype after
+# the array's: uint8 would be written as U8). The package's own low-level serializer takes any
+# of its dtypes over raw bytes: a TensorSpec since safetensors 0.6, a dict before.
+TensorSpec = getattr(safetensors, "TensorSpec", None)
+
+
 def spec(dtype, arr):
-    """A TensorSpec over a contiguous numpy array holding the tensor's raw bytes."""
+    """The serializer's description of a tensor of `dtype` whose raw bytes are those of `arr`.
+    Returns it with the contiguous array, which must stay alive until the file is written."""
     arr = np.ascontiguousarray(arr)
+    if TensorSpec is None:
+        return {"dtype": dtype, "shape": list(arr.shape), "data": arr.tobytes()}, arr
     return TensorSpec(dtype=dtype, shape=list(arr.shape), data_ptr=arr.ctypes.data, data_len=arr.nbytes), arr
 
 
