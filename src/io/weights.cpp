@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <bit>
-#include <exception>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -93,8 +93,8 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-// A normal stream seeded by (seed, tensor name) alone, by Box-Muller over splitmix64: the same on
-// every platform, unlike std::normal_distribution.
+// A normal stream seeded by (seed, tensor name) alone, by Box-Muller over splitmix64: moekit's own
+// algorithm, where std::normal_distribution's differs between standard libraries.
 class NormalStream {
  public:
   NormalStream(uint64_t seed, std::string_view name) {
