@@ -87,6 +87,10 @@ void run_cpu(const RunOptions& o) {
                            E + o.redundant, P));
   MOEKIT_CHECK(o.protocol == "low-latency" || o.protocol == "normal",
                fmt::format("--protocol '{}': expected low-latency or normal", o.protocol));
+  // Checked here too so that no weights are written for a model the layer cannot run.
+  MOEKIT_CHECK(d % 128 == 0 && spec.moe_intermediate_size % 128 == 0,
+               fmt::format("--model {}: hidden_size {} and moe_intermediate_size {} must be multiples of 128 (the FP8 "
+                           "block size)", spec.name, d, spec.moe_intermediate_size));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);
   const bool tty = isatty(STDERR_FILENO) == 1 && !o.json;
@@ -106,6 +110,10 @@ void run_cpu(const RunOptions& o) {
     wo.first_layer = o.first_layer;
     wo.num_layers = o.layers;
     wo.seed = o.seed;
+    const uint64_t planned = plan_random_weights(spec, wo).file_bytes;
+    if (planned > (uint64_t(1) << 30))
+      fmt::print(stderr, "moekit run: writing {:.1f} GB of random weights to {} (pass --weights to reuse a checkpoint)\n",
+                 planned / 1e9, weights_dir);
     weight_bytes = write_random_weights(spec, wo, weights_dir, [&](uint64_t done, uint64_t total) {
                      if (tty) fmt::print(stderr, "\rwriting random weights: {:3d}% of {:.1f} MB\033[K", int(100 * done / total), total / 1e6);
                    }).tensor_bytes;
