@@ -14,8 +14,11 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, "build-py/python")  # the module built in this tree, when not pip-installed
-import moekit  # noqa: E402
+try:
+    import moekit
+except ImportError:  # not pip-installed: the module built in this tree
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "build-py" / "python"))
+    import moekit
 
 
 def main(argv=None):
@@ -78,7 +81,8 @@ def main(argv=None):
     for r, buf in enumerate(group.buffers):
         (recv_x, recv_scales), recv_count, handle, _, _, idx = sent[r]
         experts = [int(np.asarray(phy2log)[0][r * e_loc + i]) for i in range(e_loc)]
-        wa = [(w1q[0][experts], w1q[1][experts]), (w2q[0][experts], w2q[1][experts])]
+        raw = (lambda q: q.view(torch.uint8)) if torch is not None else (lambda q: q)  # fp8 as bytes to index
+        wa = [(raw(w1q[0])[experts], w1q[1][experts]), (raw(w2q[0])[experts], w2q[1][experts])]
         on = (lambda t: t.to(dev)) if torch is not None else (lambda t: t)
         a, a_s, m = on(recv_x), on(recv_scales), on(recv_count)
         gate_up = moekit.empty(a, (e_loc, P * T, 2 * inter), moekit._tensors.BF16)
