@@ -46,6 +46,14 @@ const float* row_as_float(const Tensor& x, int64_t row, std::vector<float>& buf)
   return buf.data();
 }
 
+// fn(row, scale_offset) for every row of a [..., M, K] tensor: its index among all rows, and where
+// its MN-major scales ([..., K/128, M], stride M) start.
+template <class F>
+void for_each_row(int64_t batches, int64_t m, int64_t kb, F&& fn) {
+  for (int64_t b = 0; b < batches; ++b)
+    for (int64_t r = 0; r < m; ++r) fn(b * m + r, b * kb * m + r);
+}
+
 void quantize_per_token(nb::handle x_obj, nb::handle q_obj, nb::handle scales_obj) {
   Tensor x = take(x_obj, "x", {DType::kFloat32, DType::kBf16});
   Tensor q = take(q_obj, "x_fp8", {DType::kFp8}, Access::kWrite);
@@ -61,11 +69,9 @@ void quantize_per_token(nb::handle x_obj, nb::handle q_obj, nb::handle scales_ob
   int64_t batches = x.numel() / (m * k);
   nb::gil_scoped_release release;
   std::vector<float> buf;
-  for (int64_t b = 0; b < batches; ++b)
-    for (int64_t r = 0; r < m; ++r) {
-      int64_t row = b * m + r;
-      quantize_row_fp8(row_as_float(x, row, buf), int(k), q.ptr<uint8_t>() + row * k, scales.ptr<float>() + b * kb * m + r, m);
-    }
+  for_each_row(batches, m, kb, [&](int64_t row, int64_t s) {
+    quantize_row_fp8(row_as_float(x, row, buf), int(k), q.ptr<uint8_t>() + row * k, scales.ptr<float>() + s, m);
+  });
 }
 
 void quantize_per_block(nb::handle w_obj, nb::handle q_obj, nb::handle scales_obj) {
@@ -109,11 +115,9 @@ void dequantize_per_token(nb::handle q_obj, nb::handle scales_obj, nb::handle ou
   if (expect_same_device({&q, &scales, &out}) == Device::kCuda) no_cuda_path("per_token_cast_back");
   int64_t batches = q.numel() / (m * k);
   nb::gil_scoped_release release;
-  for (int64_t b = 0; b < batches; ++b)
-    for (int64_t r = 0; r < m; ++r) {
-      int64_t row = b * m + r;
-      dequantize_row_fp8(q.ptr<uint8_t>() + row * k, scales.ptr<float>() + b * kb * m + r, m, int(k), out.ptr<float>() + row * k);
-    }
+  for_each_row(batches, m, kb, [&](int64_t row, int64_t s) {
+    dequantize_row_fp8(q.ptr<uint8_t>() + row * k, scales.ptr<float>() + s, m, int(k), out.ptr<float>() + row * k);
+  });
 }
 
 }  // namespace
