@@ -1,0 +1,301 @@
+// bench_layer: one MoE layer's decode step on one GPU acting as P EP ranks (the `local`
+// transport), against its floor measured in the same run.
+//
+//   bench_layer [--model deepseek-v3] [--ranks 8] [--batch 8,64,256,1024] [--iters 20] [--redundant 0]
+//               [--json FILE]
+//
+// Weights are random FP8 bytes of the real shapes made in memory (values are irrelevant to time;
+// the checkpoint generator would write GBs to disk first). Tokens are random; the model's router
+// chooses the experts. Per batch B (global, B/P tokens per rank): the whole step of all P ranks is
+// captured in one CUDA Graph and replayed `iters` times (median), the same step run eagerly, and
+// one eager step with CUDA events around every stage of every rank (summed over ranks).
+// Floor: the bytes of the experts that received tokens (all ranks' slots: they share this GPU)
+// over the device copy bandwidth measured here (read + write of a 2 GB buffer), next to the FP8
+// FLOPs over DESIGN.md's measured 1272 TFLOP/s; floor = the larger. "per rank" = time / P.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moekit/cuda_check.h"
+#include "moekit/eplb.h"
+#include "moekit/layer.h"
+#include "moekit/layer_cpu.h"
+#include "moekit/weights.h"
+
+using namespace moekit;
+
+namespace {
+
+constexpr double kFp8Flops = 1272e12;  // DESIGN.md, measured on the lent H200 (2026-11-29)
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Random finite e4m3 bytes of magnitude 2^-3 .. 2^2 (no NaN codes), filled on all cores.
+void fill_fp8(std::vector<uint8_t>& v, uint64_t seed) {
+  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < n; ++t)
+    pool.emplace_back([&, t] {
+      const size_t begin = v.size() * t / n, end = v.size() * (t + 1) / n;
+      for (size_t i = begin; i < end; i += 8) {
+        const uint64_t h = mix(seed ^ i);
+        for (size_t j = 0; j < 8 && i + j < end; ++j) {
+          const uint8_t b = uint8_t(h >> (8 * j));
+          v[i + j] = uint8_t((b & 0x80) | (0x30 + (b & 0x7F) % 0x28));
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+}
+
+ExpertWeights random_operand(int num_experts, int n, int k, uint64_t seed) {
+  ExpertWeights w;
+  w.layout = WeightLayout{num_experts, n, k};
+  w.w.resize(w.layout.w_elems());
+  fill_fp8(w.w, seed);
+  w.scales.assign(w.layout.scale_elems(), float(0.5 / std::sqrt(double(k))));
+  return w;
+}
+
+MoeLayerWeights random_layer(const ModelSpec& m) {
+  MoeLayerWeights w;
+  const int d = int(m.hidden_size), inter = int(m.moe_intermediate_size), E = m.num_routed_experts;
+  w.num_experts = E;
+  w.hidden_size = d;
+  w.intermediate_size = inter;
+  w.w1 = random_operand(E, 2 * inter, d, 1);
+  w.w2 = random_operand(E, d, inter, 2);
+  w.router_weight.resize(size_t(E) * d);
+  for (size_t i = 0; i < w.router_weight.size(); ++i)
+    w.router_weight[i] = float((double(mix(i + 3) >> 11) / 9007199254740992.0 - 0.5) * 3.4 / std::sqrt(double(d)));
+  if (m.router.scoring == "sigmoid") w.router_bias.assign(E, 0.0f);
+  const int shared_inter = int(m.num_shared_experts * m.shared_intermediate_size);
+  if (shared_inter > 0) {
+    w.shared_w1 = random_operand(1, 2 * shared_inter, d, 4);
+    w.shared_w2 = random_operand(1, d, shared_inter, 5);
+  }
+  return w;
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
+struct Row {
+  int batch = 0;
+  double graph_us = 0, eager_us = 0, floor_us = 0, mem_floor_us = 0, flop_floor_us = 0;
+  int hit_slots = 0;
+  int64_t rows = 0;
+  gpu::GpuStageTimes stages;  // summed over ranks, ms
+};
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string model_name = "deepseek-v3", batches = "8,64,256,1024", json_path;
+  int P = 8, iters = 20, redundant = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      MOEKIT_CHECK(i + 1 < argc, a + ": a value is missing");
+      return argv[++i];
+    };
+    if (a == "--model") model_name = next();
+    else if (a == "--ranks") P = std::stoi(next());
+    else if (a == "--batch") batches = next();
+    else if (a == "--iters") iters = std::stoi(next());
+    else if (a == "--redundant") redundant = std::stoi(next());
+    else if (a == "--json") json_path = next();
+    else throw Error("unknown argument '" + a + "'");
+  }
+  const ModelSpec model = load_model_spec(model_name);
+  const DeviceInfo dev = query_device();
+  const int d = int(model.hidden_size), inter = int(model.moe_intermediate_size), E = model.num_routed_experts;
+  std::printf("device: %s, %d SMs; model %s, P = %d virtual ranks, %d redundant slots\n", dev.name.c_str(),
+              dev.num_sms, model.name.c_str(), P, redundant);
+
+  // Copy bandwidth: a 2 GB device-to-device copy, read + write bytes over the time.
+  double copy_bw = 0;
+  {
+    const size_t bytes = size_t(1) << 31;
+    void *a = nullptr, *b = nullptr;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&a, bytes));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&b, bytes));
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    MOEKIT_CUDA_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    float best = 1e30f;
+    for (int i = 0; i < 5; ++i) {
+      cudaEventRecord(e0);
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+      cudaEventRecord(e1);
+      MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms;
+      cudaEventElapsedTime(&ms, e0, e1);
+      best = std::min(best, ms);
+    }
+    copy_bw = 2.0 * bytes / (best * 1e-3);
+    cudaFree(a);
+    cudaFree(b);
+    std::printf("copy bandwidth (read + write): %.2f TB/s\n", copy_bw / 1e12);
+  }
+
+  std::printf("generating random FP8 weights of one layer ...\n");
+  const MoeLayerWeights weights = random_layer(model);
+  const Placement placement = redundant > 0 ? balanced_placement(std::vector<double>(E, 1.0), redundant, P)
+                                            : identity_placement(E, P);
+  const size_t expert_bytes = size_t(3) * d * inter + size_t(3) * (d / 128) * (inter / 128) * 4;
+  const int shared_inter = int(model.num_shared_experts * model.shared_intermediate_size);
+
+  std::vector<Row> rows;
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int B : parse_list(batches)) {
+    const int t_max = (B + P - 1) / P;
+    auto first = [&](int r) { return (int64_t(r) * B + P - 1) / P; };
+    gpu::EpLocalGroup group(gpu::layer_ep_config(model, placement.num_slots, P, t_max, gpu::EpMode::kLowLatency));
+    gpu::GpuLayerConfig cfg;
+    cfg.max_tokens = t_max;
+    std::vector<std::unique_ptr<gpu::GpuMoeLayer>> layers;
+    std::vector<uint16_t*> x(P), out(P);
+    for (int r = 0; r < P; ++r) {
+      layers.push_back(std::make_unique<gpu::GpuMoeLayer>(model, weights, placement, 0, group.rank(r), cfg));
+      MOEKIT_CUDA_CHECK(cudaMalloc(&x[r], size_t(t_max) * d * 2));
+      MOEKIT_CUDA_CHECK(cudaMalloc(&out[r], size_t(t_max) * d * 2));
+      std::vector<uint16_t> h(size_t(t_max) * d);
+      for (size_t i = 0; i < h.size(); ++i) {
+        const float v = float((double(mix(i * 131 + r) >> 11) / 9007199254740992.0 - 0.5) * 3.4);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        h[i] = uint16_t(bits >> 16);
+      }
+      MOEKIT_CUDA_CHECK(cudaMemcpy(x[r], h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    }
+    auto issue = [&] {
+      for (int r = 0; r < P; ++r) layers[r]->dispatch(x[r], int(first(r + 1) - first(r)), first(r), stream);
+      for (int r = 0; r < P; ++r) layers[r]->compute(stream);
+      for (int r = 0; r < P; ++r) layers[r]->combine(out[r], stream);
+    };
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    auto time_us = [&](auto&& body) {
+      std::vector<float> t;
+      for (int i = 0; i < iters; ++i) {
+        cudaEventRecord(e0, stream);
+        body();
+        cudaEventRecord(e1, stream);
+        MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        t.push_back(ms);
+      }
+      std::sort(t.begin(), t.end());
+      return 1e3 * t[t.size() / 2];
+    };
+    Row row;
+    row.batch = B;
+    issue();  // warm-up
+    for (auto& l : layers) l->check(stream);
+    row.eager_us = time_us(issue);
+    for (auto& l : layers) l->set_timing(true);
+    issue();
+    for (auto& l : layers) {
+      const gpu::GpuStageTimes t = l->last_times();
+      row.stages.gate += t.gate;
+      row.stages.dispatch_send += t.dispatch_send;
+      row.stages.dispatch_recv += t.dispatch_recv;
+      row.stages.gemm1 += t.gemm1;
+      row.stages.activation += t.activation;
+      row.stages.gemm2 += t.gemm2;
+      row.stages.combine_send += t.combine_send;
+      row.stages.combine_recv += t.combine_recv;
+      l->set_timing(false);
+    }
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    issue();
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    row.graph_us = time_us([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+    for (auto& l : layers) l->check(stream);
+
+    // The floor of this routing: weights of the slots that received rows, plus the FLOPs.
+    for (int r = 0; r < P; ++r) {
+      std::vector<int32_t> count(layers[r]->num_local_experts());
+      MOEKIT_CUDA_CHECK(cudaMemcpy(count.data(), group.rank(r).recv_count(), count.size() * 4, cudaMemcpyDeviceToHost));
+      for (int c : count) {
+        row.hit_slots += c > 0;
+        row.rows += c;
+      }
+    }
+    const double bytes = double(row.hit_slots) * expert_bytes + (shared_inter > 0 ? 3.0 * d * shared_inter : 0.0);
+    const double flops = 2.0 * 3.0 * d * (double(row.rows) * inter + double(B) * shared_inter);
+    row.mem_floor_us = 1e6 * bytes / copy_bw;
+    row.flop_floor_us = 1e6 * flops / kFp8Flops;
+    row.floor_us = std::max(row.mem_floor_us, row.flop_floor_us);
+    rows.push_back(row);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    for (int r = 0; r < P; ++r) {
+      cudaFree(x[r]);
+      cudaFree(out[r]);
+    }
+  }
+
+  std::printf("\n%6s %8s %10s %10s %10s %10s %7s %9s %10s\n", "B", "hit", "graph us", "eager us", "floor us",
+              "per rank", "ratio", "tok/s", "rows");
+  for (const Row& r : rows)
+    std::printf("%6d %8d %10.1f %10.1f %10.1f %10.1f %7.2f %9.3g %10lld\n", r.batch, r.hit_slots, r.graph_us,
+                r.eager_us, r.floor_us, r.graph_us / P, r.graph_us / r.floor_us, r.batch / (r.graph_us * 1e-6),
+                (long long)r.rows);
+  std::printf("\nstages (eager, events, summed over the %d ranks, us):\n%6s %8s %8s %8s %8s %8s %8s %8s %8s\n", P, "B",
+              "gate", "send", "recv", "gemm1", "act", "gemm2", "c.send", "c.recv");
+  for (const Row& r : rows)
+    std::printf("%6d %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f\n", r.batch, 1e3 * r.stages.gate,
+                1e3 * r.stages.dispatch_send, 1e3 * r.stages.dispatch_recv, 1e3 * r.stages.gemm1,
+                1e3 * r.stages.activation, 1e3 * r.stages.gemm2, 1e3 * r.stages.combine_send,
+                1e3 * r.stages.combine_recv);
+  if (!json_path.empty()) {
+    std::ofstream js(json_path);
+    js << "{\"bench\": \"layer\", \"device\": \"" << dev.name << "\", \"model\": \"" << model.name << "\", \"ranks\": " << P
+       << ", \"redundant\": " << redundant << ", \"copy_bw\": " << copy_bw << ", \"fp8_flops\": " << kFp8Flops
+       << ", \"iters\": " << iters << ", \"rows\": [";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      js << (i ? ", " : "") << "{\"batch\": " << r.batch << ", \"graph_us\": " << r.graph_us
+         << ", \"eager_us\": " << r.eager_us << ", \"floor_us\": " << r.floor_us << ", \"mem_floor_us\": "
+         << r.mem_floor_us << ", \"flop_floor_us\": " << r.flop_floor_us << ", \"hit_slots\": " << r.hit_slots
+         << ", \"recv_rows\": " << r.rows << ", \"stages_us\": {\"gate\": " << 1e3 * r.stages.gate
+         << ", \"dispatch_send\": " << 1e3 * r.stages.dispatch_send << ", \"dispatch_recv\": "
+         << 1e3 * r.stages.dispatch_recv << ", \"gemm1\": " << 1e3 * r.stages.gemm1 << ", \"activation\": "
+         << 1e3 * r.stages.activation << ", \"gemm2\": " << 1e3 * r.stages.gemm2 << ", \"combine_send\": "
+         << 1e3 * r.stages.combine_send << ", \"combine_recv\": " << 1e3 * r.stages.combine_recv << "}}";
+    }
+    js << "]}\n";
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bench_layer: error: %s\n", e.what());
+  return 2;
+}

@@ -1,0 +1,145 @@
+// moekit/layer.h: one MoE layer on the GPU, one rank of expert parallelism: DESIGN.md's decode
+// step (low-latency EP, masked GEMMs) and prefill step (normal EP, contiguous GEMMs), with the
+// shared expert. The CPU layer (layer_cpu.h) is its oracle: same weights, same placement, same
+// routing give the same routing, the same recv_count and the same output within DESIGN.md's
+// tolerance (docs/layer-gpu.md says which parts are the same bits).
+//
+// One step on rank r, all on the caller's stream (plus one side stream of the layer's own):
+//   dispatch(x, T, first_token)
+//     gate        router_logits (fp64 dot products, rounded once to fp32) -> select_experts
+//                 (softmax or sigmoid + bias, group-limited, renormalised, x routed_scaling_factor):
+//                 gating.h's rule, one warp per token; or the caller's routing (device arrays).
+//     replica     logical expert -> physical slot on the device, eplb.h choose_replicas_for_rank's
+//                 rule (a replica on the own rank first, else splitmix64 of (seed, global token,
+//                 expert)), so the slots are the CPU layer's.
+//     shared      forked onto the layer's side stream: quantise x (1x128), GEMM1, SiLU·up + FP8,
+//                 GEMM2, all with the masked GEMM as one "expert" whose masked_m = T: it runs
+//                 while dispatch and the routed experts are in flight.
+//     send        EpBuffer::dispatch_send (FP8 once per token, one message per target rank).
+//   compute()
+//     receive     dispatch_recv (masked layout, recv_count = masked_m) or normal_dispatch_recv
+//                 (contiguous layout, row_expert), the EP hook.
+//     GEMM1       W1 = [gate; up] -> gate_up bf16; activation SiLU(gate)·up + FP8 1x128 (fused);
+//     GEMM2       W2 -> y bf16;  combine_send(y).
+//   combine(out)  joins the side stream, combine_recv(add = shared output, out).
+// forward_decode / forward_prefill run the three on one stream; with the `local` transport (P
+// virtual ranks on one GPU and one stream) call every rank's dispatch, then every rank's
+// compute, then every rank's combine (a receive waits for all peers' sends).
+//
+// Static and captured: every buffer is allocated at set-up for T_max tokens per rank (decode:
+// M_max = P T_max rows per local expert; prefill: the EP config's contiguous_rows()), every
+// GEMM plan is built then, and nothing in a step allocates, synchronises or reads a shape back,
+// so a whole step (of many layers and ranks) is captured by one CUDA Graph and replayed. What a
+// graph bakes in: the pointers, num_tokens and first_token. What may change between replays:
+// the contents of x and of the caller's routing arrays (and so the routing, recv_count and every
+// output).
+//
+// Statistics (EPLB): every step adds its top-k choices to per-logical-expert counters on the
+// device (graph-safe atomics); take_expert_counts() reads and clears them between steps, for
+// LoadRecorder (eplb.h) or any other accumulator.
+//
+// Errors. Host arguments (T > T_max, a rank's EpBuffer of the wrong shape or mode, hidden or
+// inter not multiples of 128, a placement that does not match the model and P) are
+// moekit::Error before anything runs. Device-side faults (a non-finite router logit, a caller's
+// expert id outside [0, E)) are recorded in the layer's status word; the step still completes
+// (a bad entry becomes -1, no expert) so peers never wait, and check() throws naming the token,
+// the entry and the value. check() also runs the EpBuffer's check().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moekit/ep.h"
+#include "moekit/spec.h"
+
+namespace moekit {
+struct MoeLayerWeights;  // weights.h
+struct Placement;        // eplb.h
+}  // namespace moekit
+
+namespace moekit::gpu {
+
+struct GpuLayerConfig {
+  int max_tokens = 0;          // T_max per rank; must equal the EpBuffer's
+  uint64_t replica_seed = 0;   // choose_replicas' hash seed (the CPU layer's replica_seed)
+  int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: a guess
+  bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
+};
+
+// The EP configuration a layer of `model` needs for P ranks holding num_slots physical experts.
+// Decode: T_max is rounded up so that M_max = P T_max is a multiple of 4 (the GEMM's TMA rows of
+// scales). Prefill: segments padded to the contiguous GEMM's kContiguousAlign rows.
+EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode);
+
+// Stage timings of one step measured with CUDA events on the caller's stream, milliseconds
+// (filled only when a step runs with timing on; never inside a captured graph).
+struct GpuStageTimes {
+  float gate = 0, dispatch_send = 0, dispatch_recv = 0, gemm1 = 0, activation = 0, gemm2 = 0, combine_send = 0,
+        combine_recv = 0;
+};
+
+class GpuMoeLayer {
+ public:
+  // weights: all E routed experts of the layer (load_moe_layer(ckpt, spec, l, 0, E)), router and
+  // shared experts; the rank's local experts are the slots rank * E_loc + i of placement layer
+  // `placement_layer`, and their weights are copied to the device here. `ep` is this rank's
+  // buffer (EpLocalGroup::rank(r) or connect_ep()); it must outlive the layer. The current CUDA
+  // device is used.
+  GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement, int placement_layer,
+              EpBuffer& ep, const GpuLayerConfig& config);
+  ~GpuMoeLayer();
+  GpuMoeLayer(const GpuMoeLayer&) = delete;
+  GpuMoeLayer& operator=(const GpuMoeLayer&) = delete;
+
+  // x [T, d] bf16 on the device, 0 <= T <= T_max; first_token: global index of this rank's token
+  // 0 (the replica hash uses global ids). routing_idx [T, k] int32 logical experts and
+  // routing_weights [T, k] fp32, device pointers, replace the gate (both or neither). x and the
+  // routing arrays must stay untouched until compute() has been issued.
+  void dispatch(const uint16_t* x, int num_tokens, int64_t first_token, cudaStream_t stream,
+                const int32_t* routing_idx = nullptr, const float* routing_weights = nullptr);
+  void compute(cudaStream_t stream);
+  // out [T, d] bf16 on the device.
+  void combine(uint16_t* out, cudaStream_t stream);
+
+  // One rank per process: the three phases in order. forward_decode needs a low-latency EpBuffer,
+  // forward_prefill a normal one.
+  void forward_decode(const uint16_t* x, int num_tokens, int64_t first_token, uint16_t* out, cudaStream_t stream,
+                      const int32_t* routing_idx = nullptr, const float* routing_weights = nullptr);
+  void forward_prefill(const uint16_t* x, int num_tokens, int64_t first_token, uint16_t* out, cudaStream_t stream,
+                       const int32_t* routing_idx = nullptr, const float* routing_weights = nullptr);
+
+  // Synchronises `stream` and throws moekit::Error for a fault recorded by this layer's kernels
+  // or its EpBuffer (the record is cleared first).
+  void check(cudaStream_t stream);
+
+  // Per-logical-expert token counts [E] accumulated since the last call (synchronises `stream`,
+  // then clears them).
+  std::vector<int64_t> take_expert_counts(cudaStream_t stream);
+
+  // Event timing of the stages of the next step issued (not capturable: for eager runs only).
+  void set_timing(bool on);
+  GpuStageTimes last_times() const;  // synchronises on the step's last event
+
+  int num_local_experts() const;
+  int num_tokens() const;  // of the last dispatch
+  const GpuLayerConfig& config() const;
+  EpBuffer& ep() const;
+
+  // Device views of the last step, for tests: [T_max, k] logical experts, weights, physical slots;
+  // logits [T_max, E] (gate only); the shared expert's output [T_max, d] bf16.
+  const int32_t* topk_idx() const;
+  const float* topk_weights() const;
+  const int32_t* topk_slot() const;
+  const float* logits() const;
+  const uint16_t* shared_out() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moekit::gpu

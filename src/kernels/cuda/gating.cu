@@ -1,0 +1,258 @@
+// The router on the GPU: router GEMM, top-k selection and the replica map (see gating.cuh).
+// Every formula is gating.h's (select_experts) or eplb.h's (choose_replicas_for_rank) with the
+// same operation order, in fp64 where the reference uses fp64.
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/gating.cuh"
+#include "moekit/bf16.h"
+#include "moekit/cuda_check.h"
+
+namespace moekit::gpu {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kLogitTokens = 8;   // tokens per block of the router GEMM: each weight row is read once per 8 tokens
+constexpr int kLogitWarps = 8;    // experts per block (one warp each)
+
+__device__ void record_fault(LayerStatus* status, LayerFault kind, int token, int entry, float value) {
+  if (atomicCAS(&status->kind, 0, int(kind)) == 0) {
+    status->token = token;
+    status->entry = entry;
+    status->value = value;
+  }
+}
+
+__device__ double warp_sum(double v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The best (value, index) of the warp: larger value first, lower index on ties; every lane gets it.
+__device__ void warp_argmax(double& v, int& i) {
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const double ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+__global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden,
+                                     const float* __restrict__ w, int num_experts, float* __restrict__ logits) {
+  const int lane = threadIdx.x % kWarp;
+  const int e = blockIdx.x * kLogitWarps + threadIdx.x / kWarp;
+  const int t0 = blockIdx.y * kLogitTokens;
+  if (e >= num_experts) return;
+  const int nt = min(kLogitTokens, num_tokens - t0);
+  double acc[kLogitTokens] = {};
+  const float* we = w + size_t(e) * hidden;
+  for (int i = lane * 4; i < hidden; i += kWarp * 4) {
+    const float4 wv = *reinterpret_cast<const float4*>(we + i);
+#pragma unroll
+    for (int tt = 0; tt < kLogitTokens; ++tt) {
+      if (tt >= nt) break;
+      const uint2 xv = *reinterpret_cast<const uint2*>(x + size_t(t0 + tt) * hidden + i);
+      // bf16 x fp32 is exact in fp64 (8 + 24 significant bits), so fma == the reference's mul + add.
+      acc[tt] += double(bf16_to_float(uint16_t(xv.x & 0xffff))) * double(wv.x);
+      acc[tt] += double(bf16_to_float(uint16_t(xv.x >> 16))) * double(wv.y);
+      acc[tt] += double(bf16_to_float(uint16_t(xv.y & 0xffff))) * double(wv.z);
+      acc[tt] += double(bf16_to_float(uint16_t(xv.y >> 16))) * double(wv.w);
+    }
+  }
+#pragma unroll
+  for (int tt = 0; tt < kLogitTokens; ++tt) {
+    if (tt >= nt) break;
+    const double s = warp_sum(acc[tt]);
+    if (lane == 0) logits[size_t(t0 + tt) * num_experts + e] = float(s);
+  }
+}
+
+// One warp per token; shared memory holds the token's score and sel [E] in fp64.
+__global__ void select_experts_kernel(const float* __restrict__ logits, int num_tokens, int num_experts, int k,
+                                      RouterParams router, const float* __restrict__ bias, int32_t* __restrict__ topk_idx,
+                                      float* __restrict__ topk_weights, LayerStatus* status) {
+  extern __shared__ double smem[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int t = blockIdx.x * (blockDim.x / kWarp) + warp;
+  if (t >= num_tokens) return;
+  double* score = smem + size_t(warp) * 2 * num_experts;
+  double* sel = score + num_experts;
+  const float* lt = logits + size_t(t) * num_experts;
+
+  int bad = -1;
+  for (int e = lane; e < num_experts; e += kWarp)
+    if (!isfinite(lt[e]) && bad < 0) bad = e;
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const int other = __shfl_xor_sync(0xffffffffu, bad, o);
+    if (other >= 0 && (bad < 0 || other < bad)) bad = other;
+  }
+  if (bad >= 0) {
+    if (lane == 0) record_fault(status, LayerFault::kNonFiniteLogit, t, bad, lt[bad]);
+    for (int j = lane; j < k; j += kWarp) {
+      topk_idx[size_t(t) * k + j] = -1;
+      topk_weights[size_t(t) * k + j] = 0.0f;
+    }
+    return;
+  }
+
+  if (router.sigmoid) {
+    for (int e = lane; e < num_experts; e += kWarp) score[e] = 1.0 / (1.0 + exp(-double(lt[e])));
+  } else {
+    float m = -INFINITY;
+    for (int e = lane; e < num_experts; e += kWarp) m = fmaxf(m, lt[e]);
+    for (int o = kWarp / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int e = lane; e < num_experts; e += kWarp) score[e] = exp(double(lt[e]) - double(m));
+    __syncwarp();
+    // The reference sums in expert order; so does lane 0 (E additions, negligible next to the GEMM).
+    double sum = 0.0;
+    if (lane == 0)
+      for (int e = 0; e < num_experts; ++e) sum += score[e];
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    __syncwarp();
+    for (int e = lane; e < num_experts; e += kWarp) score[e] /= sum;
+  }
+  for (int e = lane; e < num_experts; e += kWarp) sel[e] = score[e] + (bias ? double(bias[e]) : 0.0);
+  __syncwarp();
+
+  if (router.num_groups > 1) {
+    const int group_size = num_experts / router.num_groups;
+    // Lane g scores group g: the sum of its two largest sel (its largest when it has one expert).
+    double group_score = -INFINITY;
+    if (lane < router.num_groups) {
+      double b1 = -INFINITY, b2 = -INFINITY;
+      for (int i = 0; i < group_size; ++i) {
+        const double v = sel[lane * group_size + i];
+        if (v > b1) {
+          b2 = b1;
+          b1 = v;
+        } else if (v > b2) {
+          b2 = v;
+        }
+      }
+      group_score = group_size >= 2 ? 0.0 + b1 + b2 : 0.0 + b1;
+    }
+    unsigned kept = 0;
+    double v = lane < router.num_groups ? group_score : -INFINITY;
+    for (int g = 0; g < router.topk_groups; ++g) {
+      double bv = v;
+      int bi = lane < router.num_groups ? lane : kWarp;
+      warp_argmax(bv, bi);
+      kept |= 1u << bi;
+      if (lane == bi) v = -INFINITY;  // out of the next rounds
+    }
+    __syncwarp();
+    for (int e = lane; e < num_experts; e += kWarp)
+      if (!(kept >> (e / group_size) & 1u)) sel[e] = -INFINITY;
+    __syncwarp();
+  }
+
+  // k rounds of a warp argmax; the winner's sel becomes -inf (k <= the kept experts, so a masked
+  // -inf expert is never chosen).
+  double sum = 0.0;
+  int chosen = -1;  // lane j keeps entry j (k <= 32)
+  for (int j = 0; j < k; ++j) {
+    double bv = -INFINITY;
+    int bi = num_experts;
+    for (int e = lane; e < num_experts; e += kWarp)
+      if (sel[e] > bv || (sel[e] == bv && e < bi)) bv = sel[e], bi = e;
+    warp_argmax(bv, bi);
+    __syncwarp();
+    if (lane == 0) sel[bi] = -INFINITY;
+    __syncwarp();
+    if (lane == j) chosen = bi;
+    sum += score[bi];  // the reference's order: entries 0..k-1
+  }
+  if (lane < k) {
+    const double norm = router.normalize ? 1.0 / (sum + 1e-20) : 1.0;
+    topk_idx[size_t(t) * k + lane] = chosen;
+    topk_weights[size_t(t) * k + lane] = float(score[chosen] * norm * router.scaling);
+  }
+}
+
+__device__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+__global__ void map_replicas_kernel(ReplicaTable table, int rank, int64_t first_token, uint64_t seed, int num_tokens,
+                                    int k, const int32_t* __restrict__ routing_idx,
+                                    const float* __restrict__ routing_weights, int32_t* __restrict__ topk_idx,
+                                    float* __restrict__ topk_weights, int32_t* __restrict__ topk_slot,
+                                    unsigned long long* counts, LayerStatus* status) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= num_tokens * k) return;
+  const int t = i / k, j = i % k;
+  int32_t e = routing_idx ? routing_idx[i] : topk_idx[i];
+  if (routing_idx) topk_weights[i] = routing_weights[i];
+  if (e < -1 || e >= table.num_experts) {
+    record_fault(status, LayerFault::kBadExpert, t, j, float(e));
+    e = -1;
+  }
+  topk_idx[i] = e;
+  if (e == -1) {
+    topk_slot[i] = -1;
+    return;
+  }
+  atomicAdd(counts + e, 1ull);
+  const int32_t* replicas = table.log2phy + size_t(e) * table.max_replicas;
+  const int n = table.replica_count[e];
+  if (n == 1) {
+    topk_slot[i] = replicas[0];
+    return;
+  }
+  // eplb_detail::pick_replica: a replica on the token's own rank first, else hash mod n.
+  const uint64_t h = splitmix64(splitmix64(seed ^ splitmix64(uint64_t(first_token + t))) ^ uint64_t(uint32_t(e)));
+  int own = 0;
+  for (int r = 0; r < n; ++r) own += replicas[r] / table.slots_per_gpu == rank;
+  if (own == 0) {
+    topk_slot[i] = replicas[h % uint64_t(n)];
+    return;
+  }
+  int pick = int(h % uint64_t(own));
+  for (int r = 0; r < n; ++r)
+    if (replicas[r] / table.slots_per_gpu == rank && pick-- == 0) {
+      topk_slot[i] = replicas[r];
+      return;
+    }
+}
+
+}  // namespace
+
+void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
+                          float* logits, cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  const dim3 grid((num_experts + kLogitWarps - 1) / kLogitWarps, (num_tokens + kLogitTokens - 1) / kLogitTokens);
+  router_logits_kernel<<<grid, kLogitWarps * kWarp, 0, stream>>>(x, num_tokens, hidden, router_weight, num_experts,
+                                                                  logits);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,
+                           const float* bias, int32_t* topk_idx, float* topk_weights, LayerStatus* status,
+                           cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  const int warps = std::max(1, std::min(8, 48 * 1024 / (16 * num_experts)));
+  const size_t smem = size_t(warps) * 16 * num_experts;
+  select_experts_kernel<<<(num_tokens + warps - 1) / warps, warps * kWarp, smem, stream>>>(
+      logits, num_tokens, num_experts, k, router, bias, topk_idx, topk_weights, status);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+void launch_map_replicas(const ReplicaTable& table, int rank, int64_t first_token, uint64_t seed, int num_tokens, int k,
+                         const int32_t* routing_idx, const float* routing_weights, int32_t* topk_idx,
+                         float* topk_weights, int32_t* topk_slot, unsigned long long* counts, LayerStatus* status,
+                         cudaStream_t stream) {
+  const int n = num_tokens * k;
+  if (n == 0) return;
+  map_replicas_kernel<<<(n + 255) / 256, 256, 0, stream>>>(table, rank, first_token, seed, num_tokens, k, routing_idx,
+                                                           routing_weights, topk_idx, topk_weights, topk_slot, counts,
+                                                           status);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moekit::gpu

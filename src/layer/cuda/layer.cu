@@ -1,0 +1,433 @@
+// The MoE layer on the GPU, one EP rank (see include/moekit/layer.h).
+#include "moekit/layer.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "ep/cuda/ep_format.h"
+#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/gating.cuh"
+#include "moekit/check.h"
+#include "moekit/cuda_check.h"
+#include "moekit/eplb.h"
+#include "moekit/gemm.h"
+#include "moekit/layout.h"
+#include "moekit/weights.h"
+
+namespace moekit::gpu {
+
+namespace {
+
+enum Stage { kStart, kGate, kSend, kRecv, kGemm1, kAct, kGemm2, kCombineSend, kCombineRecv, kNumStages };
+
+const char* fault_name(int kind) {
+  switch (LayerFault(kind)) {
+    case LayerFault::kNonFiniteLogit: return "a non-finite router logit";
+    case LayerFault::kBadExpert: return "a routing expert id outside [-1, E)";
+    default: return "an unknown fault";
+  }
+}
+
+int round_up(int v, int unit) { return (v + unit - 1) / unit * unit; }
+
+}  // namespace
+
+EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode) {
+  MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
+               fmtr("layer_ep_config: num_ranks {} and max_tokens {}, expected both >= 1", num_ranks, max_tokens));
+  EpConfig c;
+  c.num_ranks = num_ranks;
+  c.max_tokens = max_tokens;
+  // M_max = P T_max must be a multiple of 4 for the masked GEMM's TMA rows of scales.
+  while (mode == EpMode::kLowLatency && (int64_t(num_ranks) * c.max_tokens) % 4 != 0) ++c.max_tokens;
+  c.hidden = int(model.hidden_size);
+  c.topk = model.num_experts_per_token;
+  c.num_slots = num_slots;
+  c.mode = mode;
+  c.block_m = kContiguousAlign;
+  c.validate();
+  return c;
+}
+
+struct GpuMoeLayer::Impl {
+  GpuLayerConfig cfg;
+  EpBuffer* ep = nullptr;
+  EpConfig ec;
+  bool decode = true;
+  int rank = 0, d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0, m_max = 0;
+  int rows = 0, t_pad = 0;
+  RouterParams router;
+  ReplicaTable replicas;
+  std::vector<void*> allocations;
+
+  float *router_w = nullptr, *router_bias = nullptr;
+  uint8_t *w1 = nullptr, *w2 = nullptr, *sw1 = nullptr, *sw2 = nullptr;
+  float *w1s = nullptr, *w2s = nullptr, *sw1s = nullptr, *sw2s = nullptr;
+  float* logits = nullptr;
+  int32_t *topk_idx = nullptr, *topk_slot = nullptr;
+  float* topk_w = nullptr;
+  unsigned long long* counts = nullptr;
+  LayerStatus* status = nullptr;
+  uint16_t *gate_up = nullptr, *y = nullptr;
+  uint8_t* act = nullptr;
+  float* act_scales = nullptr;
+  // Shared expert: the rank's tokens as one masked expert of t_pad rows.
+  uint8_t *sx = nullptr, *s_act = nullptr;
+  float *sx_scales = nullptr, *s_act_scales = nullptr;
+  int32_t* s_m = nullptr;
+  uint16_t *s_gate_up = nullptr, *s_out = nullptr;
+
+  std::unique_ptr<MaskedGemm> gemm1, gemm2, shared1, shared2;
+  std::unique_ptr<ContiguousGemm> cgemm1, cgemm2;
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  bool timing = false, timed_step = false;
+  cudaEvent_t events[kNumStages] = {};
+  int num_tokens = 0;
+  enum class Phase { kIdle, kDispatched, kComputed } phase = Phase::kIdle;
+
+  template <class T>
+  T* alloc(size_t count) {
+    void* p = nullptr;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    allocations.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  T* upload(const std::vector<T>& host) {
+    T* p = alloc<T>(host.size());
+    MOEKIT_CUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return p;
+  }
+  void mark(Stage s, cudaStream_t stream) {
+    if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
+  }
+  void run_shared(const uint16_t* x, cudaStream_t stream);
+};
+
+namespace {
+
+// The rank's local experts' operand: slot rank * E_loc + i holds logical expert phy2log[slot].
+void gather(const ExpertWeights& all, const int32_t* phy2log, int first_slot, int e_loc, std::vector<uint8_t>& w,
+            std::vector<float>& scales) {
+  const WeightLayout& l = all.layout;
+  const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / kQuantBlock) * (l.k / kQuantBlock);
+  w.resize(w_per * e_loc);
+  scales.resize(s_per * e_loc);
+  for (int i = 0; i < e_loc; ++i) {
+    const int e = phy2log[first_slot + i];
+    std::memcpy(w.data() + i * w_per, all.w.data() + e * w_per, w_per);
+    std::memcpy(scales.data() + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float));
+  }
+}
+
+}  // namespace
+
+GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
+                         int placement_layer, EpBuffer& ep, const GpuLayerConfig& config)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.cfg = config;
+  s.ep = &ep;
+  s.ec = ep.config();
+  s.rank = ep.rank();
+  s.decode = s.ec.mode == EpMode::kLowLatency;
+  MOEKIT_CHECK(model.is_moe(), fmtr("model '{}' is dense: it has no MoE layer", model.name));
+  MOEKIT_CHECK(model.hidden_size % kQuantBlock == 0 && model.moe_intermediate_size % kQuantBlock == 0,
+               fmtr("model '{}': hidden_size {} and moe_intermediate_size {}, expected multiples of {}", model.name,
+                    model.hidden_size, model.moe_intermediate_size, kQuantBlock));
+  s.d = int(model.hidden_size);
+  s.inter = int(model.moe_intermediate_size);
+  s.num_experts = model.num_routed_experts;
+  s.k = model.num_experts_per_token;
+  MOEKIT_CHECK(weights.first_expert == 0 && weights.num_local_experts() == s.num_experts,
+               fmtr("layer weights hold experts [{}, {}), expected all {} experts of '{}'", weights.first_expert,
+                    weights.first_expert + weights.num_local_experts(), s.num_experts, model.name));
+  MOEKIT_CHECK(weights.hidden_size == s.d && weights.intermediate_size == s.inter,
+               fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
+                    weights.intermediate_size, s.d, s.inter));
+  MOEKIT_CHECK(placement.num_experts == s.num_experts && placement.num_gpus == s.ec.num_ranks &&
+                   placement.num_slots == s.ec.num_slots,
+               fmtr("placement of {} experts in {} slots on {} GPUs, expected {} experts in the EP buffer's {} slots "
+                    "on P = {} ranks",
+                    placement.num_experts, placement.num_slots, placement.num_gpus, s.num_experts, s.ec.num_slots,
+                    s.ec.num_ranks));
+  MOEKIT_CHECK(placement_layer >= 0 && placement_layer < placement.num_layers,
+               fmtr("placement layer {}, expected 0..{}", placement_layer, placement.num_layers - 1));
+  MOEKIT_CHECK(s.ec.hidden == s.d && s.ec.topk == s.k,
+               fmtr("EP buffer of hidden {} and top-{}, the model has hidden {} and top-{}", s.ec.hidden, s.ec.topk,
+                    s.d, s.k));
+  MOEKIT_CHECK(config.max_tokens >= 1 && config.max_tokens <= s.ec.max_tokens,
+               fmtr("GpuLayerConfig::max_tokens = {}, expected 1..{} (the EP buffer's T_max)", config.max_tokens,
+                    s.ec.max_tokens));
+  MOEKIT_CHECK(s.num_experts <= kMaxGateExperts && model.router.num_groups <= 32 && s.k <= 32,
+               fmtr("the GPU gate handles up to {} experts, 32 groups and top-32; the model has {}, {} and top-{}",
+                    kMaxGateExperts, s.num_experts, model.router.num_groups, s.k));
+  MOEKIT_CHECK(s.decode || s.ec.block_m % kContiguousAlign == 0,
+               fmtr("normal-mode EP buffer with block_m {}, expected a multiple of the contiguous GEMM's {}",
+                    s.ec.block_m, kContiguousAlign));
+  s.t_max = config.max_tokens;
+  s.e_loc = s.ec.slots_per_rank();
+  s.m_max = s.ec.max_m();
+  MOEKIT_CHECK(!s.decode || s.m_max % 4 == 0,
+               fmtr("M_max = P T_max = {}, expected a multiple of 4 (use layer_ep_config)", s.m_max));
+  s.rows = s.decode ? s.m_max : s.ec.contiguous_rows();
+  s.t_pad = round_up(s.t_max, 4);
+  s.router = {model.router.scoring == "sigmoid", model.router.num_groups, model.router.topk_groups,
+              model.router.normalize_topk, model.router.routed_scaling_factor};
+  MOEKIT_CHECK(model.router.scoring == "sigmoid" || model.router.scoring == "softmax",
+               fmtr("router scoring '{}', expected softmax or sigmoid", model.router.scoring));
+
+  // Weights of the rank's slots, the router, the placement row, the shared expert.
+  const int32_t* phy2log = placement.phy2log_row(placement_layer);
+  std::vector<uint8_t> w;
+  std::vector<float> sc;
+  gather(weights.w1, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
+  s.w1 = s.upload(w);
+  s.w1s = s.upload(sc);
+  gather(weights.w2, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
+  s.w2 = s.upload(w);
+  s.w2s = s.upload(sc);
+  s.router_w = s.upload(weights.router_weight);
+  if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
+  s.replicas.log2phy = s.upload(std::vector<int32_t>(
+      placement.log2phy_row(placement_layer),
+      placement.log2phy_row(placement_layer) + size_t(s.num_experts) * placement.max_replicas));
+  s.replicas.replica_count = s.upload(std::vector<int32_t>(
+      placement.replica_count_row(placement_layer), placement.replica_count_row(placement_layer) + s.num_experts));
+  s.replicas.max_replicas = placement.max_replicas;
+  s.replicas.slots_per_gpu = placement.slots_per_gpu();
+  s.replicas.num_experts = s.num_experts;
+
+  // Per-token state.
+  s.logits = s.alloc<float>(size_t(s.t_max) * s.num_experts);
+  s.topk_idx = s.alloc<int32_t>(size_t(s.t_max) * s.k);
+  s.topk_slot = s.alloc<int32_t>(size_t(s.t_max) * s.k);
+  s.topk_w = s.alloc<float>(size_t(s.t_max) * s.k);
+  s.counts = s.alloc<unsigned long long>(s.num_experts);
+  s.status = s.alloc<LayerStatus>(1);
+  MOEKIT_CUDA_CHECK(cudaMemset(s.counts, 0, sizeof(unsigned long long) * s.num_experts));
+  MOEKIT_CUDA_CHECK(cudaMemset(s.status, 0, sizeof(LayerStatus)));
+
+  // Routed experts: gate_up [rows, 2 inter], act [rows, inter] + scales, y [rows, d].
+  const size_t total_rows = s.decode ? size_t(s.e_loc) * s.m_max : size_t(s.rows);
+  s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);
+  s.act = s.alloc<uint8_t>(total_rows * s.inter);
+  s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
+  s.y = s.alloc<uint16_t>(total_rows * s.d);
+  const int expected_m = config.expected_m > 0 ? config.expected_m
+                                               : std::max(1, int((int64_t(s.ec.num_ranks) * s.t_max * s.k +
+                                                                  s.ec.num_slots - 1) / s.ec.num_slots));
+  if (s.decode) {
+    s.gemm1 = std::make_unique<MaskedGemm>(
+        MaskedGemmProblem{s.e_loc, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max)},
+        MaskedGemmBuffers{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up});
+    s.gemm2 = std::make_unique<MaskedGemm>(
+        MaskedGemmProblem{s.e_loc, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max)},
+        MaskedGemmBuffers{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y});
+  } else {
+    s.cgemm1 = std::make_unique<ContiguousGemm>(
+        ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows},
+        ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up});
+    s.cgemm2 = std::make_unique<ContiguousGemm>(
+        ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows},
+        ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y});
+  }
+
+  if (weights.has_shared_experts()) {
+    s.shared_inter = weights.shared_w1.layout.n / 2;
+    s.sw1 = s.upload(weights.shared_w1.w);
+    s.sw1s = s.upload(weights.shared_w1.scales);
+    s.sw2 = s.upload(weights.shared_w2.w);
+    s.sw2s = s.upload(weights.shared_w2.scales);
+    s.sx = s.alloc<uint8_t>(size_t(s.t_pad) * s.d);
+    s.sx_scales = s.alloc<float>(size_t(s.t_pad) * (s.d / kQuantBlock));
+    s.s_m = s.alloc<int32_t>(1);
+    s.s_gate_up = s.alloc<uint16_t>(size_t(s.t_pad) * 2 * s.shared_inter);
+    s.s_act = s.alloc<uint8_t>(size_t(s.t_pad) * s.shared_inter);
+    s.s_act_scales = s.alloc<float>(size_t(s.t_pad) * (s.shared_inter / kQuantBlock));
+    s.s_out = s.alloc<uint16_t>(size_t(s.t_pad) * s.d);
+    MOEKIT_CUDA_CHECK(cudaMemset(s.s_m, 0, sizeof(int32_t)));
+    s.shared1 = std::make_unique<MaskedGemm>(MaskedGemmProblem{1, 2 * s.shared_inter, s.d, s.t_pad, s.t_max},
+                                             MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up});
+    s.shared2 = std::make_unique<MaskedGemm>(MaskedGemmProblem{1, s.d, s.shared_inter, s.t_pad, s.t_max},
+                                             MaskedGemmBuffers{s.s_act, s.s_act_scales, s.sw2, s.sw2s, s.s_m, s.s_out});
+  }
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
+  MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
+  MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+  for (auto& e : s.events) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+}
+
+GpuMoeLayer::~GpuMoeLayer() {
+  Impl& s = *impl_;
+  s.gemm1.reset();
+  s.gemm2.reset();
+  s.shared1.reset();
+  s.shared2.reset();
+  s.cgemm1.reset();
+  s.cgemm2.reset();
+  for (auto e : s.events) cudaEventDestroy(e);
+  cudaEventDestroy(s.fork);
+  cudaEventDestroy(s.join);
+  cudaStreamDestroy(s.side);
+  for (void* p : s.allocations) cudaFree(p);
+}
+
+void GpuMoeLayer::Impl::run_shared(const uint16_t* x, cudaStream_t stream) {
+  launch_quantize_tokens(x, num_tokens, d, t_pad, sx, sx_scales, s_m, stream);
+  shared1->run(stream);
+  launch_silu_mul_quant_masked(s_gate_up, 1, t_pad, shared_inter, s_m, s_act, s_act_scales, stream);
+  shared2->run(stream);
+}
+
+void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_token, cudaStream_t stream,
+                           const int32_t* routing_idx, const float* routing_weights) {
+  Impl& s = *impl_;
+  MOEKIT_CHECK(s.phase == Impl::Phase::kIdle,
+               fmtr("rank {}: dispatch called before the previous step's combine", s.rank));
+  MOEKIT_CHECK(num_tokens >= 0 && num_tokens <= s.t_max,
+               fmtr("rank {}: {} tokens, expected 0..T_max = {}", s.rank, num_tokens, s.t_max));
+  MOEKIT_CHECK(first_token >= 0, fmtr("rank {}: first_token = {}, expected >= 0", s.rank, first_token));
+  MOEKIT_CHECK((routing_idx == nullptr) == (routing_weights == nullptr),
+               "dispatch: give both routing_idx and routing_weights, or neither");
+  MOEKIT_CHECK(x != nullptr || num_tokens == 0, fmtr("rank {}: x is null with {} tokens", s.rank, num_tokens));
+  s.num_tokens = num_tokens;
+  s.timed_step = s.timing;
+  s.mark(kStart, stream);
+  // The shared expert needs only x: fork it first so that it runs under everything up to combine.
+  if (s.shared_inter > 0) {
+    if (s.cfg.overlap_shared) {
+      MOEKIT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+      MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+      s.run_shared(x, s.side);
+      MOEKIT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+    } else {
+      s.run_shared(x, stream);
+    }
+  }
+  if (!routing_idx) {
+    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream);
+    launch_select_experts(s.logits, num_tokens, s.num_experts, s.k, s.router, s.router_bias, s.topk_idx, s.topk_w,
+                          s.status, stream);
+  }
+  launch_map_replicas(s.replicas, s.rank, first_token, s.cfg.replica_seed, num_tokens, s.k, routing_idx,
+                      routing_weights, s.topk_idx, s.topk_w, s.topk_slot, s.counts, s.status, stream);
+  s.mark(kGate, stream);
+  s.ep->dispatch_send(x, s.topk_slot, s.topk_w, num_tokens, stream);
+  s.mark(kSend, stream);
+  s.phase = Impl::Phase::kDispatched;
+}
+
+void GpuMoeLayer::compute(cudaStream_t stream) {
+  Impl& s = *impl_;
+  MOEKIT_CHECK(s.phase == Impl::Phase::kDispatched, fmtr("rank {}: compute called without a dispatch", s.rank));
+  if (s.decode) {
+    s.ep->dispatch_recv(stream);
+    s.mark(kRecv, stream);
+    s.gemm1->run(stream);
+    s.mark(kGemm1, stream);
+    launch_silu_mul_quant_masked(s.gate_up, s.e_loc, s.m_max, s.inter, s.ep->recv_count(), s.act, s.act_scales,
+                                 stream);
+    s.mark(kAct, stream);
+    s.gemm2->run(stream);
+  } else {
+    s.ep->normal_dispatch_recv(stream);
+    s.mark(kRecv, stream);
+    s.cgemm1->run(stream);
+    s.mark(kGemm1, stream);
+    launch_silu_mul_quant_contiguous(s.gate_up, s.rows, s.inter, s.ep->row_expert(), s.act, s.act_scales, stream);
+    s.mark(kAct, stream);
+    s.cgemm2->run(stream);
+  }
+  s.mark(kGemm2, stream);
+  s.ep->combine_send(s.y, stream);
+  s.mark(kCombineSend, stream);
+  s.phase = Impl::Phase::kComputed;
+}
+
+void GpuMoeLayer::combine(uint16_t* out, cudaStream_t stream) {
+  Impl& s = *impl_;
+  MOEKIT_CHECK(s.phase == Impl::Phase::kComputed, fmtr("rank {}: combine called without compute", s.rank));
+  MOEKIT_CHECK(out != nullptr || s.num_tokens == 0, fmtr("rank {}: out is null", s.rank));
+  const bool shared = s.shared_inter > 0 && s.num_tokens > 0;
+  if (s.shared_inter > 0 && s.cfg.overlap_shared) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+  s.ep->combine_recv(shared ? s.s_out : nullptr, out, stream);
+  s.mark(kCombineRecv, stream);
+  s.phase = Impl::Phase::kIdle;
+}
+
+void GpuMoeLayer::forward_decode(const uint16_t* x, int num_tokens, int64_t first_token, uint16_t* out,
+                                 cudaStream_t stream, const int32_t* routing_idx, const float* routing_weights) {
+  MOEKIT_CHECK(impl_->decode, "forward_decode needs a low-latency EpBuffer");
+  dispatch(x, num_tokens, first_token, stream, routing_idx, routing_weights);
+  compute(stream);
+  combine(out, stream);
+}
+
+void GpuMoeLayer::forward_prefill(const uint16_t* x, int num_tokens, int64_t first_token, uint16_t* out,
+                                  cudaStream_t stream, const int32_t* routing_idx, const float* routing_weights) {
+  MOEKIT_CHECK(!impl_->decode, "forward_prefill needs a normal-mode EpBuffer");
+  dispatch(x, num_tokens, first_token, stream, routing_idx, routing_weights);
+  compute(stream);
+  combine(out, stream);
+}
+
+void GpuMoeLayer::check(cudaStream_t stream) {
+  Impl& s = *impl_;
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s.side));
+  LayerStatus st{};
+  MOEKIT_CUDA_CHECK(cudaMemcpy(&st, s.status, sizeof st, cudaMemcpyDeviceToHost));
+  if (st.kind != 0) {
+    MOEKIT_CUDA_CHECK(cudaMemset(s.status, 0, sizeof(LayerStatus)));
+    const bool logit = st.kind == int(LayerFault::kNonFiniteLogit);
+    throw Error(fmtr("MoE layer rank {}: {}: token {}, {} {}, value {}", s.rank, fault_name(st.kind), st.token,
+                     logit ? "expert" : "top-k entry", st.entry, st.value));
+  }
+  s.ep->check(stream);
+}
+
+std::vector<int64_t> GpuMoeLayer::take_expert_counts(cudaStream_t stream) {
+  Impl& s = *impl_;
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<unsigned long long> raw(s.num_experts);
+  MOEKIT_CUDA_CHECK(cudaMemcpy(raw.data(), s.counts, raw.size() * sizeof(raw[0]), cudaMemcpyDeviceToHost));
+  MOEKIT_CUDA_CHECK(cudaMemset(s.counts, 0, raw.size() * sizeof(raw[0])));
+  return std::vector<int64_t>(raw.begin(), raw.end());
+}
+
+void GpuMoeLayer::set_timing(bool on) { impl_->timing = on; }
+
+GpuStageTimes GpuMoeLayer::last_times() const {
+  const Impl& s = *impl_;
+  MOEKIT_CHECK(s.timed_step, "last_times: the last step ran without set_timing(true)");
+  MOEKIT_CUDA_CHECK(cudaEventSynchronize(s.events[kCombineRecv]));
+  auto ms = [&](Stage a, Stage b) {
+    float v = 0;
+    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&v, s.events[a], s.events[b]));
+    return v;
+  };
+  GpuStageTimes t;
+  t.gate = ms(kStart, kGate);
+  t.dispatch_send = ms(kGate, kSend);
+  t.dispatch_recv = ms(kSend, kRecv);
+  t.gemm1 = ms(kRecv, kGemm1);
+  t.activation = ms(kGemm1, kAct);
+  t.gemm2 = ms(kAct, kGemm2);
+  t.combine_send = ms(kGemm2, kCombineSend);
+  t.combine_recv = ms(kCombineSend, kCombineRecv);
+  return t;
+}
+
+int GpuMoeLayer::num_local_experts() const { return impl_->e_loc; }
+int GpuMoeLayer::num_tokens() const { return impl_->num_tokens; }
+const GpuLayerConfig& GpuMoeLayer::config() const { return impl_->cfg; }
+EpBuffer& GpuMoeLayer::ep() const { return *impl_->ep; }
+const int32_t* GpuMoeLayer::topk_idx() const { return impl_->topk_idx; }
+const float* GpuMoeLayer::topk_weights() const { return impl_->topk_w; }
+const int32_t* GpuMoeLayer::topk_slot() const { return impl_->topk_slot; }
+const float* GpuMoeLayer::logits() const { return impl_->logits; }
+const uint16_t* GpuMoeLayer::shared_out() const { return impl_->s_out; }
+
+}  // namespace moekit::gpu

@@ -1,0 +1,495 @@
+// The GPU MoE layer (layer.h) against the CPU layer (layer_cpu.h), its oracle: tiny-moe shapes
+// (hidden 1024, 64 experts, top-6, group-limited sigmoid router, one shared expert), random weights
+// written by the checkpoint generator and read back, fresh random tokens, outputs poisoned first.
+// Decode and prefill for P in {1, 2, 4, 8} virtual ranks (the `local` transport), with and without
+// redundant experts; a whole step of P ranks captured in one CUDA Graph and replayed with new data
+// and new routing; the layer's kernels alone against the reference kernels; bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/gating.cuh"
+#include "moekit/bf16.h"
+#include "moekit/check.h"
+#include "moekit/cuda_check.h"
+#include "moekit/ep_cpu.h"
+#include "moekit/eplb.h"
+#include "moekit/fp8.h"
+#include "moekit/gating.h"
+#include "moekit/layer.h"
+#include "moekit/layer_cpu.h"
+#include "moekit/reference.h"
+#include "moekit/weights.h"
+
+using namespace moekit;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kBatch = 64;              // B, all ranks together
+constexpr double kTolerance = 3e-3;     // DESIGN.md's relative Frobenius bound
+constexpr uint16_t kPoison = 0x7FC1;    // a bf16 NaN
+
+template <class T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceArray(size_t n = 0) { resize(n); }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept : ptr(o.ptr), count(o.count) { o.ptr = nullptr; }
+  void resize(size_t n) {
+    cudaFree(ptr);
+    ptr = nullptr;
+    count = n;
+    if (n) MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  void upload(const T* host, size_t n) { MOEKIT_CUDA_CHECK(cudaMemcpy(ptr, host, n * sizeof(T), cudaMemcpyHostToDevice)); }
+  std::vector<T> download(size_t n) const {
+    std::vector<T> h(n);
+    if (n) MOEKIT_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+template <class T>
+std::vector<T> download(const T* ptr, size_t n) {
+  std::vector<T> h(n);
+  if (n) MOEKIT_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+struct Fixture {
+  ModelSpec model = load_model_spec("tiny-moe");
+  fs::path dir = fs::temp_directory_path() / ("test_layer_gpu_weights." + std::to_string(getpid()));
+  MoeLayerWeights weights;
+  std::unique_ptr<LayerWeightsF64> weights_f64;
+  Fixture() {
+    fs::remove_all(dir);
+    RandomWeightsOptions opt;
+    opt.num_layers = 1;
+    opt.seed = 7;
+    write_random_weights(model, opt, dir.string());
+    weights = load_moe_layer(Checkpoint::open(dir.string()), model, 0, 0, model.num_routed_experts);
+    weights_f64 = dequantize_layer_f64(weights);
+  }
+  ~Fixture() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+const Fixture& fixture() {
+  static const Fixture f;
+  return f;
+}
+
+int first_token(int rank, int num_ranks, int batch) { return (rank * batch + num_ranks - 1) / num_ranks; }
+
+std::vector<uint16_t> random_tokens(int num_tokens, int d, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> x(size_t(num_tokens) * d);
+  for (auto& v : x) v = float_to_bf16(normal(rng));
+  return x;
+}
+
+// Caller routing with a hot spot: half the picks come from experts 0..7 (distinct per token).
+void random_routing(int num_tokens, int E, int k, std::mt19937& rng, std::vector<int32_t>& idx, std::vector<float>& w) {
+  idx.resize(size_t(num_tokens) * k);
+  w.assign(size_t(num_tokens) * k, 0.0f);
+  std::uniform_int_distribution<int> any(0, E - 1), hot(0, 7), coin(0, 1);
+  std::uniform_real_distribution<float> weight(0.1f, 1.0f);
+  for (int t = 0; t < num_tokens; ++t)
+    for (int j = 0; j < k; ++j) {
+      int e;
+      bool dup;
+      do {
+        e = coin(rng) ? hot(rng) : any(rng);
+        dup = false;
+        for (int i = 0; i < j; ++i) dup |= idx[size_t(t) * k + i] == e;
+      } while (dup);
+      idx[size_t(t) * k + j] = e;
+      w[size_t(t) * k + j] = weight(rng);
+    }
+}
+
+Placement make_placement(int num_ranks, bool redundant) {
+  const int E = fixture().model.num_routed_experts;
+  if (!redundant) return identity_placement(E, num_ranks);
+  std::vector<double> load(E, 1.0);
+  for (int e = 0; e < 8; ++e) load[e] = 8.0;  // the hot experts get the replicas
+  return balanced_placement(load, 8, num_ranks);
+}
+
+// The CPU layer's step over all B tokens: the oracle's output and routing.
+struct CpuResult {
+  std::vector<uint16_t> out;
+  std::vector<int32_t> topk_idx;
+  std::vector<float> topk_weights;
+  std::vector<std::vector<int32_t>> recv_count;  // [P][E_loc]
+};
+
+CpuResult run_cpu(int P, EpProtocol protocol, const Placement& placement, const std::vector<uint16_t>& x,
+                  const std::vector<int32_t>* idx, const std::vector<float>* w, uint64_t seed) {
+  const Fixture& f = fixture();
+  const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
+  CpuLayerConfig cfg;
+  cfg.num_ranks = P;
+  cfg.max_tokens = (kBatch + P - 1) / P;
+  cfg.protocol = protocol;
+  cfg.replica_seed = seed;
+  CpuMoeLayer layer(f.model, f.weights, placement, 0, cfg);
+  LocalEpGroup group(layer.ep_config());
+  CpuResult r;
+  r.out.assign(size_t(kBatch) * d, 0);
+  run_ranks(group, [&](int rank) {
+    const int t0 = first_token(rank, P, kBatch), t1 = first_token(rank + 1, P, kBatch);
+    layer.forward(group, rank, t1 - t0, t0, x.data() + size_t(t0) * d, r.out.data() + size_t(t0) * d,
+                  idx ? idx->data() + size_t(t0) * k : nullptr, w ? w->data() + size_t(t0) * k : nullptr);
+  });
+  for (int rank = 0; rank < P; ++rank) {
+    const RankStep& st = layer.last_step(rank);
+    r.topk_idx.insert(r.topk_idx.end(), st.topk_idx.begin(), st.topk_idx.end());
+    r.topk_weights.insert(r.topk_weights.end(), st.topk_weights.begin(), st.topk_weights.end());
+    r.recv_count.push_back(st.recv_count);
+  }
+  return r;
+}
+
+// P GPU layers over one EpLocalGroup, with per-rank device inputs and outputs.
+struct GpuRig {
+  int P;
+  gpu::EpMode mode;
+  std::unique_ptr<gpu::EpLocalGroup> group;
+  std::vector<std::unique_ptr<gpu::GpuMoeLayer>> layers;
+  std::vector<DeviceArray<uint16_t>> x, out;
+  std::vector<DeviceArray<int32_t>> idx;
+  std::vector<DeviceArray<float>> w;
+  cudaStream_t stream{};
+
+  GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed) : P(num_ranks), mode(m) {
+    const Fixture& f = fixture();
+    const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
+    group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode));
+    gpu::GpuLayerConfig cfg;
+    cfg.max_tokens = t_max;
+    cfg.replica_seed = seed;
+    for (int r = 0; r < P; ++r) {
+      layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg));
+      x.emplace_back(size_t(t_max) * d);
+      out.emplace_back(size_t(t_max) * d);
+      idx.emplace_back(size_t(t_max) * k);
+      w.emplace_back(size_t(t_max) * k);
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  ~GpuRig() {
+    layers.clear();
+    cudaStreamDestroy(stream);
+  }
+  int tokens(int r) const { return first_token(r + 1, P, kBatch) - first_token(r, P, kBatch); }
+
+  // Copies rank slices of x (and routing) in and poisons the outputs.
+  void load(const std::vector<uint16_t>& all_x, const std::vector<int32_t>* all_idx, const std::vector<float>* all_w) {
+    const int d = int(fixture().model.hidden_size), k = fixture().model.num_experts_per_token;
+    for (int r = 0; r < P; ++r) {
+      const int t0 = first_token(r, P, kBatch);
+      x[r].upload(all_x.data() + size_t(t0) * d, size_t(tokens(r)) * d);
+      if (all_idx) {
+        idx[r].upload(all_idx->data() + size_t(t0) * k, size_t(tokens(r)) * k);
+        w[r].upload(all_w->data() + size_t(t0) * k, size_t(tokens(r)) * k);
+      }
+      std::vector<uint16_t> poison(out[r].count, kPoison);
+      out[r].upload(poison.data(), poison.size());
+    }
+  }
+  // Issues one step of every rank on `stream` (all dispatches, all computes, all combines).
+  void issue(bool caller_routing) {
+    for (int r = 0; r < P; ++r)
+      layers[r]->dispatch(x[r].ptr, tokens(r), first_token(r, P, kBatch), stream, caller_routing ? idx[r].ptr : nullptr,
+                          caller_routing ? w[r].ptr : nullptr);
+    for (int r = 0; r < P; ++r) layers[r]->compute(stream);
+    for (int r = 0; r < P; ++r) layers[r]->combine(out[r].ptr, stream);
+  }
+  void check() {
+    for (int r = 0; r < P; ++r) layers[r]->check(stream);
+  }
+  std::vector<uint16_t> gather_out() const {
+    const int d = int(fixture().model.hidden_size);
+    std::vector<uint16_t> all;
+    for (int r = 0; r < P; ++r) {
+      auto part = out[r].download(size_t(tokens(r)) * d);
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    return all;
+  }
+};
+
+double rel_error(const std::vector<uint16_t>& got, const std::vector<double>& want) {
+  std::vector<double> g(got.size());
+  for (size_t i = 0; i < got.size(); ++i) g[i] = bf16_to_float(got[i]);
+  return ref::relative_frobenius_error(g.data(), want.data(), g.size());
+}
+
+std::vector<double> to_double(const std::vector<uint16_t>& v) {
+  std::vector<double> d(v.size());
+  for (size_t i = 0; i < v.size(); ++i) d[i] = bf16_to_float(v[i]);
+  return d;
+}
+
+// The GPU step against the CPU layer: routing, recv_count, output; and both against the oracle.
+void compare_step(GpuRig& rig, const CpuResult& cpu, const std::vector<uint16_t>& x, bool decode, const char* what) {
+  const Fixture& f = fixture();
+  const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
+  const std::vector<uint16_t> got = rig.gather_out();
+  size_t nan = 0;
+  for (uint16_t v : got) nan += std::isnan(bf16_to_float(v));
+  ASSERT_EQ(nan, 0u) << what << ": output values left poisoned or NaN";
+
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+  for (int r = 0; r < rig.P; ++r) {
+    auto i = download(rig.layers[r]->topk_idx(), size_t(rig.tokens(r)) * k);
+    auto ww = download(rig.layers[r]->topk_weights(), size_t(rig.tokens(r)) * k);
+    idx.insert(idx.end(), i.begin(), i.end());
+    w.insert(w.end(), ww.begin(), ww.end());
+  }
+  ASSERT_EQ(idx, cpu.topk_idx) << what << ": routing differs from the CPU gate";
+  size_t same_w = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    same_w += std::memcmp(&w[i], &cpu.topk_weights[i], 4) == 0;
+    ASSERT_NEAR(w[i], cpu.topk_weights[i], 1e-6 * std::fabs(cpu.topk_weights[i])) << what << ": weight " << i;
+  }
+  for (int r = 0; r < rig.P; ++r) {
+    auto count = download(rig.group->rank(r).recv_count(), size_t(rig.layers[r]->num_local_experts()));
+    ASSERT_EQ(count, cpu.recv_count[r]) << what << ": recv_count of rank " << r;
+  }
+
+  std::vector<float> xf(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = bf16_to_float(x[i]);
+  std::vector<double> oracle(x.size());
+  ref::moe_layer_f64(xf.data(), kBatch, cpu.topk_idx.data(), cpu.topk_weights.data(), k, f.weights_f64->view,
+                     oracle.data());
+  const double vs_cpu = rel_error(got, to_double(cpu.out));
+  const double gpu_err = rel_error(got, oracle), cpu_err = rel_error(cpu.out, oracle);
+  size_t same_out = 0;
+  for (size_t i = 0; i < got.size(); ++i) same_out += got[i] == cpu.out[i];
+  std::printf("[layer] %s: GPU vs CPU layer %.3e, GPU vs f64 oracle %.3e, CPU vs oracle %.3e; %zu/%zu outputs and "
+              "%zu/%zu weights the same bits\n",
+              what, vs_cpu, gpu_err, cpu_err, same_out, got.size(), same_w, w.size());
+  EXPECT_LE(vs_cpu, kTolerance) << what;
+  // The GPU's only extra rounding is the tensor core's inside each 128-deep block partial.
+  EXPECT_LE(gpu_err, cpu_err + 1e-3) << what;
+  (void)d;
+  (void)decode;
+}
+
+struct Case {
+  int P;
+  bool redundant;
+  bool decode;
+};
+
+class GpuLayer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuLayer, EqualsCpuLayer) {
+  const Case c = GetParam();
+  const Fixture& f = fixture();
+  const Placement placement = make_placement(c.P, c.redundant);
+  const uint64_t seed = 11;
+  GpuRig rig(c.P, c.decode ? gpu::EpMode::kLowLatency : gpu::EpMode::kNormal, placement, seed);
+  std::mt19937 rng(100 + c.P);
+  // Two eager steps: the router's routing, then the caller's hot routing.
+  for (int step = 0; step < 2; ++step) {
+    const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+    std::vector<int32_t> idx;
+    std::vector<float> w;
+    const bool caller = step == 1;
+    if (caller) random_routing(kBatch, f.model.num_routed_experts, f.model.num_experts_per_token, rng, idx, w);
+    const CpuResult cpu = run_cpu(c.P, c.decode ? EpProtocol::kLowLatency : EpProtocol::kNormal, placement, x,
+                                  caller ? &idx : nullptr, caller ? &w : nullptr, seed);
+    rig.load(x, caller ? &idx : nullptr, caller ? &w : nullptr);
+    rig.issue(caller);
+    rig.check();
+    const std::string what = std::string(c.decode ? "decode" : "prefill") + " P=" + std::to_string(c.P) +
+                             (c.redundant ? " +8 redundant" : "") + (caller ? " caller routing" : " router");
+    compare_step(rig, cpu, x, c.decode, what.c_str());
+  }
+  // Statistics: every valid (token, entry) counted once per logical expert over both steps.
+  int64_t total = 0;
+  for (int r = 0; r < c.P; ++r)
+    for (int64_t v : rig.layers[r]->take_expert_counts(rig.stream)) total += v;
+  EXPECT_EQ(total, int64_t(2) * kBatch * f.model.num_experts_per_token);
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, GpuLayer,
+                         ::testing::Values(Case{1, false, true}, Case{2, false, true}, Case{4, false, true},
+                                           Case{8, false, true}, Case{2, true, true}, Case{8, true, true}));
+INSTANTIATE_TEST_SUITE_P(Prefill, GpuLayer,
+                         ::testing::Values(Case{1, false, false}, Case{2, false, false}, Case{4, false, false},
+                                           Case{8, false, false}, Case{4, true, false}));
+
+// One step of P = 4 ranks captured once; replays with new tokens (router) and new caller routing.
+TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
+  const Fixture& f = fixture();
+  const int P = 4;
+  const uint64_t seed = 5;
+  const Placement placement = make_placement(P, true);
+  for (bool caller : {false, true}) {
+    GpuRig rig(P, gpu::EpMode::kLowLatency, placement, seed);
+    std::mt19937 rng(caller ? 77 : 55);
+    auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+    std::vector<int32_t> idx;
+    std::vector<float> w;
+    random_routing(kBatch, f.model.num_routed_experts, f.model.num_experts_per_token, rng, idx, w);
+    rig.load(x, &idx, &w);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
+    rig.issue(caller);
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+      random_routing(kBatch, f.model.num_routed_experts, f.model.num_experts_per_token, rng, idx, w);
+      rig.load(x, &idx, &w);
+      MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, rig.stream));
+      rig.check();
+      const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, placement, x, caller ? &idx : nullptr,
+                                    caller ? &w : nullptr, seed);
+      const std::string what = std::string("graph replay ") + std::to_string(replay) + (caller ? " caller routing" : " router");
+      compare_step(rig, cpu, x, true, what.c_str());
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+// The activation kernel alone, bit for bit against reference.h (masked layout, rows past
+// masked_m untouched) on GEMM-like bf16 inputs.
+TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
+  const int E = 3, M = 40, inter = 256;
+  const MaskedLayout o{E, M, inter};
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<uint16_t> gate_up(o.out_elems(2 * inter));
+  for (auto& v : gate_up) v = float_to_bf16(normal(rng));
+  const std::vector<int32_t> masked_m = {40, 0, 17};
+  std::vector<uint8_t> want(o.a_elems(), 0xAB);
+  std::vector<float> want_s(o.scale_elems(), -1.0f);
+  ref::silu_mul_quant_masked(o, gate_up.data(), masked_m.data(), want.data(), want_s.data());
+  DeviceArray<uint16_t> dg(gate_up.size());
+  DeviceArray<int32_t> dm(E);
+  DeviceArray<uint8_t> dq(want.size());
+  DeviceArray<float> ds(want_s.size());
+  dg.upload(gate_up.data(), gate_up.size());
+  dm.upload(masked_m.data(), E);
+  std::vector<uint8_t> pq(want.size(), 0xAB);
+  std::vector<float> ps(want_s.size(), -1.0f);
+  dq.upload(pq.data(), pq.size());
+  ds.upload(ps.data(), ps.size());
+  gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr);
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dq.download(want.size());
+  const auto got_s = ds.download(want_s.size());
+  size_t diff = 0, diff_s = 0;
+  for (size_t i = 0; i < got.size(); ++i) diff += got[i] != want[i];
+  for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
+  std::printf("[layer] activation: %zu of %zu fp8 bytes and %zu of %zu scales differ from the reference\n", diff,
+              got.size(), diff_s, got_s.size());
+  // expf vs the correctly rounded fp64 exp can differ in a rare halfway case: allow a handful.
+  EXPECT_LE(diff, 4u);
+  EXPECT_LE(diff_s, 1u);
+}
+
+// The gate alone on a softmax router (Qwen-style, no groups) and a grouped sigmoid router with
+// bias: indices equal, weights within 1e-6 relative (the same bits in practice).
+TEST(GpuLayerKernels, GateMatchesReference) {
+  for (bool sigmoid : {false, true}) {
+    const int T = 50, d = 512, E = 128, k = 8;
+    RouterSpec spec;
+    spec.scoring = sigmoid ? "sigmoid" : "softmax";
+    spec.num_groups = sigmoid ? 8 : 1;
+    spec.topk_groups = sigmoid ? 4 : 1;
+    spec.routed_scaling_factor = sigmoid ? 2.5 : 1.0;
+    std::mt19937 rng(sigmoid ? 1 : 2);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> x(size_t(T) * d);
+    for (auto& v : x) v = float_to_bf16(normal(rng));
+    std::vector<float> xf(x.size()), rw(size_t(E) * d), bias(E);
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = bf16_to_float(x[i]);
+    for (auto& v : rw) v = bf16_to_float(float_to_bf16(normal(rng) * 0.05f));
+    for (auto& v : bias) v = normal(rng) * 0.05f;
+    std::vector<float> logits(size_t(T) * E), want_w(size_t(T) * k);
+    std::vector<int32_t> want_i(size_t(T) * k);
+    ref::router_logits(xf.data(), T, d, rw.data(), E, logits.data());
+    ref::select_experts(logits.data(), T, E, k, spec, sigmoid ? bias.data() : nullptr, want_i.data(), want_w.data());
+
+    DeviceArray<uint16_t> dx(x.size());
+    DeviceArray<float> dw(rw.size()), db(E), dl(logits.size()), dtw(want_w.size());
+    DeviceArray<int32_t> dti(want_i.size());
+    DeviceArray<gpu::LayerStatus> st(1);
+    MOEKIT_CUDA_CHECK(cudaMemset(st.ptr, 0, sizeof(gpu::LayerStatus)));
+    dx.upload(x.data(), x.size());
+    dw.upload(rw.data(), rw.size());
+    db.upload(bias.data(), E);
+    gpu::RouterParams rp{sigmoid, spec.num_groups, spec.topk_groups, spec.normalize_topk, spec.routed_scaling_factor};
+    gpu::launch_router_logits(dx.ptr, T, d, dw.ptr, E, dl.ptr, nullptr);
+    gpu::launch_select_experts(dl.ptr, T, E, k, rp, sigmoid ? db.ptr : nullptr, dti.ptr, dtw.ptr, st.ptr, nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got_l = dl.download(logits.size());
+    size_t same_l = 0;
+    for (size_t i = 0; i < got_l.size(); ++i) {
+      same_l += got_l[i] == logits[i];
+      ASSERT_NEAR(got_l[i], logits[i], 1e-6 * (1 + std::fabs(logits[i])));
+    }
+    EXPECT_EQ(dti.download(want_i.size()), want_i) << spec.scoring;
+    const auto got_w = dtw.download(want_w.size());
+    for (size_t i = 0; i < got_w.size(); ++i) ASSERT_NEAR(got_w[i], want_w[i], 1e-6 * std::fabs(want_w[i]));
+    std::printf("[layer] gate %s: %zu/%zu logits the same bits\n", spec.scoring.c_str(), same_l, got_l.size());
+    EXPECT_EQ(st.download(1)[0].kind, 0);
+  }
+}
+
+TEST(GpuLayerErrors, BadInputIsReported) {
+  const Fixture& f = fixture();
+  const int P = 2;
+  const Placement placement = make_placement(P, false);
+  GpuRig rig(P, gpu::EpMode::kLowLatency, placement, 1);
+  // More tokens than T_max: rejected on the host before anything runs.
+  try {
+    rig.layers[0]->dispatch(rig.x[0].ptr, 1000, 0, rig.stream);
+    ADD_FAILURE() << "T > T_max accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("T_max"), std::string::npos) << e.what();
+  }
+  // A caller's expert id out of range: the step completes on every rank, check() names it.
+  std::mt19937 rng(3);
+  const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+  random_routing(kBatch, f.model.num_routed_experts, f.model.num_experts_per_token, rng, idx, w);
+  idx[5] = 999;  // rank 0, token 0, entry 5
+  rig.load(x, &idx, &w);
+  rig.issue(true);
+  try {
+    rig.layers[0]->check(rig.stream);
+    ADD_FAILURE() << "bad expert id not reported";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("outside"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("999"), std::string::npos) << msg;
+  }
+  rig.layers[1]->check(rig.stream);  // the peer finished its step
+}
+
+}  // namespace
