@@ -240,8 +240,11 @@ void run_cpu(const RunOptions& o) {
       {"gemm2", total.gemm2}, {"combine", total.combine},   {"shared_expert", total.shared}};
   const std::string routing_text =
       routing ? to_string(*routing) + " (synthetic, from the simulator's sampler)" :
-                fmt::format("the model's router ({}, {} groups keep {}) on random inputs", spec.router.scoring,
-                            spec.router.num_groups, spec.router.topk_groups);
+                fmt::format("the model's router ({}{}, top-{}) on random inputs", spec.router.scoring,
+                            spec.router.num_groups > 1 ? fmt::format(", {} groups keep {}", spec.router.num_groups,
+                                                                     spec.router.topk_groups)
+                                                       : "",
+                            k);
 
   if (o.json) {
     nlohmann::json j;

@@ -139,6 +139,8 @@ LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const
         for (int m = 0; m < st.recv_count[e]; ++m)  // masked layout: scales [E_loc, d/128, M_max]
           add_row(e, e * buf.rows + m, size_t(e) * kb * buf.rows + m, size_t(buf.rows));
     } else {
+      // The contiguous GEMM's contract: segments padded to block_m, one expert per block.
+      ref::check_contiguous_segments(buf.row_expert, buf.rows, cfg.block_m, e_loc);
       for (int m = 0; m < buf.rows; ++m)  // contiguous: scales [d/128, M_total]
         if (buf.row_expert[m] >= 0) add_row(buf.row_expert[m], m, size_t(m), size_t(buf.rows));
     }
