@@ -52,9 +52,7 @@ struct Placement {
   // Hierarchical policy (groups packed to nodes first) when groups divide evenly over nodes.
   bool hierarchical() const { return num_groups % num_nodes == 0; }
   const int32_t* phy2log_row(int layer) const { return phy2log.data() + size_t(layer) * num_slots; }
-  const int32_t* log2phy_row(int layer) const {
-    return log2phy.data() + size_t(layer) * num_experts * max_replicas;
-  }
+  const int32_t* log2phy_row(int layer) const { return log2phy.data() + size_t(layer) * num_experts * max_replicas; }
   const int32_t* replica_count_row(int layer) const { return replica_count.data() + size_t(layer) * num_experts; }
 };
 
@@ -94,10 +92,10 @@ double balancedness(const double* load, int n);
 
 struct BalanceReport {
   int num_gpus = 0;
-  std::vector<double> gpu_load_before;      // [L][G], identity placement, no replicas
-  std::vector<double> gpu_load_after;       // [L][G], the placement
-  std::vector<double> balancedness_before;  // [L]
-  std::vector<double> balancedness_after;   // [L]
+  std::vector<double> gpu_load_before;                                 // [L][G], identity placement, no replicas
+  std::vector<double> gpu_load_after;                                  // [L][G], the placement
+  std::vector<double> balancedness_before;                             // [L]
+  std::vector<double> balancedness_after;                              // [L]
   double mean_balancedness_before = 0, mean_balancedness_after = 0;    // averaged over layers
   double worst_balancedness_before = 0, worst_balancedness_after = 0;  // the worst layer
 };
@@ -113,12 +111,12 @@ int64_t count_moved_replicas(const Placement& from, const Placement& to);
 double expert_bytes(const std::string& model_name_or_path);
 
 struct MigrationResult {
-  Placement placement;                   // replicas kept in their slots where possible
-  int64_t replicas_moved = 0;            // count_moved_replicas(current, placement)
-  int64_t fresh_replicas_moved = 0;      // count_moved_replicas(current, rebalance(weight, ...))
-  double target_balancedness = 0;        // (1 - tolerance) * fresh worst-layer balancedness
-  double fresh_worst_balancedness = 0;   // worst layer of the fresh rebalance
-  double worst_balancedness = 0;         // worst layer of `placement`
+  Placement placement;                  // replicas kept in their slots where possible
+  int64_t replicas_moved = 0;           // count_moved_replicas(current, placement)
+  int64_t fresh_replicas_moved = 0;     // count_moved_replicas(current, rebalance(weight, ...))
+  double target_balancedness = 0;       // (1 - tolerance) * fresh worst-layer balancedness
+  double fresh_worst_balancedness = 0;  // worst layer of the fresh rebalance
+  double worst_balancedness = 0;        // worst layer of `placement`
   std::vector<int> replicas_moved_per_layer;
 };
 
@@ -156,8 +154,8 @@ void choose_replicas(const Placement& placement, int layer, const int32_t* topk_
 // One rank's tokens, as the layer runtime maps them: `num_local` tokens living on GPU `rank`,
 // with global indices first_token .. first_token + num_local - 1 (the hash uses the global
 // index). Gives the same slots as choose_replicas() over all tokens of the step.
-void choose_replicas_for_rank(const Placement& placement, int layer, int rank, const int32_t* topk_idx,
-                              int num_local, int topk, int64_t first_token, uint64_t seed, int32_t* topk_slot);
+void choose_replicas_for_rank(const Placement& placement, int layer, int rank, const int32_t* topk_idx, int num_local,
+                              int topk, int64_t first_token, uint64_t seed, int32_t* topk_slot);
 
 // ---- Both barrier loads from a routing trace -----------------------------------------------
 
@@ -208,14 +206,14 @@ class LoadRecorder {
   int num_layers_, num_experts_, window_;
   double factor_;
   int steps_ = 0;
-  std::vector<int64_t> open_;     // [L][E], the open step
-  std::vector<int64_t> ring_;     // [window][L][E] (window mode)
-  std::vector<double> total_;     // [L][E]: window sum or decayed sum
+  std::vector<int64_t> open_;  // [L][E], the open step
+  std::vector<int64_t> ring_;  // [window][L][E] (window mode)
+  std::vector<double> total_;  // [L][E]: window sum or decayed sum
 };
 
 struct GateDecision {
-  double s0 = 1;          // sum over layers of max GPU load / sum of mean loads, current placement
-  double s1 = 1;          // the same for the candidate placement
+  double s0 = 1;             // sum over layers of max GPU load / sum of mean loads, current placement
+  double s1 = 1;             // the same for the candidate placement
   double layer_speedup = 1;  // S0 / S1
   double end_to_end = 1;     // 1 / (f / (S0/S1) + 1 - f), MISSION.md section 6
   bool rebalance = false;    // end_to_end >= 1 + min_gain

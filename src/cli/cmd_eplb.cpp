@@ -29,7 +29,8 @@ struct EplbArgs {
 template <class T>
 json rows_of(const std::vector<T>& flat, size_t width) {
   json rows = json::array();
-  for (size_t i = 0; i < flat.size(); i += width) rows.push_back(std::vector<T>(flat.begin() + i, flat.begin() + i + width));
+  for (size_t i = 0; i < flat.size(); i += width)
+    rows.push_back(std::vector<T>(flat.begin() + i, flat.begin() + i + width));
   return rows;
 }
 
@@ -43,8 +44,7 @@ double skew(const T* row, int n) {
 
 void run(const EplbArgs& a) {
   MOEKIT_CHECK(a.load.empty() != a.trace.empty(), "eplb: give exactly one of --load FILE or --trace FILE");
-  MOEKIT_CHECK(a.tolerance >= 0 && a.tolerance < 1,
-               fmt::format("eplb: --tolerance {} must be in [0, 1)", a.tolerance));
+  MOEKIT_CHECK(a.tolerance >= 0 && a.tolerance < 1, fmt::format("eplb: --tolerance {} must be in [0, 1)", a.tolerance));
   std::optional<RoutingTrace> trace;
   std::vector<std::vector<double>> weight;
   if (!a.trace.empty()) {
@@ -106,20 +106,22 @@ void run(const EplbArgs& a) {
             {"worst_balancedness_after", report.worst_balancedness_after}};
   json log2phy = json::array();
   for (int l = 0; l < L; ++l)
-    log2phy.push_back(rows_of(std::vector<int32_t>(placement.log2phy_row(l),
-                                                   placement.log2phy_row(l) + placement.num_experts * placement.max_replicas),
-                              placement.max_replicas));
+    log2phy.push_back(
+        rows_of(std::vector<int32_t>(placement.log2phy_row(l),
+                                     placement.log2phy_row(l) + placement.num_experts * placement.max_replicas),
+                placement.max_replicas));
   j["log2phy"] = log2phy;
   j["replicas_moved"] = migration ? json(migration->replicas_moved) : json(nullptr);
-  j["bytes_moved"] = migration && bytes_per_expert ? json(*bytes_per_expert * migration->replicas_moved) : json(nullptr);
+  j["bytes_moved"] =
+      migration && bytes_per_expert ? json(*bytes_per_expert * migration->replicas_moved) : json(nullptr);
   if (migration)
     j["migration"] = {{"tolerance", a.tolerance},
                       {"target", a.worst_layer ? "worst-layer" : "per-layer"},
                       {"target_balancedness", migration->target_balancedness},
                       {"fresh_worst_balancedness", migration->fresh_worst_balancedness},
                       {"fresh_replicas_moved", migration->fresh_replicas_moved},
-                      {"fresh_bytes_moved", bytes_per_expert ? json(*bytes_per_expert * migration->fresh_replicas_moved)
-                                                             : json(nullptr)},
+                      {"fresh_bytes_moved",
+                       bytes_per_expert ? json(*bytes_per_expert * migration->fresh_replicas_moved) : json(nullptr)},
                       {"expert_bytes", bytes_per_expert ? json(*bytes_per_expert) : json(nullptr)},
                       {"replicas_moved_per_layer", migration->replicas_moved_per_layer}};
   if (dual)
@@ -161,17 +163,18 @@ void run(const EplbArgs& a) {
       auto bytes = [&](int64_t n) {
         return bytes_per_expert ? fmt::format("{:.2f} GB", n * *bytes_per_expert / 1e9) : std::string("n/a (--model)");
       };
-      fmt::print("moves: {} replicas, {} (a fresh rebalance: {} replicas, {}); worst layer {:.4f} vs fresh {:.4f}, "
-                 "target {:.4f} (tolerance {}, {})\n",
-                 migration->replicas_moved, bytes(migration->replicas_moved), migration->fresh_replicas_moved,
-                 bytes(migration->fresh_replicas_moved), migration->worst_balancedness,
-                 migration->fresh_worst_balancedness, migration->target_balancedness, a.tolerance,
-                 a.worst_layer ? "worst layer only" : "every layer");
+      fmt::print(
+          "moves: {} replicas, {} (a fresh rebalance: {} replicas, {}); worst layer {:.4f} vs fresh {:.4f}, "
+          "target {:.4f} (tolerance {}, {})\n",
+          migration->replicas_moved, bytes(migration->replicas_moved), migration->fresh_replicas_moved,
+          bytes(migration->fresh_replicas_moved), migration->worst_balancedness, migration->fresh_worst_balancedness,
+          migration->target_balancedness, a.tolerance, a.worst_layer ? "worst layer only" : "every layer");
     }
     if (dual)
-      fmt::print("dual loads (S = max/mean; * = balancing both): worse of rows/recv, worst layer: {:.3f} by counts "
-                 "alone -> {:.3f}\n",
-                 dual->counts_worst_imbalance, dual->worst_imbalance);
+      fmt::print(
+          "dual loads (S = max/mean; * = balancing both): worse of rows/recv, worst layer: {:.3f} by counts "
+          "alone -> {:.3f}\n",
+          dual->counts_worst_imbalance, dual->worst_imbalance);
   }
   if (!a.out.empty()) {
     std::ofstream out(a.out);
@@ -188,18 +191,21 @@ void add_eplb_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("eplb", "Expert placement (EPLB): replicate and pack experts over GPUs");
   static EplbArgs a;
   cmd->add_option("--load", a.load, "loads per layer: JSON {\"layers\": [[...], ...]} or CSV, one line per layer");
-  cmd->add_option("--trace", a.trace, "routing trace (moekit simulate --save-trace): balances GEMM rows and received "
-                                      "tokens");
+  cmd->add_option("--trace", a.trace,
+                  "routing trace (moekit simulate --save-trace): balances GEMM rows and received "
+                  "tokens");
   cmd->add_option("--slots", a.slots, "physical expert slots per layer (experts + redundant), a multiple of --gpus")
       ->required();
   cmd->add_option("--groups", a.groups, "expert groups (consecutive id ranges)")->required();
   cmd->add_option("--nodes", a.nodes, "nodes")->required();
   cmd->add_option("--gpus", a.gpus, "GPUs in all")->required();
   cmd->add_option("--current", a.current, "current placement JSON: move as few replicas as possible");
-  cmd->add_option("--tolerance", a.tolerance, "with --current: worst-layer balancedness may trail a fresh rebalance "
-                                              "by this fraction (default 0.01)");
-  cmd->add_flag("--worst-layer", a.worst_layer, "with --current: hold only the worst layer to the tolerance, not every "
-                                                "layer (fewer moves, slower good layers)");
+  cmd->add_option("--tolerance", a.tolerance,
+                  "with --current: worst-layer balancedness may trail a fresh rebalance "
+                  "by this fraction (default 0.01)");
+  cmd->add_flag("--worst-layer", a.worst_layer,
+                "with --current: hold only the worst layer to the tolerance, not every "
+                "layer (fewer moves, slower good layers)");
   cmd->add_option("--model", a.model, "model spec (name or JSON) for the bytes of one expert");
   cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)");
   cmd->add_option("--out", a.out, "write the placement JSON to this file");

@@ -36,8 +36,13 @@ class LayerRouting {
  public:
   LayerRouting(const RoutingTrace& trace, int layer, std::vector<int32_t> slot, int num_experts, int num_gpus,
                uint64_t seed)
-      : slot_(std::move(slot)), num_gpus_(num_gpus), per_gpu_(int(slot_.size()) / num_gpus),
-        replicas_(num_experts), pairs_of_(num_experts), rows_(num_gpus, 0), recv_(num_gpus, 0) {
+      : slot_(std::move(slot)),
+        num_gpus_(num_gpus),
+        per_gpu_(int(slot_.size()) / num_gpus),
+        replicas_(num_experts),
+        pairs_of_(num_experts),
+        rows_(num_gpus, 0),
+        recv_(num_gpus, 0) {
     const int k = trace.topk;
     for (const auto& step : trace.layers[layer]) {
       const int64_t T = int64_t(step.size()) / k;
@@ -189,7 +194,8 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
   std::vector<double> rows_norm(L), recv_norm(L);
   for (int l = 0; l < L; ++l) {
     int64_t rows = 0, recv = 0;
-    for (int g = 0; g < G; ++g) rows += r.counts_loads.gemm_rows[size_t(l) * G + g], recv += r.counts_loads.recv_tokens[size_t(l) * G + g];
+    for (int g = 0; g < G; ++g)
+      rows += r.counts_loads.gemm_rows[size_t(l) * G + g], recv += r.counts_loads.recv_tokens[size_t(l) * G + g];
     rows_norm[l] = std::max(1.0, double(rows) / G);
     recv_norm[l] = std::max(1.0, double(recv) / G);
   }
@@ -207,8 +213,7 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
     while (improved && budget > 0) {
       improved = false;
       std::vector<double> v(G);
-      for (int g = 0; g < G; ++g)
-        v[g] = std::max(routing.rows()[g] / rows_norm[l], routing.recv()[g] / recv_norm[l]);
+      for (int g = 0; g < G; ++g) v[g] = std::max(routing.rows()[g] / rows_norm[l], routing.recv()[g] / recv_norm[l]);
       const int hot = int(std::max_element(v.begin(), v.end()) - v.begin());
       std::vector<int> partners;
       for (int g = 0; g < G; ++g)
@@ -222,8 +227,10 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
             budget -= 2 * (routing.pairs_of(a) + routing.pairs_of(b));
             routing.swap_slots(s1, s2);
             Score next = score(routing.rows(), routing.recv(), rows_norm[l], recv_norm[l]);
-            if (next.better_than(current)) current = next, improved = true;
-            else routing.swap_slots(s1, s2);
+            if (next.better_than(current))
+              current = next, improved = true;
+            else
+              routing.swap_slots(s1, s2);
           }
           if (improved || budget <= 0) break;
         }

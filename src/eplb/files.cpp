@@ -75,8 +75,9 @@ std::vector<std::vector<double>> loads_from_csv(const std::string& text, const s
                                                w.size() - 1, row.size()));
       char* end = nullptr;
       double v = std::strtod(field.c_str(), &end);
-      MOEKIT_CHECK(end && *end == '\0', fmt::format("'{}' line {}: load of layer {} expert {} is '{}', expected a number",
-                                                    path, line_no, w.size() - 1, row.size(), field));
+      MOEKIT_CHECK(end && *end == '\0',
+                   fmt::format("'{}' line {}: load of layer {} expert {} is '{}', expected a number", path, line_no,
+                               w.size() - 1, row.size(), field));
       row.push_back(v);
     }
     MOEKIT_CHECK(line.back() != ',', fmt::format("'{}' line {}: load of layer {} expert {} is missing (trailing comma)",

@@ -26,6 +26,27 @@ Placement assemble(std::vector<int32_t> phy2log, const std::vector<int32_t>& phy
 void layer_gpu_loads(const int32_t* phy2log, const int32_t* count, const double* w, int num_slots, int num_gpus,
                      double* out);
 
+// The n ids at `begin`, sorted: a GPU's or node's contents as a multiset.
+std::vector<int32_t> sorted_range(const int32_t* begin, int n);
+// Replicas copied onto GPUs going from layer `old` to layer `now` (per-GPU multiset difference).
+int layer_moves(const int32_t* old, const int32_t* now, int num_gpus, int per_gpu);
+
+// |a ∩ b| of two multisets given as sorted vectors.
+inline int sorted_overlap(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t i = 0, j = 0;
+  int common = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i] == b[j]) {
+      ++common, ++i, ++j;
+    } else if (a[i] < b[j]) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return common;
+}
+
 // splitmix64: a fast, well-mixed, portable hash for deterministic choices.
 inline uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;

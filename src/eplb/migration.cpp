@@ -20,36 +20,20 @@
 namespace moekit {
 namespace {
 
-// |a ∩ b| of two multisets given as sorted vectors.
-int sorted_overlap(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
-  size_t i = 0, j = 0;
-  int common = 0;
-  while (i < a.size() && j < b.size()) {
-    if (a[i] == b[j]) ++common, ++i, ++j;
-    else if (a[i] < b[j]) ++i;
-    else ++j;
-  }
-  return common;
-}
-
-std::vector<int32_t> sorted_range(const int32_t* begin, int n) {
-  std::vector<int32_t> v(begin, begin + n);
-  std::sort(v.begin(), v.end());
-  return v;
-}
-
 // Greedy maximum-overlap matching of n new blocks to n old blocks (largest overlap first,
 // ties to the lowest indices): returns match[new] = old.
 std::vector<int> match_blocks(const int32_t* fresh, const int32_t* old, int n, int block) {
   std::vector<std::vector<int32_t>> fs(n), os(n);
-  for (int i = 0; i < n; ++i) fs[i] = sorted_range(fresh + i * block, block), os[i] = sorted_range(old + i * block, block);
+  for (int i = 0; i < n; ++i)
+    fs[i] = eplb_detail::sorted_range(fresh + i * block, block),
+    os[i] = eplb_detail::sorted_range(old + i * block, block);
   struct Pair {
     int overlap, a, b;
   };
   std::vector<Pair> pairs;
   pairs.reserve(size_t(n) * n);
   for (int a = 0; a < n; ++a)
-    for (int b = 0; b < n; ++b) pairs.push_back({sorted_overlap(fs[a], os[b]), a, b});
+    for (int b = 0; b < n; ++b) pairs.push_back({eplb_detail::sorted_overlap(fs[a], os[b]), a, b});
   std::stable_sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.overlap > y.overlap; });
   std::vector<int> match(n, -1);
   std::vector<char> taken(n, 0);
@@ -91,14 +75,6 @@ std::vector<int32_t> align_to(const int32_t* old, const int32_t* fresh, const Pl
     }
   }
   return out;
-}
-
-// Replicas copied onto GPUs from `old` to `now` in one layer (per-GPU multiset difference).
-int layer_moves(const int32_t* old, const int32_t* now, int num_gpus, int per_gpu) {
-  int moved = 0;
-  for (int g = 0; g < num_gpus; ++g)
-    moved += per_gpu - sorted_overlap(sorted_range(old + g * per_gpu, per_gpu), sorted_range(now + g * per_gpu, per_gpu));
-  return moved;
 }
 
 // Does every group keep all its replicas inside one node?
@@ -189,9 +165,12 @@ class Repair {
     const double a_old = share(a), a_new = w_[a] / (count_[a] + 1);
     const double b_old = share(b), b_new = w_[b] / (count_[b] - 1);
     for (int s = 0; s < shape_.num_slots; ++s) {
-      if (s == s2) load[gpu(s)] += a_new - b_old;
-      else if (slot_[s] == a) load[gpu(s)] += a_new - a_old;
-      else if (slot_[s] == b) load[gpu(s)] += b_new - b_old;
+      if (s == s2)
+        load[gpu(s)] += a_new - b_old;
+      else if (slot_[s] == a)
+        load[gpu(s)] += a_new - a_old;
+      else if (slot_[s] == b)
+        load[gpu(s)] += b_new - b_old;
     }
   }
 
@@ -219,7 +198,6 @@ class Repair {
   std::vector<int32_t> count_;
   std::vector<double> load_;
 };
-
 
 // The node of every group in a hierarchical layer.
 std::vector<int> node_of_groups(const int32_t* slot, const Placement& shape) {
@@ -280,8 +258,10 @@ std::vector<int32_t> regroup(const int32_t* old, const std::vector<int>& target,
   std::vector<int> count(shape.num_experts, 0);
   std::vector<double> load(shape.num_gpus, 0.0);
   for (int s = 0; s < S; ++s)
-    if (target[slot[s] / group_size] != s / per_node) slot[s] = -1;  // departing
-    else ++count[slot[s]];
+    if (target[slot[s] / group_size] != s / per_node)
+      slot[s] = -1;  // departing
+    else
+      ++count[slot[s]];
   auto share = [&](int e) { return w[e] / std::max(1, count[e]); };
   for (int n = 0; n < nodes; ++n) {
     const int begin = n * per_node, end = begin + per_node;
@@ -325,9 +305,10 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
   MOEKIT_CHECK(tolerance >= 0 && tolerance < 1,
                fmt::format("rebalance_with_fewer_moves: tolerance = {} must be in [0, 1)", tolerance));
   validate_rebalance_args(weight, current.num_slots, current.num_groups, current.num_nodes, current.num_gpus);
-  MOEKIT_CHECK(int(weight.size()) == current.num_layers && int(weight[0].size()) == current.num_experts,
-               fmt::format("rebalance_with_fewer_moves: loads are {} layers x {} experts, the current placement {} x {}",
-                           weight.size(), weight[0].size(), current.num_layers, current.num_experts));
+  MOEKIT_CHECK(
+      int(weight.size()) == current.num_layers && int(weight[0].size()) == current.num_experts,
+      fmt::format("rebalance_with_fewer_moves: loads are {} layers x {} experts, the current placement {} x {}",
+                  weight.size(), weight[0].size(), current.num_layers, current.num_experts));
   MOEKIT_CHECK(current.phy2log.size() == size_t(current.num_layers) * current.num_slots,
                "rebalance_with_fewer_moves: the current placement's phy2log does not match its shape");
 
@@ -346,16 +327,15 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
     // Each layer's busiest GPU sets that layer's time and a step sums the layers, so by default
     // every layer stays within the tolerance of its fresh balancedness; with a worst-layer
     // target a layer may fall to the fresh worst layer's figure.
-    const double layer_target = per_layer_target
-                                    ? (1.0 - tolerance) * fresh_report.balancedness_after[l]
-                                    : r.target_balancedness;
+    const double layer_target =
+        per_layer_target ? (1.0 - tolerance) * fresh_report.balancedness_after[l] : r.target_balancedness;
     const double cap = layer_target > 0 ? total / G / layer_target : 0.0;
 
     // The fresh layer as is, or relabelled for overlap (greedy matching, so check both).
     std::vector<int32_t> best(fresh.phy2log_row(l), fresh.phy2log_row(l) + S);
-    int best_moves = layer_moves(old, best.data(), G, per_gpu);
+    int best_moves = eplb_detail::layer_moves(old, best.data(), G, per_gpu);
     std::vector<int32_t> aligned = align_to(old, fresh.phy2log_row(l), current);
-    if (const int moves = layer_moves(old, aligned.data(), G, per_gpu); moves < best_moves)
+    if (const int moves = eplb_detail::layer_moves(old, aligned.data(), G, per_gpu); moves < best_moves)
       best = std::move(aligned), best_moves = moves;
     // Candidates: the current layer repaired in place, and (hierarchical) the current layer
     // with groups first moved to the fresh node assignment, then repaired.
@@ -367,17 +347,18 @@ MigrationResult rebalance_with_fewer_moves(const std::vector<std::vector<double>
         starts.push_back(regroup(old, target, current, weight[l].data()));
     for (auto& start : starts) {
       // A start that already moves more than the best found cannot win.
-      if (layer_moves(old, start.data(), G, per_gpu) >= best_moves) continue;
+      if (eplb_detail::layer_moves(old, start.data(), G, per_gpu) >= best_moves) continue;
       Repair repair(current, weight[l].data(), std::move(start), cap);
       if (!repair.run()) continue;
-      const int moves = layer_moves(old, repair.slots().data(), G, per_gpu);
+      const int moves = eplb_detail::layer_moves(old, repair.slots().data(), G, per_gpu);
       if (moves < best_moves) best = repair.slots(), best_moves = moves;
     }
     // Kept replicas stay in their slots (repair swaps can bring an expert back to its GPU in
     // another slot; the raw fresh layer ignores slots altogether).
     for (int g = 0; g < G; ++g)
-      place_keeping(old + g * per_gpu, std::vector<int32_t>(best.begin() + g * per_gpu, best.begin() + (g + 1) * per_gpu),
-                    per_gpu, &phy2log[size_t(l) * S + g * per_gpu]);
+      place_keeping(old + g * per_gpu,
+                    std::vector<int32_t>(best.begin() + g * per_gpu, best.begin() + (g + 1) * per_gpu), per_gpu,
+                    &phy2log[size_t(l) * S + g * per_gpu]);
     r.replicas_moved_per_layer.push_back(best_moves);
     r.replicas_moved += best_moves;
   }

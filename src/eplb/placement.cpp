@@ -39,6 +39,20 @@ void layer_gpu_loads(const int32_t* phy2log, const int32_t* count, const double*
   for (int s = 0; s < num_slots; ++s) out[s / per_gpu] += w[phy2log[s]] / count[phy2log[s]];
 }
 
+std::vector<int32_t> sorted_range(const int32_t* begin, int n) {
+  std::vector<int32_t> v(begin, begin + n);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+int layer_moves(const int32_t* old, const int32_t* now, int num_gpus, int per_gpu) {
+  int moved = 0;
+  for (int g = 0; g < num_gpus; ++g)
+    moved +=
+        per_gpu - sorted_overlap(sorted_range(old + g * per_gpu, per_gpu), sorted_range(now + g * per_gpu, per_gpu));
+  return moved;
+}
+
 }  // namespace eplb_detail
 
 Placement placement_from_phy2log(const std::vector<int32_t>& phy2log, int num_layers, int num_experts, int num_slots,
@@ -72,9 +86,9 @@ std::vector<double> gpu_loads(const Placement& p, const std::vector<std::vector<
                fmt::format("gpu_loads: {} load rows for a placement of {} layers", weight.size(), p.num_layers));
   std::vector<double> out(size_t(p.num_layers) * p.num_gpus);
   for (int l = 0; l < p.num_layers; ++l) {
-    MOEKIT_CHECK(int(weight[l].size()) == p.num_experts,
-                 fmt::format("gpu_loads: layer {} has {} loads, the placement {} experts", l, weight[l].size(),
-                             p.num_experts));
+    MOEKIT_CHECK(
+        int(weight[l].size()) == p.num_experts,
+        fmt::format("gpu_loads: layer {} has {} loads, the placement {} experts", l, weight[l].size(), p.num_experts));
     eplb_detail::layer_gpu_loads(p.phy2log_row(l), p.replica_count_row(l), weight[l].data(), p.num_slots, p.num_gpus,
                                  &out[size_t(l) * p.num_gpus]);
   }
@@ -122,26 +136,9 @@ int64_t count_moved_replicas(const Placement& from, const Placement& to) {
                fmt::format("count_moved_replicas: shapes differ ({}x{} experts, {} slots, {} GPUs vs {}x{}, {}, {})",
                            from.num_layers, from.num_experts, from.num_slots, from.num_gpus, to.num_layers,
                            to.num_experts, to.num_slots, to.num_gpus));
-  const int per_gpu = from.slots_per_gpu();
   int64_t moved = 0;
-  std::vector<int32_t> a(per_gpu), b(per_gpu);
   for (int l = 0; l < from.num_layers; ++l)
-    for (int g = 0; g < from.num_gpus; ++g) {
-      const int32_t* fa = from.phy2log_row(l) + g * per_gpu;
-      const int32_t* tb = to.phy2log_row(l) + g * per_gpu;
-      a.assign(fa, fa + per_gpu);
-      b.assign(tb, tb + per_gpu);
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      // |b \ a| as multisets = per_gpu - |a ∩ b|.
-      size_t i = 0, j = 0, common = 0;
-      while (i < a.size() && j < b.size()) {
-        if (a[i] == b[j]) ++common, ++i, ++j;
-        else if (a[i] < b[j]) ++i;
-        else ++j;
-      }
-      moved += per_gpu - int64_t(common);
-    }
+    moved += eplb_detail::layer_moves(from.phy2log_row(l), to.phy2log_row(l), from.num_gpus, from.slots_per_gpu());
   return moved;
 }
 

@@ -84,8 +84,7 @@ void rebalance_layer(const double* w, int num_experts, int num_slots, int num_gr
     replicate(node_w.data(), experts_per_node, slots_per_node, node_phy2mlog.data(), node_rank.data(),
               node_count.data());
     // 3. Slots to GPUs, each slot carrying its expert's load over its replica count.
-    for (int j = 0; j < slots_per_node; ++j)
-      slot_load[j] = node_w[node_phy2mlog[j]] / node_count[node_phy2mlog[j]];
+    for (int j = 0; j < slots_per_node; ++j) slot_load[j] = node_w[node_phy2mlog[j]] / node_count[node_phy2mlog[j]];
     balanced_packing(slot_load.data(), slots_per_node, gpus_per_node, gpu_pack.data(), gpu_rank.data());
     // 4. Back to original ids.
     for (int j = 0; j < slots_per_node; ++j) {
@@ -104,9 +103,9 @@ void validate_loads(const std::vector<std::vector<double>>& weight) {
   const size_t num_experts = weight[0].size();
   MOEKIT_CHECK(num_experts > 0, "eplb: layer 0 has no expert loads");
   for (size_t l = 0; l < weight.size(); ++l) {
-    MOEKIT_CHECK(weight[l].size() == num_experts,
-                 fmt::format("eplb: layer {} has {} loads but layer 0 has {} (ragged rows)", l, weight[l].size(),
-                             num_experts));
+    MOEKIT_CHECK(
+        weight[l].size() == num_experts,
+        fmt::format("eplb: layer {} has {} loads but layer 0 has {} (ragged rows)", l, weight[l].size(), num_experts));
     for (size_t e = 0; e < num_experts; ++e) {
       double v = weight[l][e];
       MOEKIT_CHECK(std::isfinite(v) && v >= 0,

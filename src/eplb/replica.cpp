@@ -18,20 +18,20 @@ void check_layer(const Placement& p, int layer, int topk) {
 void check_ids(const int32_t* topk_idx, int num_tokens, int topk, int num_experts, int64_t first_token) {
   for (size_t i = 0; i < size_t(num_tokens) * topk; ++i)
     MOEKIT_CHECK(topk_idx[i] >= -1 && topk_idx[i] < num_experts,
-                 fmt::format("choose_replicas: token {} expert id {} out of range [0, {})", first_token + int64_t(i / topk),
-                             topk_idx[i], num_experts));
+                 fmt::format("choose_replicas: token {} expert id {} out of range [0, {})",
+                             first_token + int64_t(i / topk), topk_idx[i], num_experts));
 }
 
 }  // namespace
 
-void choose_replicas_for_rank(const Placement& p, int layer, int rank, const int32_t* topk_idx, int num_local,
-                              int topk, int64_t first_token, uint64_t seed, int32_t* topk_slot) {
+void choose_replicas_for_rank(const Placement& p, int layer, int rank, const int32_t* topk_idx, int num_local, int topk,
+                              int64_t first_token, uint64_t seed, int32_t* topk_slot) {
   check_layer(p, layer, topk);
   MOEKIT_CHECK(rank >= 0 && rank < p.num_gpus,
                fmt::format("choose_replicas: rank {} out of range [0, {})", rank, p.num_gpus));
-  MOEKIT_CHECK(num_local >= 0 && first_token >= 0,
-               fmt::format("choose_replicas: num_local = {}, first_token = {}: expected both >= 0", num_local,
-                           first_token));
+  MOEKIT_CHECK(
+      num_local >= 0 && first_token >= 0,
+      fmt::format("choose_replicas: num_local = {}, first_token = {}: expected both >= 0", num_local, first_token));
   const int32_t* log2phy = p.log2phy_row(layer);
   const int32_t* count = p.replica_count_row(layer);
   const int per_gpu = p.slots_per_gpu();

@@ -34,8 +34,9 @@ LoadRecorder LoadRecorder::decay(int num_layers, int num_experts, double factor)
 void LoadRecorder::record(int layer, const int32_t* topk_idx, int num_tokens, int topk) {
   MOEKIT_CHECK(layer >= 0 && layer < num_layers_,
                fmt::format("LoadRecorder::record: layer {} out of range [0, {})", layer, num_layers_));
-  MOEKIT_CHECK(num_tokens >= 0 && topk > 0,
-               fmt::format("LoadRecorder::record: num_tokens = {}, topk = {}: expected >= 0 and > 0", num_tokens, topk));
+  MOEKIT_CHECK(
+      num_tokens >= 0 && topk > 0,
+      fmt::format("LoadRecorder::record: num_tokens = {}, topk = {}: expected >= 0 and > 0", num_tokens, topk));
   const size_t n = size_t(num_tokens) * topk;
   // Validate the whole batch before counting any of it, so a bad id leaves the step untouched.
   for (size_t i = 0; i < n; ++i)

@@ -55,8 +55,10 @@ RoutingTrace skewed_trace(int num_layers, int num_steps, int tokens_per_step, in
         const auto& topic = topics[pick_topic(rng)];
         std::set<int> chosen;
         while (int(chosen.size()) < topk) {
-          if (from_topic(rng)) chosen.insert(topic[std::uniform_int_distribution<int>(0, topic_size - 1)(rng)]);
-          else chosen.insert(hot_order[pick_hot(rng)]);
+          if (from_topic(rng))
+            chosen.insert(topic[std::uniform_int_distribution<int>(0, topic_size - 1)(rng)]);
+          else
+            chosen.insert(hot_order[pick_hot(rng)]);
         }
         flat.insert(flat.end(), chosen.begin(), chosen.end());
       }
@@ -135,13 +137,15 @@ void run_case(const char* name, int slots, int groups, int nodes, int gpus) {
   if (r.placement.hierarchical())
     for (int l = 0; l < L; ++l) {
       std::vector<std::set<int>> nodes_of(groups);
-      for (int s = 0; s < slots; ++s) nodes_of[r.placement.phy2log_row(l)[s] / (E / groups)].insert(s / (slots / nodes));
+      for (int s = 0; s < slots; ++s)
+        nodes_of[r.placement.phy2log_row(l)[s] / (E / groups)].insert(s / (slots / nodes));
       for (const auto& n : nodes_of) EXPECT_EQ(n.size(), 1u);
     }
-  fmt::print("[dual loads] {} ({} layers, {} experts, top-{}, {} slots, {} GPUs, 8 steps x 1024 tokens): "
-             "max/mean GEMM rows {:.3f} -> {:.3f}, max/mean received tokens {:.3f} -> {:.3f}, "
-             "worse of the two {:.3f} (counts alone) -> {:.3f} (both)\n",
-             name, L, E, k, slots, gpus, before.rows, after.rows, before.recv, after.recv, worse_before, worse_after);
+  fmt::print(
+      "[dual loads] {} ({} layers, {} experts, top-{}, {} slots, {} GPUs, 8 steps x 1024 tokens): "
+      "max/mean GEMM rows {:.3f} -> {:.3f}, max/mean received tokens {:.3f} -> {:.3f}, "
+      "worse of the two {:.3f} (counts alone) -> {:.3f} (both)\n",
+      name, L, E, k, slots, gpus, before.rows, after.rows, before.recv, after.recv, worse_before, worse_after);
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // Fewer moves: after a load drift, a placement within 1% of a fresh rebalance's worst-layer
 // balancedness that copies far fewer replicas. Moves are counted independently here (per GPU
 // multiset difference written out in the test) and the figures are printed.
-#include <gtest/gtest.h>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -107,9 +107,8 @@ void run_case(const Case& c, double sigma, bool mild = false) {
         c.name, L, E, c.slots, sigma, mild ? "" : " + 2 hot/cold swaps per layer",
         per_layer ? "per-layer" : "worst-layer", stale_r.mean_balancedness_after, stale_r.worst_balancedness_after,
         fresh_r.mean_balancedness_after, fresh_r.worst_balancedness_after, ours_r.mean_balancedness_after,
-        ours_r.worst_balancedness_after, m.fresh_replicas_moved, m.fresh_replicas_moved * bytes / 1e9,
-        m.replicas_moved, m.replicas_moved * bytes / 1e9,
-        double(m.fresh_replicas_moved) / std::max<int64_t>(1, m.replicas_moved));
+        ours_r.worst_balancedness_after, m.fresh_replicas_moved, m.fresh_replicas_moved * bytes / 1e9, m.replicas_moved,
+        m.replicas_moved * bytes / 1e9, double(m.fresh_replicas_moved) / std::max<int64_t>(1, m.replicas_moved));
   }
 }
 
@@ -146,8 +145,8 @@ TEST(EplbMigration, PropertiesOnRandomDrifts) {
   struct Shape {
     int experts, slots, groups, nodes, gpus;
   };
-  const std::vector<Shape> shapes = {{12, 16, 4, 2, 8}, {64, 80, 8, 2, 16}, {64, 72, 8, 4, 8},
-                                     {32, 48, 4, 3, 12}, {16, 16, 4, 2, 4}, {48, 64, 6, 2, 32}};
+  const std::vector<Shape> shapes = {{12, 16, 4, 2, 8},  {64, 80, 8, 2, 16}, {64, 72, 8, 4, 8},
+                                     {32, 48, 4, 3, 12}, {16, 16, 4, 2, 4},  {48, 64, 6, 2, 32}};
   std::mt19937_64 rng(99);
   for (int trial = 0; trial < 20; ++trial)
     for (const Shape& s : shapes) {

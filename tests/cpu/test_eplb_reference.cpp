@@ -23,14 +23,14 @@ const Loads kExampleWeight = {{90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86
 
 TEST(EplbReference, MatchesEplbMdExample) {
   Placement p = rebalance(kExampleWeight, 16, 4, 2, 8);
-  const std::vector<int32_t> want = {5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1,  //
-                                     7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1};
+  const std::vector<int32_t> want = {5, 6,  5, 7, 8, 4,  3, 4, 10, 9, 10, 2, 0, 1, 11, 1,  //
+                                     7, 10, 6, 8, 6, 11, 8, 9, 2,  4, 5,  1, 5, 0, 3,  1};
   EXPECT_EQ(p.phy2log, want);
   EXPECT_TRUE(p.hierarchical());
 
   BalanceReport r = balance_report(p, kExampleWeight);
-  const std::vector<double> want_loads = {121.5, 86.5, 125, 113, 147.5, 131.5, 156, 152,  //
-                                          173, 179.5, 120.5, 172, 123, 152, 118.5, 117.5};
+  const std::vector<double> want_loads = {121.5, 86.5,  125,   113, 147.5, 131.5, 156,   152,  //
+                                          173,   179.5, 120.5, 172, 123,   152,   118.5, 117.5};
   ASSERT_EQ(r.gpu_load_after.size(), want_loads.size());
   for (size_t i = 0; i < want_loads.size(); ++i) EXPECT_DOUBLE_EQ(r.gpu_load_after[i], want_loads[i]) << i;
   EXPECT_NEAR(r.balancedness_after[0], 0.828, 5e-4);
@@ -144,10 +144,10 @@ void check_properties(const Placement& p, const Loads& w, const Config& c) {
 }  // namespace
 
 TEST(EplbReference, PropertiesOnRandomLoads) {
-  const std::vector<Config> configs = {
-      {12, 16, 4, 2, 8},    {16, 16, 4, 2, 4},    {16, 24, 4, 2, 8},   {64, 80, 8, 2, 16},   {64, 72, 8, 4, 8},
-      {32, 48, 4, 3, 12},   {60, 64, 5, 2, 16},   {256, 288, 8, 4, 32}, {256, 288, 8, 18, 144}, {8, 8, 1, 1, 8},
-      {20, 40, 4, 4, 20},   {48, 64, 6, 2, 32}};
+  const std::vector<Config> configs = {{12, 16, 4, 2, 8},  {16, 16, 4, 2, 4},    {16, 24, 4, 2, 8},
+                                       {64, 80, 8, 2, 16}, {64, 72, 8, 4, 8},    {32, 48, 4, 3, 12},
+                                       {60, 64, 5, 2, 16}, {256, 288, 8, 4, 32}, {256, 288, 8, 18, 144},
+                                       {8, 8, 1, 1, 8},    {20, 40, 4, 4, 20},   {48, 64, 6, 2, 32}};
   std::mt19937_64 rng(7);
   int checked = 0;
   for (int trial = 0; trial < 40; ++trial)
