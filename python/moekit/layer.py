@@ -6,10 +6,14 @@
 
 One step runs the whole of DESIGN.md's decode step on every rank: gate, replica choice, dispatch,
 GEMM1, SiLU·up + FP8, GEMM2, combine, plus the shared expert.
+
+device="cuda" runs the GPU layer (layer.h): the P ranks are virtual ranks on the current GPU and
+every kernel of a step goes on PyTorch's current stream, so `forward_all` can be captured by
+torch.cuda.graph (call it once before capturing; the graph keeps each rank's token count).
 """
 
 from . import _core
-from ._tensors import BF16, empty, shape_of
+from ._tensors import BF16, _torch, empty, shape_of, stream_of
 from .ep import run_ranks
 
 write_random_weights = _core.write_random_weights
@@ -22,11 +26,18 @@ class MoELayer:
     phy2log: the slots' logical experts (EPLB's placement of this layer), identity when None."""
 
     def __init__(self, model, weights_dir, num_ranks, max_tokens, layer=0, protocol="low-latency", phy2log=None,
-                 block_m=64, replica_seed=0, timeout_s=60.0):
+                 block_m=64, replica_seed=0, timeout_s=60.0, device="cpu", expected_m=0):
         if phy2log is not None and hasattr(phy2log, "detach"):
             phy2log = phy2log.detach().cpu()
-        self.core = _core.CpuMoeLayer(model, str(weights_dir), layer, num_ranks, max_tokens, protocol, phy2log,
-                                      block_m, replica_seed, timeout_s)
+        self.is_cuda = str(device).startswith("cuda")
+        if self.is_cuda:
+            if not hasattr(_core, "CudaMoeLayer"):
+                raise ValueError("device='cuda': this moekit was built without CUDA")
+            self.core = _core.CudaMoeLayer(model, str(weights_dir), layer, num_ranks, max_tokens, protocol, phy2log,
+                                           replica_seed, expected_m)
+        else:
+            self.core = _core.CpuMoeLayer(model, str(weights_dir), layer, num_ranks, max_tokens, protocol, phy2log,
+                                          block_m, replica_seed, timeout_s)
 
     @property
     def num_ranks(self):
@@ -37,6 +48,8 @@ class MoELayer:
         step): x [T, hidden] bf16 -> out [T, hidden] bf16. first_token: the global index of x's first
         token (the replica choice hashes global ids). topk_idx / topk_weights [T, k] (int32 logical
         experts, float32) replace the gate's routing when given."""
+        if self.is_cuda:
+            raise ValueError("device='cuda': the ranks share one stream, so a step is forward_all(), not one rank")
         if out is None:
             out = empty(x, (shape_of(x, "x")[0], self.core.hidden), BF16)
         self.core.forward(rank, x, out, first_token, topk_idx, topk_weights)
@@ -50,6 +63,15 @@ class MoELayer:
         firsts = [0]
         for x in xs[:-1]:
             firsts.append(firsts[-1] + shape_of(x, "x")[0])
+        if self.is_cuda:
+            outs = [empty(x, (shape_of(x, "x")[0], self.core.hidden), BF16) for x in xs]
+            idx = w = None
+            if routing is not None:
+                int32 = _torch().int32
+                idx = [i if i.dtype == int32 else i.to(int32) for i, _ in routing]
+                w = [wt for _, wt in routing]
+            self.core.forward_all(list(xs), outs, firsts, idx, w, stream_of(xs[0]))
+            return outs
 
         def step(rank):
             idx, w = routing[rank] if routing is not None else (None, None)
@@ -58,5 +80,12 @@ class MoELayer:
         return run_ranks(self.num_ranks, step)
 
     def last_step(self, rank):
-        """What rank `rank` saw in its last step: routing, recv_count, messages, stage times (s)."""
+        """What rank `rank` saw in its last step: routing, recv_count, messages, stage times (s). CPU only."""
+        if self.is_cuda:
+            raise ValueError("last_step() is the CPU layer's; on the GPU use check() and the outputs")
         return self.core.last_step(rank)
+
+    def check(self):
+        """CUDA: waits for the current stream and raises moekit.Error for a fault a kernel recorded."""
+        if self.is_cuda:
+            self.core.check(_torch().cuda.current_stream().cuda_stream)

@@ -23,6 +23,7 @@ void bind_eplb(nanobind::module_& m);
 void bind_gemm(nanobind::module_& m);
 void bind_ep(nanobind::module_& m);
 void bind_layer(nanobind::module_& m);
-void bind_ep_cuda(nanobind::module_& m);  // only with MOEKIT_WITH_CUDA
+void bind_ep_cuda(nanobind::module_& m);     // only with MOEKIT_WITH_CUDA
+void bind_layer_cuda(nanobind::module_& m);  // only with MOEKIT_WITH_CUDA
 
 }  // namespace moekit::py

@@ -27,5 +27,6 @@ NB_MODULE(_core, m) {
   moekit::py::bind_layer(m);
 #if defined(MOEKIT_WITH_CUDA)
   moekit::py::bind_ep_cuda(m);
+  moekit::py::bind_layer_cuda(m);
 #endif
 }

@@ -157,3 +157,55 @@ def test_ep_cuda_needs_the_hook():
         group.buffer(0).low_latency_dispatch(x, idx, T_MAX, SLOTS, topk_weights=w)
     with pytest.raises(ValueError, match="must be on cuda"):
         group.buffer(0).low_latency_dispatch(x.cpu(), idx.cpu(), T_MAX, SLOTS, topk_weights=w.cpu(), return_recv_hook=True)
+
+
+# ---- The MoE layer on the GPU (layer.h) against the float64 oracle and the CPU layer ---------------
+
+@pytest.fixture(scope="module")
+def layer_weights(tmp_path_factory):
+    from test_layer import MODEL
+    path = tmp_path_factory.mktemp("gpu-weights")
+    moekit.write_random_weights(MODEL, str(path), num_layers=1, seed=11)
+    return path
+
+
+def test_gpu_layer_matches_oracle_and_replays_in_a_graph(layer_weights, rng):
+    from test_layer import MODEL, _inputs, layer_f64, read_safetensors
+    cuda = TorchBackend("cuda")
+    x, idx, w = _inputs(rng, 6)
+    tensors = read_safetensors(layer_weights)
+    layer = moekit.MoELayer(MODEL, layer_weights, num_ranks=2, max_tokens=4, device="cuda")
+    xs = [cuda.put(x[:3], "bf16"), cuda.put(x[3:], "bf16")]
+    routing = [(cuda.put(idx[:3]), cuda.put(w[:3])), (cuda.put(idx[3:]), cuda.put(w[3:]))]
+    outs = layer.forward_all(xs, routing=routing)
+    layer.check()
+    want = layer_f64(tensors, bf16_bits_to_float(x).astype(np.float32), idx, w)
+    got = bf16_bits_to_float(np.concatenate([cuda.get(o) for o in outs]))
+    assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)
+    cpu = moekit.MoELayer(MODEL, layer_weights, num_ranks=2, max_tokens=4)
+    cpu_out = bf16_bits_to_float(np.concatenate(cpu.forward_all([x[:3], x[3:]], routing=[(idx[:3], w[:3]), (idx[3:], w[3:])])))
+    assert np.linalg.norm(got - cpu_out) <= 4e-3 * np.linalg.norm(cpu_out)
+
+    # The whole step (both ranks, gate included) captured once, replayed on new tokens in place.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer.forward_all(xs)
+    x2, _, _ = _inputs(np.random.default_rng(21), 6)
+    xs[0].copy_(cuda.put(x2[:3], "bf16"))
+    xs[1].copy_(cuda.put(x2[3:], "bf16"))
+    graph.replay()
+    layer.check()
+    replayed = bf16_bits_to_float(np.concatenate([cuda.get(o) for o in captured]))
+    eager = bf16_bits_to_float(np.concatenate(cpu.forward_all([x2[:3], x2[3:]])))  # the CPU layer's own gate
+    assert np.linalg.norm(replayed - eager) <= 1e-2 * np.linalg.norm(eager)
+
+
+def test_gpu_layer_bad_arguments(layer_weights):
+    from test_layer import MODEL
+    layer = moekit.MoELayer(MODEL, layer_weights, num_ranks=1, max_tokens=4, device="cuda")
+    with pytest.raises(ValueError, match="more than max_tokens"):
+        layer.forward_all([torch.zeros((9, 256), dtype=torch.bfloat16, device="cuda")])
+    with pytest.raises(ValueError, match="must be on cuda"):
+        layer.forward_all([torch.zeros((2, 256), dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="forward_all"):
+        layer.forward(0, torch.zeros((2, 256), dtype=torch.bfloat16, device="cuda"))
