@@ -32,6 +32,14 @@
 // M_total a multiple of kContiguousAlign, all pointers non-null, device buffers 16-byte aligned,
 // a compute capability 9.0 device.
 //
+// Overlap with the previous kernel (programmatic dependent launch, off by default): with
+// set_overlap(kPreviousKernel) the kernel may be scheduled while the previous kernel on the
+// stream is still running and waits for it (griddepcontrol.wait) before touching anything that
+// kernel may write. kPreviousKernelStaticWeights (masked only) promises that the previous kernel
+// writes neither masked_m nor the weights: the schedule and the first ring of weight tiles are
+// then loaded before the wait, so the weight stream starts under the previous kernel's tail
+// (GEMM2 after the activation kernel, or back-to-back GEMMs of one step).
+//
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
 // that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
 // only steers the choice; correctness never depends on it.
@@ -58,6 +66,8 @@ struct GemmConfig {
   int smem_bytes = 0;
   std::string to_string() const;
 };
+
+enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights };
 
 struct MaskedGemmProblem {
   int num_experts = 0;  // E_loc
@@ -107,6 +117,7 @@ class MaskedGemm {
 
   void run(cudaStream_t stream) const;  // graph-safe
   const GemmConfig& config() const;
+  void set_overlap(Overlap overlap);
 
  private:
   struct Impl;
@@ -123,6 +134,7 @@ class ContiguousGemm {
 
   void run(cudaStream_t stream) const;  // graph-safe
   const GemmConfig& config() const;
+  void set_overlap(Overlap overlap);  // kNone or kPreviousKernel
 
  private:
   struct Impl;

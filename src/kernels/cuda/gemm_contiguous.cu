@@ -7,13 +7,8 @@ namespace moekit {
 
 using namespace gemm_detail;
 
-struct ContiguousGemm::Impl {
+struct ContiguousGemm::Impl : PlanCore {
   ContiguousGemmProblem problem;
-  GemmConfig cfg;
-  CUtensorMap tma_a{}, tma_w{}, tma_sa{};
-  KernelArgs args;
-  Launch launch;
-  SplitWorkspace workspace;
 };
 
 namespace {
@@ -65,22 +60,8 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, false);
 
-  KernelArgs& a = im.args;
-  a.num_experts = p.num_experts;
-  a.n = p.n;
-  a.k = p.k;
-  a.rows = p.total_m;
-  a.row_expert = b.row_expert;
-  a.w_scales = b.w_scales;
-  a.out = b.out;
-  a.num_splits = im.cfg.num_splits;
-  a.num_stages = im.cfg.num_stages;
-  if (im.cfg.num_splits > 1) {
-    size_t slots = size_t(p.total_m / bm) * (p.n / bn);
-    im.workspace.allocate(slots, im.cfg.num_splits, bm * bn);
-    a.partials = im.workspace.partials;
-    a.counters = im.workspace.counters;
-  }
+  im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * (p.n / bn));
+  im.args.row_expert = b.row_expert;
   maybe_print_config("contiguous", describe(p), im.cfg);
 }
 
@@ -88,11 +69,13 @@ ContiguousGemm::~ContiguousGemm() = default;
 
 const GemmConfig& ContiguousGemm::config() const { return impl_->cfg; }
 
-void ContiguousGemm::run(cudaStream_t stream) const {
-  const Impl& im = *impl_;
-  im.launch.kernel<<<im.cfg.num_ctas, im.launch.threads, im.cfg.smem_bytes, stream>>>(im.tma_a, im.tma_w, im.tma_sa,
-                                                                                      im.args);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+void ContiguousGemm::run(cudaStream_t stream) const { impl_->run(stream); }
+
+void ContiguousGemm::set_overlap(Overlap overlap) {
+  MOEKIT_CHECK(overlap != Overlap::kPreviousKernelStaticWeights,
+               "contiguous GEMM: kPreviousKernelStaticWeights needs the masked layout (the schedule of "
+               "the contiguous layout depends on row_expert, which the previous kernel may write)");
+  impl_->set_overlap(overlap);
 }
 
 }  // namespace moekit

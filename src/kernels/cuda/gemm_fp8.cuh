@@ -27,7 +27,8 @@
 
 #include <cstdint>
 
-#include "ptx.cuh"
+#include "kernels/cuda/ptx.cuh"
+#include "moekit/bf16.h"
 
 namespace moekit::gemm_detail {
 
@@ -47,7 +48,17 @@ struct KernelArgs {
   int* counters = nullptr;    // one per slot, zero between launches
   int num_splits = 1;
   int num_stages = 0;
+  int flags = 0;  // kFlag* below
 };
+
+// Programmatic dependent launch: this kernel may start while the previous kernel on the stream
+// is still running. Everything the previous kernel may write (activations, their scales,
+// masked_m, row_expert, the output) is touched only after `griddepcontrol.wait`.
+constexpr int kFlagPdl = 1;
+// With kFlagPdl: masked_m and the weights are not written by the previous kernel, so the
+// schedule is computed and the first ring of weight tiles is loaded before the wait: the
+// weight stream starts during the previous kernel's tail (GEMM2 after the activation kernel).
+constexpr int kFlagEarlyWeights = 2;
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
 // A-scale rows, full and empty barriers, then (masked) the tile prefix sums [E+1] and the
@@ -61,14 +72,6 @@ struct SmemLayout {
   static constexpr uint32_t kTxBytes = (kBlockW + kBlockT) * kBlockK + kBlockT * 4;
   static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
 };
-
-__device__ __forceinline__ uint16_t to_bf16_bits(float x) {
-  // Round to nearest even, NaN kept quiet: the same rule as moekit/bf16.h.
-  uint32_t bits = __float_as_uint(x);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x0040u);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
 
 struct TileInfo {
   int e;          // local expert (-1: nothing to do, contiguous padding block)
@@ -86,7 +89,7 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
   const int num_w_blocks = args.n / kBlockW;
   const int k_blocks = args.k / kBlockK;
   const int splits = args.num_splits;
-  TileInfo t;
+  TileInfo t{};
   int rest = tile / splits;
   t.split = tile - rest * splits;
   t.kb_begin = t.split * k_blocks / splits;
@@ -162,6 +165,10 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   const int num_w_blocks = args.n / kBlockW;
   const int k_blocks = args.k / kBlockK;
 
+  // Let the next kernel's CTAs take SMs as ours leave (it waits for our results itself).
+  ptx::launch_dependents();
+  const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
+  if ((args.flags & kFlagPdl) && !early_weights) ptx::grid_dependency_wait();
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
@@ -210,7 +217,24 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     if (warp != 0) return;
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
-    int iter = 0;
+    // Early weights: the first ring of stages gets its weight tile (and the expect-tx of the
+    // whole stage) before the wait; the activation loads of those stages follow it.
+    int prefetched = 0;
+    if (early_weights) {
+      for (int tile = blockIdx.x; tile < num_tiles && prefetched < stages; tile += gridDim.x) {
+        TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
+        for (int kb = t.kb_begin; kb < t.kb_end && prefetched < stages; ++kb, ++prefetched) {
+          if (lane == 0) {
+            ptx::mbar_arrive_expect_tx(&full[prefetched], Layout::kTxBytes);
+            ptx::tma_load_2d(w_tiles + prefetched * Layout::kWTile, &tma_w, &full[prefetched], kb * kBlockK,
+                             t.e * args.n + t.w0, policy_w);
+          }
+        }
+      }
+      ptx::grid_dependency_wait();
+    }
+    int iter = 0, s = 0;
+    uint32_t phase = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
       if (t.e < 0) continue;
@@ -218,15 +242,16 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
       const int sa_row = kMasked ? t.e * k_blocks : 0;
       for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
-        const int s = iter % stages;
-        const uint32_t phase = (iter / stages) & 1;
         if (lane == 0) {
-          ptx::mbar_wait(&empty[s], phase ^ 1);
-          ptx::mbar_arrive_expect_tx(&full[s], Layout::kTxBytes);
-          ptx::tma_load_2d(w_tiles + s * Layout::kWTile, &tma_w, &full[s], kb * kBlockK, w_row, policy_w);
+          if (iter >= prefetched) {
+            ptx::mbar_wait(&empty[s], phase ^ 1);
+            ptx::mbar_arrive_expect_tx(&full[s], Layout::kTxBytes);
+            ptx::tma_load_2d(w_tiles + s * Layout::kWTile, &tma_w, &full[s], kb * kBlockK, w_row, policy_w);
+          }
           ptx::tma_load_2d(a_tiles + s * Layout::kATile, &tma_a, &full[s], kb * kBlockK, a_row, policy_a);
           ptx::tma_load_2d(sa_tiles + s * Layout::kSaFloats, &tma_sa, &full[s], t.t0, sa_row + kb, policy_a);
         }
+        if (++s == stages) s = 0, phase ^= 1;
       }
     }
     return;
@@ -243,21 +268,44 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   const int frag_col = (lane % 4) * 2;                        // + 8·(i/4) + i%2
   __shared__ int last_flag;
 
-  int iter = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
-    if (t.e < 0) continue;
-    const float* ws_row = args.w_scales + (size_t(t.e) * (args.n / kBlockK) + t.w0 / kBlockK) * k_blocks;
+  int s = 0;
+  uint32_t phase = 0;
+  // The weight scales of a tile, one K block per lane in two registers (64 blocks, K = 8192, per
+  // load), read by shuffle. A per-stage load was the consumers' main stall (ncu, run 3); the
+  // next tile's scales are loaded while the current tile runs, so no tile waits for them.
+  auto load_ws = [&](const TileInfo& t, int base, float& lo, float& hi) {
+    const float* row = args.w_scales + (size_t(t.e) * (args.n / kBlockK) + t.w0 / kBlockK) * k_blocks;
+    lo = base + lane < t.kb_end ? __ldg(row + base + lane) : 0.0f;
+    hi = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
+  };
+  auto next_tile = [&](int tile, TileInfo& t) {  // the first tile at or after `tile` with work
+    for (; tile < num_tiles; tile += gridDim.x) {
+      t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
+      if (t.e >= 0) break;
+    }
+    return tile;
+  };
+  TileInfo t{};
+  int tile = next_tile(blockIdx.x, t);
+  float ws_lo = 0.0f, ws_hi = 0.0f;
+  if (tile < num_tiles) load_ws(t, t.kb_begin, ws_lo, ws_hi);
+  while (tile < num_tiles) {
+    TileInfo t_next{};
+    const int tile_next = next_tile(tile + gridDim.x, t_next);
+    float next_lo = 0.0f, next_hi = 0.0f;
+    if (tile_next < num_tiles) load_ws(t_next, t_next.kb_begin, next_lo, next_hi);
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
     float part[kRegs];
-    float ws_next = __ldg(ws_row + t.kb_begin);
-    for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
-      const int s = iter % stages;
-      const uint32_t phase = (iter / stages) & 1;
-      const float ws = ws_next;
-      if (kb + 1 < t.kb_end) ws_next = __ldg(ws_row + kb + 1);
+    int ws_base = t.kb_begin;
+    for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
+      if (kb - ws_base == 64) {
+        ws_base = kb;
+        load_ws(t, ws_base, ws_lo, ws_hi);
+      }
+      const int j = kb - ws_base;
+      const float ws = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws_lo : ws_hi, j & 31);
       ptx::mbar_wait(&full[s], phase);
       const float* sa = sa_tiles + s * Layout::kSaFloats;
       // Per-register combined scale: a_scale of the register's token times the block's w_scale.
@@ -292,9 +340,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         const float sc = kSwapAB ? scale_a[i / 4][i % 2] : scale_a[(i / 2) % 2][0];
         acc[i] = fmaf(part[i], sc, acc[i]);
       }
+      if (++s == stages) s = 0, phase ^= 1;
     }
 
     // ---------------- split-K reduction ----------------
+    bool store = true;  // false: another split of this tile writes it
     if (args.num_splits > 1) {
       const int splits = args.num_splits;
       float* my = args.partials + (size_t(t.slot) * splits + t.split) * kRegs * kMathThreads;
@@ -304,28 +354,31 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       math_barrier<kMathThreads>();
       if (mtid == 0) last_flag = atomicAdd(args.counters + t.slot, 1) == splits - 1;
       math_barrier<kMathThreads>();
-      if (!last_flag) continue;
-      __threadfence();
-      if (mtid == 0) args.counters[t.slot] = 0;  // every split has arrived: ready for the next launch
-      const float* base = args.partials + size_t(t.slot) * splits * kRegs * kMathThreads;
+      store = last_flag;
+      if (store) {
+        __threadfence();
+        if (mtid == 0) args.counters[t.slot] = 0;  // every split has arrived: ready for the next launch
+        const float* base = args.partials + size_t(t.slot) * splits * kRegs * kMathThreads;
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        float sum = 0.0f;
-        for (int sp = 0; sp < splits; ++sp)
-          sum += sp == t.split ? acc[i] : __ldcg(base + (size_t(sp) * kRegs + i) * kMathThreads + mtid);
-        acc[i] = sum;
+        for (int i = 0; i < kRegs; ++i) {
+          float sum = 0.0f;
+          for (int sp = 0; sp < splits; ++sp)
+            sum += sp == t.split ? acc[i] : __ldcg(base + (size_t(sp) * kRegs + i) * kMathThreads + mtid);
+          acc[i] = sum;
+        }
       }
     }
 
     // ---------------- epilogue: BF16 straight from the registers ----------------
-    if constexpr (kSwapAB) {
+    if (!store) {
+    } else if constexpr (kSwapAB) {
       // Accumulator rows are weight rows n, columns are tokens: out[e, t0 + col, w0 + row].
       uint16_t* out = args.out + (size_t(t.e) * args.rows + t.t0) * args.n + t.w0;
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         const int col = (i / 4) * 8 + frag_col + i % 2;
         const int row = frag_row + ((i / 2) % 2) * 8;
-        if (t.t0 + col < t.m_valid) out[size_t(col) * args.n + row] = to_bf16_bits(acc[i]);
+        if (t.t0 + col < t.m_valid) out[size_t(col) * args.n + row] = float_to_bf16(acc[i]);
       }
     } else {
       bool row_ok[2];
@@ -342,10 +395,14 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         if (!row_ok[h]) continue;
         const int col = (i / 4) * 8 + frag_col;
         const int row = frag_row + h * 8;
-        const uint32_t packed = uint32_t(to_bf16_bits(acc[i])) | (uint32_t(to_bf16_bits(acc[i + 1])) << 16);
+        const uint32_t packed = uint32_t(float_to_bf16(acc[i])) | (uint32_t(float_to_bf16(acc[i + 1])) << 16);
         *reinterpret_cast<uint32_t*>(out + size_t(row) * args.n + col) = packed;
       }
     }
+    t = t_next;
+    tile = tile_next;
+    ws_lo = next_lo;
+    ws_hi = next_hi;
   }
 }
 

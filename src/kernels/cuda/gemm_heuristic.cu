@@ -1,9 +1,11 @@
 // The GEMM config heuristic: problem descriptor -> GemmConfig (gemm.h). Pure functions.
 //
-// Masked: below 128 expected rows per expert the weights go on the MMA's M side (swap-AB) and
+// Masked: up to 128 expected rows per expert the weights go on the MMA's M side (swap-AB) and
 // the tokens on its N side, in the smallest of 16/32/64/128 that holds expected_m: the decode
 // GEMM is a weight stream (KERNELS.md), so a token block only has to be wide enough that each
-// weight tile is streamed once. Above that, 128x128 tiles with the tokens on the M side.
+// weight tile is streamed once. Callers should pass an upper-typical count (the bench passes
+// mean + 2·sqrt(mean) for uniform routing): an expert above it costs a second token block.
+// Above 128, tokens on the M side in blocks of 64 or 128, whichever pads less.
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64.
 #include <algorithm>
 
@@ -13,17 +15,12 @@ namespace moekit {
 namespace gemm_detail {
 
 int choose_splits(long tiles, int num_sms, int k_blocks) {
-  if (tiles <= 0) return 1;
-  int best = 1;
-  double best_fill = 0;
-  for (int s = 1; s <= std::min(4, k_blocks); ++s) {
-    long units = tiles * s;
-    long waves = (units + num_sms - 1) / num_sms;
-    double fill = double(units) / double(waves * num_sms);
-    if (fill >= 0.9) return s;
-    if (fill > best_fill + 1e-9) best_fill = fill, best = s;
-  }
-  return best;
+  // Split only when the tiles do not even fill one wave: a partial last wave of a long stream
+  // is cheaper than the partials' round trip (measured, docs/gemm.md).
+  // Then as many splits as keep all units in one wave, each split at least 4 K blocks deep.
+  if (tiles <= 0 || tiles >= num_sms) return 1;
+  long s = std::min<long>({8, k_blocks / 4, num_sms / tiles});
+  return int(std::max<long>(s, 1));
 }
 
 }  // namespace gemm_detail
@@ -36,8 +33,9 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     cfg.swap_ab = true;
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
   } else {
+    // Big batches: tokens on the M side; the block that wastes fewer padded rows.
     cfg.swap_ab = false;
-    cfg.block_m = 128;
+    cfg.block_m = (m + 63) / 64 * 64 < (m + 127) / 128 * 128 ? 64 : 128;
   }
   long tiles = long(p.num_experts) * (p.n / cfg.block_n) * ((m + cfg.block_m - 1) / cfg.block_m);
   cfg.num_splits = gemm_detail::choose_splits(tiles, num_sms, p.k / 128);

@@ -83,6 +83,46 @@ int num_sms() {
   return v;
 }
 
+void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMap& tma_a, const CUtensorMap& tma_w,
+                   const CUtensorMap& tma_sa, const KernelArgs& args, cudaStream_t stream) {
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(cfg.num_ctas);
+  lc.blockDim = dim3(launch.threads);
+  lc.dynamicSmemBytes = cfg.smem_bytes;
+  lc.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = (args.flags & kFlagPdl) ? 1 : 0;
+  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&lc, launch.kernel, tma_a, tma_w, tma_sa, args));
+}
+
+void PlanCore::bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out,
+                    size_t split_slots) {
+  args.num_experts = num_experts;
+  args.n = n;
+  args.k = k;
+  args.rows = rows;
+  args.w_scales = w_scales;
+  args.out = out;
+  args.num_splits = cfg.num_splits;
+  args.num_stages = cfg.num_stages;
+  if (cfg.num_splits > 1) {
+    workspace.allocate(split_slots, cfg.num_splits, cfg.block_m * cfg.block_n);
+    args.partials = workspace.partials;
+    args.counters = workspace.counters;
+  }
+}
+
+void PlanCore::run(cudaStream_t stream) const { launch_kernel(launch, cfg, tma_a, tma_w, tma_sa, args, stream); }
+
+void PlanCore::set_overlap(Overlap overlap) {
+  args.flags = overlap == Overlap::kNone             ? 0
+               : overlap == Overlap::kPreviousKernel ? kFlagPdl
+                                                     : kFlagPdl | kFlagEarlyWeights;
+}
+
 void SplitWorkspace::allocate(size_t slots, int splits, int tile_elems) {
   MOEKIT_CUDA_CHECK(cudaMalloc(&partials, slots * splits * size_t(tile_elems) * sizeof(float)));
   MOEKIT_CUDA_CHECK(cudaMalloc(&counters, slots * sizeof(int)));

@@ -63,12 +63,31 @@ Launch get_launch(int smem_bytes) {
   return l;
 }
 
+// One launch of a plan's kernel (with the programmatic-serialisation attribute when
+// args.flags has kFlagPdl).
+void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMap& tma_a, const CUtensorMap& tma_w,
+                   const CUtensorMap& tma_sa, const KernelArgs& args, cudaStream_t stream);
+
 // Split-K workspace owned by a plan.
 struct SplitWorkspace {
   float* partials = nullptr;
   int* counters = nullptr;
   void allocate(size_t slots, int splits, int tile_elems);
   ~SplitWorkspace();
+};
+
+// What a plan holds and does, whatever its layout.
+struct PlanCore {
+  GemmConfig cfg;
+  CUtensorMap tma_a{}, tma_w{}, tma_sa{};
+  KernelArgs args;
+  Launch launch;
+  SplitWorkspace workspace;
+  // The arguments common to both layouts; allocates the split-K workspace of `split_slots`
+  // tiles when cfg splits K.
+  void bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out, size_t split_slots);
+  void run(cudaStream_t stream) const;
+  void set_overlap(Overlap overlap);
 };
 
 }  // namespace moekit::gemm_detail
@@ -89,8 +108,7 @@ struct Instance {
   }
 };
 
-// Split-K factor: the fewest splits that keep at least 90% of the CTA slots of the last wave
-// busy (a memory-bound stream loses its tail otherwise), at most 4 and at most K/128.
+// Split-K factor: 1 unless the tiles leave SMs idle in the only wave (gemm_heuristic.cu).
 int choose_splits(long tiles, int num_sms, int k_blocks);
 
 }  // namespace moekit::gemm_detail

@@ -7,13 +7,8 @@ namespace moekit {
 
 using namespace gemm_detail;
 
-struct MaskedGemm::Impl {
+struct MaskedGemm::Impl : PlanCore {
   MaskedGemmProblem problem;
-  GemmConfig cfg;
-  CUtensorMap tma_a{}, tma_w{}, tma_sa{};
-  KernelArgs args;
-  Launch launch;
-  SplitWorkspace workspace;
 };
 
 namespace {
@@ -75,22 +70,9 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
 
-  KernelArgs& a = im.args;
-  a.num_experts = p.num_experts;
-  a.n = p.n;
-  a.k = p.k;
-  a.rows = p.max_m;
-  a.masked_m = b.masked_m;
-  a.w_scales = b.w_scales;
-  a.out = b.out;
-  a.num_splits = im.cfg.num_splits;
-  a.num_stages = im.cfg.num_stages;
-  if (im.cfg.num_splits > 1) {
-    size_t slots = size_t(p.num_experts) * (p.n / bn) * ((p.max_m + bm - 1) / bm);
-    im.workspace.allocate(slots, im.cfg.num_splits, bm * bn);
-    a.partials = im.workspace.partials;
-    a.counters = im.workspace.counters;
-  }
+  const size_t split_slots = size_t(p.num_experts) * (p.n / bn) * ((p.max_m + bm - 1) / bm);
+  im.bind(p.num_experts, p.n, p.k, p.max_m, b.w_scales, b.out, split_slots);
+  im.args.masked_m = b.masked_m;
   maybe_print_config("masked", describe(p), im.cfg);
 }
 
@@ -98,11 +80,8 @@ MaskedGemm::~MaskedGemm() = default;
 
 const GemmConfig& MaskedGemm::config() const { return impl_->cfg; }
 
-void MaskedGemm::run(cudaStream_t stream) const {
-  const Impl& im = *impl_;
-  im.launch.kernel<<<im.cfg.num_ctas, im.launch.threads, im.cfg.smem_bytes, stream>>>(im.tma_a, im.tma_w, im.tma_sa,
-                                                                                      im.args);
-  MOEKIT_CUDA_CHECK_LAUNCH();
-}
+void MaskedGemm::run(cudaStream_t stream) const { impl_->run(stream); }
+
+void MaskedGemm::set_overlap(Overlap overlap) { impl_->set_overlap(overlap); }
 
 }  // namespace moekit

@@ -1,0 +1,453 @@
+// bench_gemm: the FP8 grouped GEMM on the issue's problems, each figure next to its floor
+// measured in the same run.
+//   ceilings: device copy bandwidth (cudaMemcpy D2D, bytes read + written), streaming read
+//             bandwidth (a vectorised read kernel), FP8 matrix rate of our own dense GEMM
+//             (one expert, 8192 x 8192 x 8192 through the contiguous path).
+//   problem 1: 8 DeepSeek-V3 experts, GEMM1 N=4096 K=7168 + GEMM2 N=7168 K=2048 (352 MB of FP8
+//             weights), M_max = 128, masked_m all 5 / all 16 / random 1..16 / all 64:
+//             effective TB/s = weight bytes / time of both GEMMs.
+//   problem 2: one EP8 rank of DeepSeek-V3 (32 local experts) and Qwen3.5-397B-A17B (64 local
+//             experts, hidden 4096, inter 1024), masked_m from uniform top-k routing of global
+//             batches 64..4096; floor = max(bytes of experts with tokens / copy bandwidth,
+//             FLOPs / FP8 rate).
+//   problem 3: contiguous prefill, 8 experts of the GEMM1 shape, 512/2048/8192 rows each: TFLOP/s.
+// Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
+// whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 123]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "moekit/cuda_check.h"
+#include "moekit/gemm.h"
+
+using namespace moekit;
+using nlohmann::json;
+
+namespace {
+
+template <class T>
+T* device_alloc(size_t n) {
+  T* p = nullptr;
+  MOEKIT_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+  return p;
+}
+
+__global__ void fill_random_fp8(uint8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    uint8_t c = uint8_t(h);
+    if ((c & 0x7F) == 0x7F) c = 0x3C;  // no NaN codes
+    p[i] = c;
+  }
+}
+
+__global__ void fill_random_scales(float* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2246822519u ^ seed;
+    h ^= h >> 15;
+    p[i] = 1e-3f * (0.5f + float(h & 0xFFFF) / 65536.0f);
+  }
+}
+
+__global__ void read_kernel(const int4* p, size_t n, int* sink) {
+  int4 acc = make_int4(0, 0, 0, 0);
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    int4 v = __ldcs(p + i);
+    acc.x ^= v.x;
+    acc.y ^= v.y;
+    acc.z ^= v.z;
+    acc.w ^= v.w;
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x7fffffff) *sink = 1;  // keeps the loads alive
+}
+
+void fill_fp8(uint8_t* p, size_t n, uint32_t seed) {
+  fill_random_fp8<<<1024, 256>>>(p, n, seed);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+void fill_scales(float* p, size_t n, uint32_t seed) {
+  fill_random_scales<<<1024, 256>>>(p, n, seed);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+// Median time in microseconds of `iters` calls of body(i), each between two events.
+template <class F>
+double median_us(int iters, F&& body, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) body(i);
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i) {
+    MOEKIT_CUDA_CHECK(cudaEventRecord(ev[2 * i]));
+    body(i);
+    MOEKIT_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1]));
+  }
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms * 1e3;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[iters / 2];
+}
+
+// One masked GEMM's buffers (a set of weights, activations, masked_m, output).
+struct MaskedSet {
+  MaskedGemmProblem p;
+  uint8_t *a = nullptr, *w = nullptr;
+  float *as = nullptr, *ws = nullptr;
+  int32_t* m = nullptr;
+  uint16_t* out = nullptr;
+  MaskedSet(const MaskedGemmProblem& prob, uint32_t seed) : p(prob) {
+    size_t ae = size_t(p.num_experts) * p.max_m * p.k, we = size_t(p.num_experts) * p.n * p.k;
+    a = device_alloc<uint8_t>(ae);
+    w = device_alloc<uint8_t>(we);
+    as = device_alloc<float>(size_t(p.num_experts) * (p.k / 128) * p.max_m);
+    ws = device_alloc<float>(we / (128 * 128));
+    m = device_alloc<int32_t>(p.num_experts);
+    out = device_alloc<uint16_t>(size_t(p.num_experts) * p.max_m * p.n);
+    fill_fp8(a, ae, seed);
+    fill_fp8(w, we, seed + 1);
+    fill_scales(as, size_t(p.num_experts) * (p.k / 128) * p.max_m, seed + 2);
+    fill_scales(ws, we / (128 * 128), seed + 3);
+  }
+  ~MaskedSet() {
+    cudaFree(a);
+    cudaFree(w);
+    cudaFree(as);
+    cudaFree(ws);
+    cudaFree(m);
+    cudaFree(out);
+  }
+  void set_m(const std::vector<int32_t>& mm) {
+    MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
+  }
+  MaskedGemmBuffers buffers() const { return {a, as, w, ws, m, out}; }
+};
+
+struct Ceilings {
+  double copy_tbps = 0, read_tbps = 0, fp8_tflops = 0;
+};
+
+Ceilings measure_ceilings(json& out, bool quick) {
+  Ceilings c;
+  size_t bytes = size_t(2) << 30;
+  uint8_t* x = device_alloc<uint8_t>(bytes);
+  uint8_t* y = device_alloc<uint8_t>(bytes);
+  int* sink = device_alloc<int>(1);
+  fill_fp8(x, bytes, 1);
+  double us = median_us(20, [&](int) { MOEKIT_CUDA_CHECK(cudaMemcpyAsync(y, x, bytes, cudaMemcpyDeviceToDevice)); });
+  c.copy_tbps = 2.0 * bytes / (us * 1e-6) / 1e12;
+  us = median_us(20, [&](int) {
+    read_kernel<<<132 * 8, 512>>>(reinterpret_cast<const int4*>(x), bytes / 16, sink);
+  });
+  c.read_tbps = double(bytes) / (us * 1e-6) / 1e12;
+  cudaFree(x);
+  cudaFree(y);
+  cudaFree(sink);
+  // FP8 rate: one expert, 8192^3, our own contiguous path (every row real).
+  const int M = quick ? 4096 : 8192, N = 8192, K = 8192;
+  uint8_t* a = device_alloc<uint8_t>(size_t(M) * K);
+  uint8_t* w = device_alloc<uint8_t>(size_t(N) * K);
+  float* as = device_alloc<float>(size_t(M) * K / 128);
+  float* ws = device_alloc<float>(size_t(N / 128) * (K / 128));
+  int32_t* re = device_alloc<int32_t>(M);
+  uint16_t* o = device_alloc<uint16_t>(size_t(M) * N);
+  fill_fp8(a, size_t(M) * K, 5);
+  fill_fp8(w, size_t(N) * K, 6);
+  fill_scales(as, size_t(M) * K / 128, 7);
+  fill_scales(ws, size_t(N / 128) * (K / 128), 8);
+  MOEKIT_CUDA_CHECK(cudaMemset(re, 0, M * 4));
+  {
+    ContiguousGemm g({1, N, K, M}, {a, as, re, w, ws, o});
+    us = median_us(10, [&](int) { g.run(nullptr); });
+    c.fp8_tflops = 2.0 * M * N * K / (us * 1e-6) / 1e12;
+    out["dense_fp8_config"] = g.config().to_string();
+  }
+  for (void* p : {(void*)a, (void*)w, (void*)as, (void*)ws, (void*)re, (void*)o}) cudaFree(p);
+  out["copy_TBps"] = c.copy_tbps;
+  out["read_TBps"] = c.read_tbps;
+  out["dense_fp8_TFLOPs"] = c.fp8_tflops;
+  std::printf("ceilings: copy %.3f TB/s, streaming read %.3f TB/s, FP8 dense (own GEMM %dx%dx%d) %.0f TFLOP/s\n",
+              c.copy_tbps, c.read_tbps, M, N, K, c.fp8_tflops);
+  return c;
+}
+
+// Problem 1 and 2: two masked GEMMs (gate_up, down) of `num_experts` experts.
+struct MoeShape {
+  const char* name;
+  int num_experts, hidden, inter;
+};
+
+json run_masked_pair(const MoeShape& s, int max_m, const std::vector<int32_t>& masked_m, int expected_m,
+                     const Ceilings& ceil, int num_sets, int iters, const GemmConfig* force1 = nullptr,
+                     const GemmConfig* force2 = nullptr, Overlap overlap = Overlap::kNone) {
+  MaskedGemmProblem p1{s.num_experts, 2 * s.inter, s.hidden, max_m, expected_m};
+  MaskedGemmProblem p2{s.num_experts, s.hidden, s.inter, max_m, expected_m};
+  std::vector<std::unique_ptr<MaskedSet>> s1, s2;
+  std::vector<std::unique_ptr<MaskedGemm>> g1, g2;
+  for (int i = 0; i < num_sets; ++i) {
+    s1.push_back(std::make_unique<MaskedSet>(p1, 100 + 10 * i));
+    s2.push_back(std::make_unique<MaskedSet>(p2, 200 + 10 * i));
+    s1.back()->set_m(masked_m);
+    s2.back()->set_m(masked_m);
+    g1.push_back(std::make_unique<MaskedGemm>(p1, s1.back()->buffers(), force1));
+    g2.push_back(std::make_unique<MaskedGemm>(p2, s2.back()->buffers(), force2));
+    g1.back()->set_overlap(overlap);
+    g2.back()->set_overlap(overlap);
+  }
+  double t_both = median_us(iters, [&](int i) {
+    g1[i % num_sets]->run(nullptr);
+    g2[i % num_sets]->run(nullptr);
+  });
+  // The same pairs captured in one CUDA Graph (how a decode step runs): launch gaps between
+  // kernels shrink and, with an overlap mode, each kernel starts under the previous one's tail.
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  const int graph_pairs = 20;
+  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < graph_pairs; ++i) {
+    g1[i % num_sets]->run(stream);
+    g2[i % num_sets]->run(stream);
+  }
+  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  double t_graph = median_us(std::max(5, iters / 4), [&](int) {
+                     MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, nullptr));
+                   }) / graph_pairs;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  double t1 = median_us(iters, [&](int i) { g1[i % num_sets]->run(nullptr); });
+  double t2 = median_us(iters, [&](int i) { g2[i % num_sets]->run(nullptr); });
+  // Bytes of the experts with tokens, both GEMMs; FLOPs of the real rows.
+  double wbytes = 0, flops = 0, all_bytes = 0;
+  for (int e = 0; e < s.num_experts; ++e) {
+    double per = double(2 * s.inter) * s.hidden + double(s.hidden) * s.inter;
+    all_bytes += per;
+    if (masked_m[e] > 0) wbytes += per;
+    flops += 2.0 * masked_m[e] * per;
+  }
+  double floor_mem_us = wbytes / (ceil.copy_tbps * 1e12) * 1e6;
+  double floor_flop_us = flops / (ceil.fp8_tflops * 1e12) * 1e6;
+  double floor_us = std::max(floor_mem_us, floor_flop_us);
+  json r;
+  r["model"] = s.name;
+  r["num_experts"] = s.num_experts;
+  r["max_m"] = max_m;
+  r["expected_m"] = expected_m;
+  r["rows"] = std::accumulate(masked_m.begin(), masked_m.end(), 0);
+  r["experts_with_tokens"] = std::count_if(masked_m.begin(), masked_m.end(), [](int m) { return m > 0; });
+  r["config_gemm1"] = g1[0]->config().to_string();
+  r["config_gemm2"] = g2[0]->config().to_string();
+  r["overlap"] = overlap == Overlap::kNone ? "none" : overlap == Overlap::kPreviousKernel ? "pdl" : "pdl+early weights";
+  r["us_both"] = t_both;
+  r["us_both_in_graph"] = t_graph;
+  r["effective_TBps_in_graph"] = wbytes / (t_graph * 1e-6) / 1e12;
+  r["us_gemm1"] = t1;
+  r["us_gemm2"] = t2;
+  r["weight_MB_all"] = all_bytes / 1e6;
+  r["weight_MB_touched"] = wbytes / 1e6;
+  r["effective_TBps"] = wbytes / (t_both * 1e-6) / 1e12;
+  r["floor_us"] = floor_us;
+  r["floor_mem_us"] = floor_mem_us;
+  r["floor_flop_us"] = floor_flop_us;
+  r["memory_bound"] = floor_mem_us >= floor_flop_us;
+  r["time_over_floor"] = t_both / floor_us;
+  return r;
+}
+
+std::vector<int32_t> uniform_routing(int batch, int topk, int total_experts, int local_experts, int rank,
+                                     std::mt19937& rng) {
+  std::vector<int32_t> m(local_experts, 0);
+  std::vector<int> ids(total_experts);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (int t = 0; t < batch; ++t) {
+    for (int j = 0; j < topk; ++j) {  // partial Fisher-Yates: k distinct experts
+      std::uniform_int_distribution<int> d(j, total_experts - 1);
+      std::swap(ids[j], ids[d(rng)]);
+      int e = ids[j] - rank * local_experts;
+      if (e >= 0 && e < local_experts) ++m[e];
+    }
+  }
+  return m;
+}
+
+json run_contiguous(int num_experts, int rows_per_expert, const Ceilings& ceil, int iters) {
+  const int N = 4096, K = 7168;
+  const int total = num_experts * rows_per_expert;  // rows_per_expert is a multiple of 128: no padding
+  uint8_t* a = device_alloc<uint8_t>(size_t(total) * K);
+  uint8_t* w = device_alloc<uint8_t>(size_t(num_experts) * N * K);
+  float* as = device_alloc<float>(size_t(total) * K / 128);
+  float* ws = device_alloc<float>(size_t(num_experts) * (N / 128) * (K / 128));
+  int32_t* re = device_alloc<int32_t>(total);
+  uint16_t* o = device_alloc<uint16_t>(size_t(total) * N);
+  fill_fp8(a, size_t(total) * K, 11);
+  fill_fp8(w, size_t(num_experts) * N * K, 12);
+  fill_scales(as, size_t(total) * K / 128, 13);
+  fill_scales(ws, size_t(num_experts) * (N / 128) * (K / 128), 14);
+  std::vector<int32_t> h(total);
+  for (int i = 0; i < total; ++i) h[i] = i / rows_per_expert;
+  MOEKIT_CUDA_CHECK(cudaMemcpy(re, h.data(), total * 4, cudaMemcpyHostToDevice));
+  json r;
+  {
+    ContiguousGemm g({num_experts, N, K, total}, {a, as, re, w, ws, o});
+    double us = median_us(iters, [&](int) { g.run(nullptr); });
+    double flops = 2.0 * total * N * K;
+    r["rows_per_expert"] = rows_per_expert;
+    r["config"] = g.config().to_string();
+    r["us"] = us;
+    r["TFLOPs"] = flops / (us * 1e-6) / 1e12;
+    r["fraction_of_dense_fp8"] = flops / (us * 1e-6) / 1e12 / ceil.fp8_tflops;
+  }
+  for (void* p : {(void*)a, (void*)w, (void*)as, (void*)ws, (void*)re, (void*)o}) cudaFree(p);
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  bool quick = false;
+  std::string only = "123";  // problems to run
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: bench_gemm [--json PATH] [--quick] [--only 123]\n");
+      return 2;
+    }
+  }
+  try {
+    DeviceInfo dev = query_device();
+    std::printf("device: %s, %d SMs, L2 %d MB, smem/block %d KB\n", dev.name.c_str(), dev.num_sms, dev.l2_bytes >> 20,
+                dev.max_smem_per_block >> 10);
+    json out;
+    out["device"] = dev.name;
+    out["num_sms"] = dev.num_sms;
+    Ceilings ceil = measure_ceilings(out["ceilings"], quick);
+    const int iters = quick ? 10 : 30;
+
+    std::mt19937 rng(2026);
+    // ---- problem 1
+    if (only.find('1') != std::string::npos) {
+    std::printf("\nproblem 1: 8 DeepSeek-V3 experts, GEMM1 4096x7168 + GEMM2 7168x2048, M_max=128\n");
+    std::printf("%-14s %-44s %9s %9s %9s %8s %8s %9s %8s\n", "masked_m", "config (gemm1)", "us both", "us g1", "us g2",
+                "TB/s", "%copy", "us graph", "TB/s");
+    const MoeShape dsv3_8{"deepseek-v3", 8, 7168, 2048};
+    std::vector<std::pair<std::string, std::vector<int32_t>>> cases = {
+        {"all 5", std::vector<int32_t>(8, 5)}, {"all 16", std::vector<int32_t>(8, 16)}, {"rand 1..16", {}},
+        {"all 64", std::vector<int32_t>(8, 64)}};
+    std::uniform_int_distribution<int> d16(1, 16);
+    for (int e = 0; e < 8; ++e) cases[2].second.push_back(d16(rng));
+    for (auto& [name, mm] : cases) {
+      int expected = *std::max_element(mm.begin(), mm.end());
+      json r = run_masked_pair(dsv3_8, 128, mm, expected, ceil, 2, iters);
+      r["case"] = name;
+      r["masked_m"] = mm;
+      r["fraction_of_copy"] = r["effective_TBps"].get<double>() / ceil.copy_tbps;
+      std::printf("%-14s %-44s %9.1f %9.1f %9.1f %8.3f %7.1f%% %9.1f %8.3f\n", name.c_str(),
+                  r["config_gemm1"].get<std::string>().substr(0, 44).c_str(), r["us_both"].get<double>(),
+                  r["us_gemm1"].get<double>(), r["us_gemm2"].get<double>(), r["effective_TBps"].get<double>(),
+                  100 * r["fraction_of_copy"].get<double>(), r["us_both_in_graph"].get<double>(),
+                  r["effective_TBps_in_graph"].get<double>());
+      out["problem1"].push_back(r);
+    }
+    // Variants on "all 16": the tuning knobs, each against the heuristic's choice.
+    for (auto [bm, splits] : {std::pair{16, 1}, std::pair{32, 1}, std::pair{16, 2}, std::pair{16, 4}}) {
+      GemmConfig f;
+      f.swap_ab = true;
+      f.block_m = bm;
+      f.block_n = 128;
+      f.num_splits = splits;
+      json r = run_masked_pair(dsv3_8, 128, cases[1].second, 16, ceil, 2, iters, &f, &f);
+      r["case"] = "all 16 (forced)";
+      std::printf("%-14s %-44s %9.1f %9.1f %9.1f %8.3f %7.1f%%\n", "all 16 forced",
+                  r["config_gemm1"].get<std::string>().substr(0, 44).c_str(), r["us_both"].get<double>(),
+                  r["us_gemm1"].get<double>(), r["us_gemm2"].get<double>(), r["effective_TBps"].get<double>(),
+                  100 * r["effective_TBps"].get<double>() / ceil.copy_tbps);
+      out["problem1_variants"].push_back(r);
+    }
+    // Programmatic dependent launch: GEMM2 overlaps GEMM1's tail (both back to back).
+    for (int c : {0, 1, 2, 3}) {
+      for (Overlap ov : {Overlap::kPreviousKernel, Overlap::kPreviousKernelStaticWeights}) {
+        auto& [name, mm] = cases[c];
+        int expected = *std::max_element(mm.begin(), mm.end());
+        json r = run_masked_pair(dsv3_8, 128, mm, expected, ceil, 2, iters, nullptr, nullptr, ov);
+        r["case"] = name;
+        std::printf("%-28s %-30s %9.1f %9.1f %9.1f %8.3f %7.1f%% %9.1f %8.3f\n",
+                    (name + " " + r["overlap"].get<std::string>()).c_str(),
+                    r["config_gemm1"].get<std::string>().substr(0, 30).c_str(), r["us_both"].get<double>(),
+                    r["us_gemm1"].get<double>(), r["us_gemm2"].get<double>(), r["effective_TBps"].get<double>(),
+                    100 * r["effective_TBps"].get<double>() / ceil.copy_tbps, r["us_both_in_graph"].get<double>(),
+                    r["effective_TBps_in_graph"].get<double>());
+        out["problem1_overlap"].push_back(r);
+      }
+    }
+    }
+
+    // ---- problem 2
+    if (only.find('2') != std::string::npos) {
+    std::printf("\nproblem 2: one EP8 rank, uniform routing\n");
+    std::printf("%-20s %6s %6s %6s %9s %9s %8s %9s  %s\n", "model", "batch", "rows", "exp>0", "us", "floor us",
+                "x floor", "us graph", "config (gemm1)");
+    const MoeShape models[] = {{"deepseek-v3", 32, 7168, 2048}, {"qwen3.5-397b-a17b", 64, 4096, 1024}};
+    const int topk[] = {8, 10}, total_experts[] = {256, 512};
+    for (int mi = 0; mi < 2; ++mi) {
+      for (int batch : {64, 256, 1024, 4096}) {
+        if (quick && batch > 1024) continue;
+        std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
+        // expected_m: the mean rows per expert plus two standard deviations (Poisson), so that
+        // few experts need a second token block.
+        double mean = double(batch) * topk[mi] / total_experts[mi];
+        int expected = int(std::ceil(mean + 2 * std::sqrt(mean)));
+        int max_m = std::max(4, (batch + 3) / 4 * 4);
+        json r = run_masked_pair(models[mi], max_m, mm, expected, ceil, 2, iters);
+        r["batch"] = batch;
+        std::printf("%-20s %6d %6d %6d %9.1f %9.1f %8.2f %9.1f  %s\n", models[mi].name, batch, r["rows"].get<int>(),
+                    r["experts_with_tokens"].get<int>(), r["us_both"].get<double>(), r["floor_us"].get<double>(),
+                    r["time_over_floor"].get<double>(), r["us_both_in_graph"].get<double>(),
+                    r["config_gemm1"].get<std::string>().c_str());
+        out["problem2"].push_back(r);
+      }
+    }
+    }
+
+    // ---- problem 3
+    if (only.find('3') != std::string::npos) {
+    std::printf("\nproblem 3: contiguous prefill, 8 experts, N=4096 K=7168\n");
+    for (int rows : {512, 2048, 8192}) {
+      json r = run_contiguous(8, rows, ceil, quick ? 5 : 10);
+      std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s\n", rows, r["us"].get<double>(),
+                  r["TFLOPs"].get<double>(), 100 * r["fraction_of_dense_fp8"].get<double>(),
+                  r["config"].get<std::string>().c_str());
+      out["problem3"].push_back(r);
+    }
+    }
+    if (!json_path.empty()) {
+      FILE* f = std::fopen(json_path.c_str(), "w");
+      MOEKIT_CHECK(f != nullptr, "cannot write " + json_path);
+      std::fputs(out.dump(1).c_str(), f);
+      std::fclose(f);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gemm: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
