@@ -135,6 +135,16 @@ class GpuMoeLayer {
   const int32_t* topk_slot() const;
   const float* logits() const;
   const uint16_t* shared_out() const;
+  // The routed experts' intermediate buffers of the last step (device), in the EpBuffer's layout:
+  // masked [E_loc, M_max, ...] (decode) or contiguous [rows, ...] (prefill; row_expert says which).
+  struct ExpertBuffers {
+    const uint16_t* gate_up = nullptr;  // GEMM1 output, 2 inter columns
+    const uint8_t* act = nullptr;       // SiLU·up in FP8, inter columns
+    const float* act_scales = nullptr;  // [E_loc, inter/128, M_max] or [inter/128, rows]
+    const uint16_t* y = nullptr;        // GEMM2 output, d columns
+    int rows = 0;                       // M_max (per expert) or the contiguous rows
+  };
+  ExpertBuffers expert_buffers() const;
 
   struct Impl;
 

@@ -35,8 +35,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int kBatch = 64;              // B, all ranks together
-constexpr double kTolerance = 3e-3;     // DESIGN.md's relative Frobenius bound
+constexpr int kBatch = 64;  // B, all ranks together
+// End to end, GPU against the CPU layer (and the float64 oracle). DESIGN.md's 3e-3 bounds one
+// GEMM; a layer re-quantises GEMM1's output to FP8, which amplifies the tensor core's rounding:
+// about 10% of the GPU GEMM's bf16 outputs are one ulp off the reference (docs/gemm.md), a
+// bf16 ulp (2^-8) moves an FP8 value across a rounding boundary with probability ~2^-8 / 2^-3.5,
+// so ~0.5% of the activations land one FP8 step (~9%) apart: sqrt(0.005) * 0.09 = 6e-3 relative,
+// 4.7e-3 to 7.3e-3 measured on the H200 (docs/layer-gpu.md). The bound is twice the measured
+// worst; the stage checks below hold every stage to its own, tight bound.
+constexpr double kLayerTolerance = 1.5e-2;
 constexpr uint16_t kPoison = 0x7FC1;    // a bf16 NaN
 
 template <class T>
@@ -246,6 +253,109 @@ std::vector<double> to_double(const std::vector<uint16_t>& v) {
   return d;
 }
 
+// Ordered distance of two bf16 values in units in the last place.
+int ulp_distance(uint16_t a, uint16_t b) {
+  auto ord = [](uint16_t v) { return (v & 0x8000) ? -int(v & 0x7FFF) : int(v); };
+  return std::abs(ord(a) - ord(b));
+}
+
+struct Agreement {
+  size_t n = 0, same = 0, over_one = 0;
+  void add(uint16_t got, uint16_t want) {
+    const int d = ulp_distance(got, want);
+    ++n;
+    same += d == 0;
+    over_one += d > 1;
+  }
+};
+
+// One rank's local experts' operand, as the layer gathers it (slot r E_loc + i holds phy2log).
+void gather_rank(const ExpertWeights& all, const int32_t* phy2log, int first_slot, int e_loc, std::vector<uint8_t>& w,
+                 std::vector<float>& scales) {
+  const WeightLayout& l = all.layout;
+  const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / 128) * (l.k / 128);
+  w.resize(w_per * e_loc);
+  scales.resize(s_per * e_loc);
+  for (int i = 0; i < e_loc; ++i) {
+    const int e = phy2log[first_slot + i];
+    std::memcpy(w.data() + i * w_per, all.w.data() + e * w_per, w_per);
+    std::memcpy(scales.data() + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float));
+  }
+}
+
+// Each stage of rank r's routed experts against the reference kernel run on the GPU's own input
+// of that stage: GEMM1 on the received rows, the activation on GEMM1's output, GEMM2 on the
+// activation. GEMMs: within one bf16 ulp (the tensor core's rounding) and mostly the same bits;
+// the activation: the same bits (a rare expf halfway case aside).
+void check_stages(GpuRig& rig, int r, const Placement& placement, bool decode, const char* what) {
+  const Fixture& f = fixture();
+  const int d = int(f.model.hidden_size), inter = int(f.model.moe_intermediate_size);
+  const int e_loc = rig.layers[r]->num_local_experts();
+  gpu::EpBuffer& ep = rig.group->rank(r);
+  const auto eb = rig.layers[r]->expert_buffers();
+  const int rows = eb.rows;
+  const size_t total = decode ? size_t(e_loc) * rows : size_t(rows);
+  const auto recv_x = download(ep.recv_x(), total * d);
+  const auto recv_scales = download(ep.recv_scales(), total * (d / 128));
+  const auto count = download(ep.recv_count(), size_t(e_loc));
+  const auto row_expert = decode ? std::vector<int32_t>() : download(ep.row_expert(), size_t(rows));
+  const auto gate_up = download(eb.gate_up, total * 2 * inter);
+  const auto act = download(eb.act, total * inter);
+  const auto act_scales = download(eb.act_scales, total * (inter / 128));
+  const auto y = download(eb.y, total * d);
+  std::vector<uint8_t> w1, w2;
+  std::vector<float> w1s, w2s;
+  gather_rank(f.weights.w1, placement.phy2log_row(0), r * e_loc, e_loc, w1, w1s);
+  gather_rank(f.weights.w2, placement.phy2log_row(0), r * e_loc, e_loc, w2, w2s);
+  const WeightLayout l1{e_loc, 2 * inter, d}, l2{e_loc, d, inter};
+  std::vector<uint16_t> want_gate_up(gate_up.size()), want_y(y.size());
+  std::vector<uint8_t> want_act(act.size());
+  std::vector<float> want_scales(act_scales.size());
+  std::vector<size_t> valid;  // row indices
+  if (decode) {
+    const MaskedLayout a1{e_loc, rows, d}, a2{e_loc, rows, inter};
+    ref::grouped_gemm_masked(a1, recv_x.data(), recv_scales.data(), count.data(), l1, w1.data(), w1s.data(),
+                             want_gate_up.data());
+    ref::silu_mul_quant_masked(a2, gate_up.data(), count.data(), want_act.data(), want_scales.data());
+    ref::grouped_gemm_masked(a2, act.data(), act_scales.data(), count.data(), l2, w2.data(), w2s.data(), want_y.data());
+    for (int e = 0; e < e_loc; ++e)
+      for (int m = 0; m < count[e]; ++m) valid.push_back(size_t(e) * rows + m);
+  } else {
+    const ContiguousLayout a1{rows, d}, a2{rows, inter};
+    ref::grouped_gemm_contiguous(a1, recv_x.data(), recv_scales.data(), row_expert.data(), l1, w1.data(), w1s.data(),
+                                 want_gate_up.data());
+    ref::silu_mul_quant_contiguous(a2, gate_up.data(), row_expert.data(), want_act.data(), want_scales.data());
+    ref::grouped_gemm_contiguous(a2, act.data(), act_scales.data(), row_expert.data(), l2, w2.data(), w2s.data(),
+                                 want_y.data());
+    for (int m = 0; m < rows; ++m)
+      if (row_expert[m] >= 0) valid.push_back(size_t(m));
+  }
+  Agreement g1, g2;
+  size_t act_diff = 0, scale_diff = 0, act_n = 0;
+  const int kb2 = inter / 128;
+  for (size_t row : valid) {
+    for (int c = 0; c < 2 * inter; ++c) g1.add(gate_up[row * 2 * inter + c], want_gate_up[row * 2 * inter + c]);
+    for (int c = 0; c < inter; ++c) act_diff += act[row * inter + c] != want_act[row * inter + c];
+    act_n += inter;
+    for (int b = 0; b < kb2; ++b) {
+      // masked: [E_loc, inter/128, M_max]; contiguous: [inter/128, rows]
+      const size_t i = decode ? (row / rows * kb2 + b) * rows + row % rows : size_t(b) * rows + row;
+      scale_diff += std::memcmp(&act_scales[i], &want_scales[i], 4) != 0;
+    }
+    for (int c = 0; c < d; ++c) g2.add(y[row * d + c], want_y[row * d + c]);
+  }
+  std::printf("[layer] %s rank %d stages: %zu rows; GEMM1 %.1f%% same bits, %zu > 1 ulp; activation %zu of %zu bytes "
+              "and %zu scales differ; GEMM2 %.1f%% same bits, %zu > 1 ulp\n",
+              what, r, valid.size(), g1.n ? 100.0 * g1.same / g1.n : 100.0, g1.over_one, act_diff, act_n, scale_diff,
+              g2.n ? 100.0 * g2.same / g2.n : 100.0, g2.over_one);
+  EXPECT_LE(g1.over_one, g1.n / 1000) << what << ": GEMM1 of rank " << r;
+  EXPECT_LE(g2.over_one, g2.n / 1000) << what << ": GEMM2 of rank " << r;
+  EXPECT_GE(g1.same, g1.n * 7 / 10) << what << ": GEMM1 of rank " << r;
+  EXPECT_GE(g2.same, g2.n * 7 / 10) << what << ": GEMM2 of rank " << r;
+  EXPECT_LE(act_diff, 4 + act_n / 100000) << what << ": activation of rank " << r;
+  EXPECT_LE(scale_diff, 1 + valid.size() / 1000) << what << ": activation scales of rank " << r;
+}
+
 // The GPU step against the CPU layer: routing, recv_count, output; and both against the oracle.
 void compare_step(GpuRig& rig, const CpuResult& cpu, const std::vector<uint16_t>& x, bool decode, const char* what) {
   const Fixture& f = fixture();
@@ -286,9 +396,8 @@ void compare_step(GpuRig& rig, const CpuResult& cpu, const std::vector<uint16_t>
   std::printf("[layer] %s: GPU vs CPU layer %.3e, GPU vs f64 oracle %.3e, CPU vs oracle %.3e; %zu/%zu outputs and "
               "%zu/%zu weights the same bits\n",
               what, vs_cpu, gpu_err, cpu_err, same_out, got.size(), same_w, w.size());
-  EXPECT_LE(vs_cpu, kTolerance) << what;
-  // The GPU's only extra rounding is the tensor core's inside each 128-deep block partial.
-  EXPECT_LE(gpu_err, cpu_err + 1e-3) << what;
+  EXPECT_LE(vs_cpu, kLayerTolerance) << what;
+  EXPECT_LE(gpu_err, kLayerTolerance) << what;
   (void)d;
   (void)decode;
 }
@@ -323,6 +432,7 @@ TEST_P(GpuLayer, EqualsCpuLayer) {
     const std::string what = std::string(c.decode ? "decode" : "prefill") + " P=" + std::to_string(c.P) +
                              (c.redundant ? " +8 redundant" : "") + (caller ? " caller routing" : " router");
     compare_step(rig, cpu, x, c.decode, what.c_str());
+    for (int r = 0; r < c.P; ++r) check_stages(rig, r, placement, c.decode, what.c_str());
   }
   // Statistics: every valid (token, entry) counted once per logical expert over both steps.
   int64_t total = 0;
@@ -355,7 +465,13 @@ TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
-    rig.issue(caller);
+    try {
+      rig.issue(caller);
+    } catch (...) {
+      // End the capture so that the failure does not poison the tests that follow.
+      cudaStreamEndCapture(rig.stream, &graph);
+      throw;
+    }
     MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
     MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int replay = 0; replay < 3; ++replay) {
@@ -368,6 +484,7 @@ TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
                                     caller ? &w : nullptr, seed);
       const std::string what = std::string("graph replay ") + std::to_string(replay) + (caller ? " caller routing" : " router");
       compare_step(rig, cpu, x, true, what.c_str());
+      for (int r = 0; r < P; ++r) check_stages(rig, r, placement, true, what.c_str());
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
