@@ -1,7 +1,8 @@
 // `moekit run`: L MoE layers for one decode step of B tokens over P in-process ranks, on the CPU
-// reference path (include/moekit/layer_cpu.h), with per-stage times, bytes moved per rank,
-// recv_count statistics, the measured de-duplicated target count next to the planner's closed
-// form, and the load skew.
+// reference path (include/moekit/layer_cpu.h) or, in a binary built with CUDA, on one GPU
+// (cli/cuda/run_cuda.h: the same inputs, the same tables), with per-stage times, bytes moved per
+// rank, recv_count statistics, the measured de-duplicated target count next to the planner's
+// closed form, and the load skew.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -15,6 +16,9 @@
 #include <random>
 
 #include "cli/commands.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "cli/cuda/run_cuda.h"
+#endif
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
@@ -72,7 +76,53 @@ double max_stage(const std::vector<RankStep>& ranks, double StageTimes::*stage) 
 
 int first_token(int rank, int num_ranks, int64_t batch) { return int((rank * batch + num_ranks - 1) / num_ranks); }
 
-void run_cpu(const RunOptions& o) {
+// One step of L layers, from either backend: what every rank's last_step() saw, and the tensors.
+struct StepResult {
+  std::vector<std::vector<RankStep>> steps;  // [L][P]
+  std::vector<std::vector<uint16_t>> x;      // [L + 1][B, d]: layer l's input, x[l + 1] = x[l] + out[l]
+  std::vector<std::vector<uint16_t>> out;    // [L][B, d]
+  double wall_s = 0;
+  double graph_step_s = 0;  // cuda only: one layer's step replayed from a CUDA Graph
+};
+
+// The CPU backend: every rank runs the L layers in order; layer l + 1's input is x + layer l's
+// output (a residual add, no attention in between).
+StepResult run_layers_cpu(const ModelSpec& spec, const std::vector<MoeLayerWeights>& weights, const Placement& placement,
+                          EpProtocol protocol, uint64_t seed, int64_t B, const std::vector<uint16_t>& x0,
+                          const std::vector<std::vector<int32_t>>* forced_idx, const std::vector<float>& forced_w) {
+  const int L = int(weights.size()), P = placement.num_gpus, d = int(spec.hidden_size), k = spec.num_experts_per_token;
+  CpuLayerConfig cfg;
+  cfg.num_ranks = P;
+  cfg.max_tokens = int((B + P - 1) / P);
+  cfg.protocol = protocol;
+  cfg.replica_seed = seed;
+  std::vector<std::unique_ptr<CpuMoeLayer>> layers;
+  for (const auto& w : weights) layers.push_back(std::make_unique<CpuMoeLayer>(spec, w, placement, 0, cfg));
+  StepResult res;
+  res.x.assign(L + 1, std::vector<uint16_t>(size_t(B) * d));
+  res.x[0] = x0;
+  res.out.assign(L, std::vector<uint16_t>(size_t(B) * d));
+  LocalEpGroup group(layers[0]->ep_config());
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(group, [&](int r) {
+    const int t0 = first_token(r, P, B), t1 = first_token(r + 1, P, B);
+    for (int l = 0; l < L; ++l) {
+      layers[l]->forward(group, r, t1 - t0, t0, res.x[l].data() + size_t(t0) * d, res.out[l].data() + size_t(t0) * d,
+                         forced_idx ? (*forced_idx)[l].data() + size_t(t0) * k : nullptr,
+                         forced_idx ? forced_w.data() + size_t(t0) * k : nullptr);
+      for (size_t i = size_t(t0) * d; i < size_t(t1) * d; ++i)
+        res.x[l + 1][i] = float_to_bf16(bf16_to_float(res.x[l][i]) + bf16_to_float(res.out[l][i]));
+    }
+  });
+  res.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int l = 0; l < L; ++l) {
+    res.steps.emplace_back();
+    for (int r = 0; r < P; ++r) res.steps[l].push_back(layers[l]->last_step(r));
+  }
+  return res;
+}
+
+void run(const RunOptions& o) {
   const ModelSpec spec = load_model_spec(o.model);
   MOEKIT_CHECK(spec.is_moe(), fmt::format("--model {} is dense: it has no MoE layer to run", o.model));
   const int E = spec.num_routed_experts, k = spec.num_experts_per_token, d = int(spec.hidden_size), P = o.ep;
@@ -126,24 +176,15 @@ void run_cpu(const RunOptions& o) {
   if (routing) expected_load = expert_weights(*routing, E);
   const Placement placement = o.redundant > 0 ? balanced_placement(expected_load, o.redundant, P) : identity_placement(E, P);
 
-  CpuLayerConfig cfg;
-  cfg.num_ranks = P;
-  cfg.max_tokens = int((B + P - 1) / P);
-  cfg.protocol = o.protocol == "normal" ? EpProtocol::kNormal : EpProtocol::kLowLatency;
-  cfg.replica_seed = o.seed;
-  std::vector<std::unique_ptr<CpuMoeLayer>> layers;
+  const EpProtocol protocol = o.protocol == "normal" ? EpProtocol::kNormal : EpProtocol::kLowLatency;
   std::vector<MoeLayerWeights> layer_weights;
-  for (int l = 0; l < o.layers; ++l) {
-    layer_weights.push_back(load_moe_layer(ckpt, spec, o.first_layer + l, 0, E));
-    layers.push_back(std::make_unique<CpuMoeLayer>(spec, layer_weights.back(), placement, 0, cfg));
-    if (!o.check) layer_weights.back() = MoeLayerWeights{};  // the layer holds its own copy
-  }
+  for (int l = 0; l < o.layers; ++l) layer_weights.push_back(load_moe_layer(ckpt, spec, o.first_layer + l, 0, E));
 
   // Inputs: N(0, 1) hidden states in bf16; synthetic routing from the simulator's sampler.
   std::mt19937_64 rng(o.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<std::vector<uint16_t>> x(o.layers + 1, std::vector<uint16_t>(size_t(B) * d));
-  for (auto& v : x[0]) v = float_to_bf16(normal(rng));
+  std::vector<uint16_t> x0(size_t(B) * d);
+  for (auto& v : x0) v = float_to_bf16(normal(rng));
   SimulateInput sim;
   sim.num_experts = E;
   sim.topk = k;
@@ -158,26 +199,38 @@ void run_cpu(const RunOptions& o) {
   if (routing)
     for (int l = 0; l < o.layers; ++l) forced_idx[l] = sample_step(sim, l);
 
-  // The step: every rank runs the L layers in order; layer l + 1's input is x + layer l's output
-  // (a residual add, no attention in between).
-  LocalEpGroup group(layers[0]->ep_config());
-  std::vector<std::vector<uint16_t>> out(o.layers, std::vector<uint16_t>(size_t(B) * d));
-  const auto start = std::chrono::steady_clock::now();
-  run_ranks(group, [&](int r) {
-    const int t0 = first_token(r, P, B), t1 = first_token(r + 1, P, B);
-    for (int l = 0; l < o.layers; ++l) {
-      layers[l]->forward(group, r, t1 - t0, t0, x[l].data() + size_t(t0) * d, out[l].data() + size_t(t0) * d,
-                         routing ? forced_idx[l].data() + size_t(t0) * k : nullptr,
-                         routing ? forced_w.data() + size_t(t0) * k : nullptr);
-      for (size_t i = size_t(t0) * d; i < size_t(t1) * d; ++i)
-        x[l + 1][i] = float_to_bf16(bf16_to_float(x[l][i]) + bf16_to_float(out[l][i]));
-    }
-  });
-  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  StepResult res;
+  if (o.backend == "cuda") {
+#ifdef MOEKIT_WITH_CUDA
+    CudaRunInput in;
+    in.model = &spec;
+    in.num_ranks = P;
+    in.batch = B;
+    in.protocol = protocol;
+    in.replica_seed = o.seed;
+    in.weights = &layer_weights;
+    in.placement = &placement;
+    in.x = &x0;
+    in.forced_idx = routing ? &forced_idx : nullptr;
+    in.forced_weights = routing ? &forced_w : nullptr;
+    CudaRunResult cr = run_layers_cuda(in);
+    res.steps = std::move(cr.steps);
+    res.x = std::move(cr.x);
+    res.out = std::move(cr.out);
+    res.wall_s = cr.wall_s;
+    res.graph_step_s = cr.graph_step_s;
+#endif
+  } else {
+    res = run_layers_cpu(spec, layer_weights, placement, protocol, o.seed, B, x0, routing ? &forced_idx : nullptr,
+                         forced_w);
+  }
+  const std::vector<std::vector<uint16_t>>& x = res.x;
+  const std::vector<std::vector<uint16_t>>& out = res.out;
+  const double wall = res.wall_s;
 
   std::vector<LayerFigures> figs(o.layers);
   for (int l = 0; l < o.layers; ++l) {
-    for (int r = 0; r < P; ++r) figs[l].ranks.push_back(layers[l]->last_step(r));
+    figs[l].ranks = res.steps[l];
     for (auto stage : {&StageTimes::gate, &StageTimes::dispatch, &StageTimes::gemm1, &StageTimes::activation,
                        &StageTimes::gemm2, &StageTimes::combine, &StageTimes::shared})
       figs[l].slowest.*stage = max_stage(figs[l].ranks, stage);
@@ -199,7 +252,7 @@ void run_cpu(const RunOptions& o) {
   }
 
   // Totals over layers.
-  const int e_loc = layers[0]->num_local_experts();
+  const int e_loc = placement.num_slots / P;
   std::vector<int64_t> msgs(P), disp(P), disp_remote(P), comb(P), comb_remote(P), rows(P), tokens(P);
   std::vector<int32_t> counts;  // every local expert's recv_count, all layers
   int64_t all_msgs = 0, all_tokens = 0;
@@ -249,7 +302,8 @@ void run_cpu(const RunOptions& o) {
   if (o.json) {
     nlohmann::json j;
     j["model"] = spec.name;
-    j["backend"] = "cpu";
+    j["backend"] = o.backend;
+    if (o.backend == "cuda") j["graph_step_s"] = res.graph_step_s;
     j["ep"] = P;
     j["batch"] = B;
     j["layers"] = o.layers;
@@ -281,8 +335,9 @@ void run_cpu(const RunOptions& o) {
     return;
   }
 
-  fmt::print("moekit run: {} on the CPU, EP {} (in-process ranks), batch {} ({}..{} tokens per rank), {} layer{}, {} protocol\n",
-             spec.name, P, B, B / P, cfg.max_tokens, o.layers, o.layers > 1 ? "s" : "", o.protocol);
+  fmt::print("moekit run: {} on {}, EP {} (in-process ranks), batch {} ({}..{} tokens per rank), {} layer{}, {} protocol\n",
+             spec.name, o.backend == "cuda" ? "one GPU" : "the CPU", P, B, B / P, (B + P - 1) / P, o.layers,
+             o.layers > 1 ? "s" : "", o.protocol);
   fmt::print("weights: {}\n", o.weights.empty() ? fmt::format("random (seed {}), {:.1f} MB written in the checkpoint format to {} and loaded back",
                                                               o.seed, weight_bytes / 1e6, o.save_weights.empty() ? "a temporary directory" : o.save_weights)
                                                 : o.weights);
@@ -293,7 +348,9 @@ void run_cpu(const RunOptions& o) {
   const double stage_sum = total.gate + total.dispatch + total.gemm1 + total.activation + total.gemm2 + total.combine + total.shared;
   fmt::print("{:<14} {:>10} {:>7}   (slowest rank per stage, summed over layers)\n", "stage", "time (ms)", "share");
   for (const auto& [name, t] : stages) fmt::print("{:<14} {:>10.2f} {:>6.1f}%\n", name, t * 1e3, 100 * t / stage_sum);
-  fmt::print("{:<14} {:>10.2f}          (wall time of the step: {:.2f} ms)\n\n", "sum", stage_sum * 1e3, wall * 1e3);
+  fmt::print("{:<14} {:>10.2f}          (wall time of the step: {:.2f} ms)\n", "sum", stage_sum * 1e3, wall * 1e3);
+  if (o.backend == "cuda") fmt::print("one layer's step replayed from a CUDA Graph: {:.1f} us\n", res.graph_step_s * 1e6);
+  fmt::print("\n");
 
   fmt::print("{:>4} {:>7} {:>9} {:>15} {:>15} {:>15} {:>15} {:>9}\n", "rank", "tokens", "messages", "dispatch B",
              "  of which remote", "combine B", "  of which remote", "recv rows");
@@ -335,10 +392,13 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--check", o.check, "compare the output with the float64 oracle (slow on large models)");
   cmd->add_flag("--json", o.json, "print JSON instead of the tables");
   cmd->callback([] {
+    MOEKIT_CHECK(o.backend == "cpu" || o.backend == "cuda", fmt::format("--backend '{}': expected cpu or cuda", o.backend));
+#ifndef MOEKIT_WITH_CUDA
     if (o.backend == "cuda")
-      throw Error("--backend cuda: the GPU MoE layer is not built in this binary yet (it is another issue); use --backend cpu");
-    MOEKIT_CHECK(o.backend == "cpu", fmt::format("--backend '{}': expected cpu or cuda", o.backend));
-    run_cpu(o);
+      throw Error("--backend cuda: this moekit binary was built without CUDA (MOEKIT_WITH_CUDA=OFF or no nvcc); "
+                  "use --backend cpu, or build with CUDA on a machine with nvcc");
+#endif
+    run(o);
   });
 }
 
