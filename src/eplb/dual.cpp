@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "eplb/internal.h"
@@ -181,7 +182,7 @@ DualLoads dual_loads(const Placement& p, const RoutingTrace& trace, uint64_t see
 }
 
 DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_groups, int num_nodes, int num_gpus,
-                          uint64_t seed) {
+                          uint64_t seed, bool balance_recv) {
   DualResult r;
   const std::vector<std::vector<double>> counts = trace_loads(trace);
   r.counts_placement = rebalance(counts, num_slots, num_groups, num_nodes, num_gpus);
@@ -204,7 +205,9 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
   for (int l = 0; l < L; ++l) {
     LayerRouting routing(trace, l, std::vector<int32_t>(base.phy2log_row(l), base.phy2log_row(l) + num_slots),
                          base.num_experts, G, seed);
-    Score current = score(routing.rows(), routing.recv(), rows_norm[l], recv_norm[l]);
+    // Without balance_recv the search sees rows only (the comparison the tests draw).
+    const double search_recv_norm = balance_recv ? recv_norm[l] : std::numeric_limits<double>::infinity();
+    Score current = score(routing.rows(), routing.recv(), rows_norm[l], search_recv_norm);
     // First-improvement descent on swaps between the GPU with the largest normalised load and
     // the others (its node only when hierarchical), coolest partners first. The pair budget
     // bounds the time on long traces.
@@ -213,7 +216,8 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
     while (improved && budget > 0) {
       improved = false;
       std::vector<double> v(G);
-      for (int g = 0; g < G; ++g) v[g] = std::max(routing.rows()[g] / rows_norm[l], routing.recv()[g] / recv_norm[l]);
+      for (int g = 0; g < G; ++g)
+        v[g] = std::max(routing.rows()[g] / rows_norm[l], routing.recv()[g] / search_recv_norm);
       const int hot = int(std::max_element(v.begin(), v.end()) - v.begin());
       std::vector<int> partners;
       for (int g = 0; g < G; ++g)
@@ -226,7 +230,7 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
             if (a == b) continue;
             budget -= 2 * (routing.pairs_of(a) + routing.pairs_of(b));
             routing.swap_slots(s1, s2);
-            Score next = score(routing.rows(), routing.recv(), rows_norm[l], recv_norm[l]);
+            Score next = score(routing.rows(), routing.recv(), rows_norm[l], search_recv_norm);
             if (next.better_than(current))
               current = next, improved = true;
             else
@@ -243,7 +247,7 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
   r.worst_imbalance = worst_imbalance(r.loads, rows_norm, recv_norm);
   // The search routes replicas in slot order where the counts placement uses creation order,
   // so guard the promise: never worse than packing by counts.
-  if (r.worst_imbalance > r.counts_worst_imbalance) {
+  if (balance_recv && r.worst_imbalance > r.counts_worst_imbalance) {
     r.placement = r.counts_placement;
     r.loads = r.counts_loads;
     r.worst_imbalance = r.counts_worst_imbalance;

@@ -127,11 +127,17 @@ void run_case(const char* name, int slots, int groups, int nodes, int gpus) {
   // The counts placement is exactly the reference on the trace's counts.
   EXPECT_EQ(r.counts_placement.phy2log, rebalance(trace_loads(trace), slots, groups, nodes, gpus).phy2log);
 
+  // The same search on rows alone: what routing exactly (without the receive term) gives.
+  DualResult rows_only = rebalance_dual(trace, slots, groups, nodes, gpus, 3, false);
+  const Figures rows_f = figures(loads_by_sets(rows_only.placement, trace, 3), counts, L);
+  const double worse_rows_only = std::max(rows_f.rows, rows_f.recv);
+
   const Figures before = figures(counts, counts, L), after = figures(dual, counts, L);
   const double worse_before = std::max(before.rows, before.recv), worse_after = std::max(after.rows, after.recv);
   EXPECT_NEAR(worse_before, r.counts_worst_imbalance, 1e-12);
   EXPECT_NEAR(worse_after, r.worst_imbalance, 1e-12);
   EXPECT_LT(worse_after, worse_before - 0.02) << "balancing both loads should lower the worse maximum";
+  EXPECT_LT(worse_after, worse_rows_only) << "the receive term should matter beyond exact row balancing";
   // Every expert keeps a replica, and the replica counts are the reference's.
   EXPECT_EQ(r.placement.replica_count, r.counts_placement.replica_count);
   if (r.placement.hierarchical())
@@ -144,8 +150,10 @@ void run_case(const char* name, int slots, int groups, int nodes, int gpus) {
   fmt::print(
       "[dual loads] {} ({} layers, {} experts, top-{}, {} slots, {} GPUs, 8 steps x 1024 tokens): "
       "max/mean GEMM rows {:.3f} -> {:.3f}, max/mean received tokens {:.3f} -> {:.3f}, "
-      "worse of the two {:.3f} (counts alone) -> {:.3f} (both)\n",
-      name, L, E, k, slots, gpus, before.rows, after.rows, before.recv, after.recv, worse_before, worse_after);
+      "worse of the two {:.3f} (counts alone) -> {:.3f} (both); the same search on rows only: rows {:.3f}, "
+      "received {:.3f}, worse {:.3f}\n",
+      name, L, E, k, slots, gpus, before.rows, after.rows, before.recv, after.recv, worse_before, worse_after,
+      rows_f.rows, rows_f.recv, worse_rows_only);
 }
 
 }  // namespace
