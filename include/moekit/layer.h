@@ -119,6 +119,15 @@ class GpuMoeLayer {
   // then clears them).
   std::vector<int64_t> take_expert_counts(cudaStream_t stream);
 
+  // EPLB between steps: moves to a new placement of the same slots (placement layer
+  // `placement_layer`; weights: all E experts). Issued on `stream` after the step before it, so the
+  // next step uses it: the replica table is rewritten and only the local slots whose logical
+  // expert changed get new weights. No pointer changes, so a captured graph stays valid and
+  // replays with the new placement. Every rank must apply the same placement before the next
+  // step. Returns the number of local slots whose weights moved.
+  int set_placement(const Placement& placement, int placement_layer, const MoeLayerWeights& weights,
+                    cudaStream_t stream);
+
   // Event timing of the stages of the next step issued (not capturable: for eager runs only).
   void set_timing(bool on);
   GpuStageTimes last_times() const;  // synchronises on the step's last event

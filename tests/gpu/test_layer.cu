@@ -389,6 +389,20 @@ void compare_step(GpuRig& rig, const CpuResult& cpu, const std::vector<uint16_t>
   std::vector<double> oracle(x.size());
   ref::moe_layer_f64(xf.data(), kBatch, cpu.topk_idx.data(), cpu.topk_weights.data(), k, f.weights_f64->view,
                      oracle.data());
+  // The shared expert alone (it is the combine's `add` term) against reference.h's.
+  const MoeLayerWeights& lw = f.weights;
+  const ref::ExpertFp8 sw{d, lw.shared_w1.layout.n / 2, lw.shared_w1.w.data(), lw.shared_w1.scales.data(),
+                          lw.shared_w2.w.data(), lw.shared_w2.scales.data()};
+  std::vector<uint16_t> shared_got, shared_want(x.size());
+  ref::shared_expert(xf.data(), kBatch, sw, shared_want.data());
+  for (int r = 0; r < rig.P; ++r) {
+    auto part = download(rig.layers[r]->shared_out(), size_t(rig.tokens(r)) * d);
+    shared_got.insert(shared_got.end(), part.begin(), part.end());
+  }
+  const double shared_err = rel_error(shared_got, to_double(shared_want));
+  std::printf("[layer] %s: shared expert GPU vs reference.h %.3e\n", what, shared_err);
+  EXPECT_LE(shared_err, kLayerTolerance) << what << ": shared expert";
+
   const double vs_cpu = rel_error(got, to_double(cpu.out));
   const double gpu_err = rel_error(got, oracle), cpu_err = rel_error(cpu.out, oracle);
   size_t same_out = 0;
@@ -398,7 +412,6 @@ void compare_step(GpuRig& rig, const CpuResult& cpu, const std::vector<uint16_t>
               what, vs_cpu, gpu_err, cpu_err, same_out, got.size(), same_w, w.size());
   EXPECT_LE(vs_cpu, kLayerTolerance) << what;
   EXPECT_LE(gpu_err, kLayerTolerance) << what;
-  (void)d;
   (void)decode;
 }
 
@@ -489,6 +502,49 @@ TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
   }
+}
+
+// EPLB between steps: a graph captured under one placement replays under a new one (different
+// hot experts, so different replicas) after set_placement, and equals the CPU layer built with it.
+TEST(GpuLayerEplb, NewPlacementBetweenGraphReplays) {
+  const Fixture& f = fixture();
+  const int P = 4, E = f.model.num_routed_experts;
+  const uint64_t seed = 21;
+  std::vector<double> load_a(E, 1.0), load_b(E, 1.0);
+  for (int e = 0; e < 8; ++e) load_a[e] = 8.0, load_b[E - 1 - e] = 8.0;
+  const Placement a = balanced_placement(load_a, 8, P), b = balanced_placement(load_b, 8, P);
+  GpuRig rig(P, gpu::EpMode::kLowLatency, a, seed);
+  std::mt19937 rng(31);
+  auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+  rig.load(x, nullptr, nullptr);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    rig.issue(false);
+  } catch (...) {
+    cudaStreamEndCapture(rig.stream, &graph);
+    throw;
+  }
+  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
+  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const Placement* placement : {&a, &b}) {
+    if (placement == &b) {
+      int moved = 0;
+      for (int r = 0; r < P; ++r) moved += rig.layers[r]->set_placement(b, 0, f.weights, rig.stream);
+      EXPECT_GT(moved, 0) << "the two placements hold the same experts";
+    }
+    x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+    rig.load(x, nullptr, nullptr);
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, rig.stream));
+    rig.check();
+    const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, *placement, x, nullptr, nullptr, seed);
+    const char* what = placement == &a ? "graph, placement A" : "graph, placement B after set_placement";
+    compare_step(rig, cpu, x, true, what);
+    for (int r = 0; r < P; ++r) check_stages(rig, r, *placement, true, what);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past

@@ -58,6 +58,8 @@ struct GpuMoeLayer::Impl {
   int rows = 0, t_pad = 0;
   RouterParams router;
   ReplicaTable replicas;
+  int32_t *log2phy = nullptr, *replica_count = nullptr;
+  std::vector<int32_t> local_experts;  // the logical expert of each local slot
   std::vector<void*> allocations;
 
   float *router_w = nullptr, *router_bias = nullptr;
@@ -103,6 +105,9 @@ struct GpuMoeLayer::Impl {
     if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
   }
   void run_shared(const uint16_t* x, cudaStream_t stream);
+  // Writes the placement's log2phy (at the fixed stride) and replica_count, on `stream` (or
+  // synchronously when null).
+  void upload_table(const Placement& placement, int layer, cudaStream_t stream);
 };
 
 namespace {
@@ -190,14 +195,17 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.w2s = s.upload(sc);
   s.router_w = s.upload(weights.router_weight);
   if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
-  s.replicas.log2phy = s.upload(std::vector<int32_t>(
-      placement.log2phy_row(placement_layer),
-      placement.log2phy_row(placement_layer) + size_t(s.num_experts) * placement.max_replicas));
-  s.replicas.replica_count = s.upload(std::vector<int32_t>(
-      placement.replica_count_row(placement_layer), placement.replica_count_row(placement_layer) + s.num_experts));
-  s.replicas.max_replicas = placement.max_replicas;
+  // The replica table at a fixed stride (the most replicas any placement of these slots can
+  // give an expert), so that set_placement() never changes what a captured graph points at.
+  s.replicas.max_replicas = s.ec.num_slots - s.num_experts + 1;
   s.replicas.slots_per_gpu = placement.slots_per_gpu();
   s.replicas.num_experts = s.num_experts;
+  s.log2phy = s.alloc<int32_t>(size_t(s.num_experts) * s.replicas.max_replicas);
+  s.replica_count = s.alloc<int32_t>(s.num_experts);
+  s.replicas.log2phy = s.log2phy;
+  s.replicas.replica_count = s.replica_count;
+  s.upload_table(placement, placement_layer, nullptr);
+  s.local_experts.assign(phy2log + s.rank * s.e_loc, phy2log + (s.rank + 1) * s.e_loc);
 
   // Per-token state.
   s.logits = s.alloc<float>(size_t(s.t_max) * s.num_experts);
@@ -294,6 +302,62 @@ GpuMoeLayer::~GpuMoeLayer() {
   cudaEventDestroy(s.join);
   cudaStreamDestroy(s.side);
   for (void* p : s.allocations) cudaFree(p);
+}
+
+void GpuMoeLayer::Impl::upload_table(const Placement& placement, int layer, cudaStream_t stream) {
+  MOEKIT_CHECK(placement.max_replicas <= replicas.max_replicas,
+               fmtr("placement with {} replicas of one expert, expected at most {}", placement.max_replicas,
+                    replicas.max_replicas));
+  std::vector<int32_t> table(size_t(num_experts) * replicas.max_replicas, -1);
+  const int32_t* src = placement.log2phy_row(layer);
+  for (int e = 0; e < num_experts; ++e)
+    std::copy(src + size_t(e) * placement.max_replicas, src + size_t(e + 1) * placement.max_replicas,
+              table.begin() + size_t(e) * replicas.max_replicas);
+  const int32_t* count = placement.replica_count_row(layer);
+  if (stream) {
+    // Pageable sources: the copies are staged before they return, so the vectors may go.
+    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(log2phy, table.data(), table.size() * 4, cudaMemcpyHostToDevice, stream));
+    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(replica_count, count, size_t(num_experts) * 4, cudaMemcpyHostToDevice, stream));
+  } else {
+    MOEKIT_CUDA_CHECK(cudaMemcpy(log2phy, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+    MOEKIT_CUDA_CHECK(cudaMemcpy(replica_count, count, size_t(num_experts) * 4, cudaMemcpyHostToDevice));
+  }
+}
+
+int GpuMoeLayer::set_placement(const Placement& placement, int placement_layer, const MoeLayerWeights& weights,
+                               cudaStream_t stream) {
+  Impl& s = *impl_;
+  MOEKIT_CHECK(s.phase == Impl::Phase::kIdle, fmtr("rank {}: set_placement during a step", s.rank));
+  MOEKIT_CHECK(placement.num_experts == s.num_experts && placement.num_gpus == s.ec.num_ranks &&
+                   placement.num_slots == s.ec.num_slots,
+               fmtr("new placement of {} experts in {} slots on {} GPUs, expected {} experts in {} slots on {}",
+                    placement.num_experts, placement.num_slots, placement.num_gpus, s.num_experts, s.ec.num_slots,
+                    s.ec.num_ranks));
+  MOEKIT_CHECK(placement_layer >= 0 && placement_layer < placement.num_layers,
+               fmtr("placement layer {}, expected 0..{}", placement_layer, placement.num_layers - 1));
+  MOEKIT_CHECK(weights.first_expert == 0 && weights.num_local_experts() == s.num_experts,
+               fmtr("layer weights hold experts [{}, {}), expected all {}", weights.first_expert,
+                    weights.first_expert + weights.num_local_experts(), s.num_experts));
+  s.upload_table(placement, placement_layer, stream);
+  const int32_t* phy2log = placement.phy2log_row(placement_layer);
+  int moved = 0;
+  for (int i = 0; i < s.e_loc; ++i) {
+    const int e = phy2log[s.rank * s.e_loc + i];
+    if (e == s.local_experts[i]) continue;
+    // Only the changed slot's operands travel: W1, W2 and their block scales.
+    auto copy = [&](const ExpertWeights& all, uint8_t* w, float* scales) {
+      const WeightLayout& l = all.layout;
+      const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / kQuantBlock) * (l.k / kQuantBlock);
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(w + i * w_per, all.w.data() + e * w_per, w_per, cudaMemcpyHostToDevice, stream));
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(scales + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float),
+                                        cudaMemcpyHostToDevice, stream));
+    };
+    copy(weights.w1, s.w1, s.w1s);
+    copy(weights.w2, s.w2, s.w2s);
+    s.local_experts[i] = e;
+    ++moved;
+  }
+  return moved;
 }
 
 void GpuMoeLayer::Impl::run_shared(const uint16_t* x, cudaStream_t stream) {
