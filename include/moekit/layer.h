@@ -128,6 +128,10 @@ class GpuMoeLayer {
   int set_placement(const Placement& placement, int placement_layer, const MoeLayerWeights& weights,
                     cudaStream_t stream);
 
+  // Runs the shared expert on the side stream (true, the default of GpuLayerConfig) or in line on
+  // the caller's stream, from the next step on (to measure what the overlap hides).
+  void set_shared_overlap(bool on);
+
   // Event timing of the stages of the next step issued (not capturable: for eager runs only).
   void set_timing(bool on);
   GpuStageTimes last_times() const;  // synchronises on the step's last event

@@ -485,6 +485,11 @@ std::vector<int64_t> GpuMoeLayer::take_expert_counts(cudaStream_t stream) {
 
 void GpuMoeLayer::set_timing(bool on) { impl_->timing = on; }
 
+void GpuMoeLayer::set_shared_overlap(bool on) {
+  MOEKIT_CHECK(impl_->phase == Impl::Phase::kIdle, "set_shared_overlap during a step");
+  impl_->cfg.overlap_shared = on;
+}
+
 GpuStageTimes GpuMoeLayer::last_times() const {
   const Impl& s = *impl_;
   MOEKIT_CHECK(s.timed_step, "last_times: the last step ran without set_timing(true)");
