@@ -2,7 +2,7 @@
 // transport), against its floor measured in the same run.
 //
 //   bench_layer [--model deepseek-v3] [--ranks 8] [--batch 8,64,256,1024] [--iters 20] [--redundant 0]
-//               [--json FILE]
+//               [--tbo] [--json FILE]
 //
 // Weights are random FP8 bytes of the real shapes made in memory (values are irrelevant to time;
 // the checkpoint generator would write GBs to disk first). Tokens are random; the model's router
@@ -12,6 +12,9 @@
 // Floor: the bytes of the experts that received tokens (all ranks' slots: they share this GPU)
 // over the device copy bandwidth measured here (read + write of a 2 GB buffer), next to the FP8
 // FLOPs over DESIGN.md's measured 1272 TFLOP/s; floor = the larger. "per rank" = time / P.
+// --tbo also times two-batch overlap: each rank's tokens split in two micro-batches, each with its
+// own EP group and layer objects (weights uploaded twice), issued on two streams in one graph so
+// that one micro-batch's dispatch and combine kernels can run beside the other's GEMMs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -100,7 +103,7 @@ std::vector<int> parse_list(const std::string& s) {
 
 struct Row {
   int batch = 0;
-  double graph_us = 0, serial_us = 0, eager_us = 0, floor_us = 0, mem_floor_us = 0, flop_floor_us = 0;
+  double graph_us = 0, serial_us = 0, tbo_us = 0, eager_us = 0, floor_us = 0, mem_floor_us = 0, flop_floor_us = 0;
   int hit_slots = 0;
   int64_t rows = 0;
   gpu::GpuStageTimes stages;  // summed over ranks, ms
@@ -111,6 +114,7 @@ struct Row {
 int main(int argc, char** argv) try {
   std::string model_name = "deepseek-v3", batches = "8,64,256,1024", json_path;
   int P = 8, iters = 20, redundant = 0;
+  bool tbo = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -123,6 +127,7 @@ int main(int argc, char** argv) try {
     else if (a == "--iters") iters = std::stoi(next());
     else if (a == "--redundant") redundant = std::stoi(next());
     else if (a == "--json") json_path = next();
+    else if (a == "--tbo") tbo = true;
     else throw Error("unknown argument '" + a + "'");
   }
   const ModelSpec model = load_model_spec(model_name);
@@ -256,6 +261,66 @@ int main(int argc, char** argv) try {
       for (auto& l : layers) l->set_shared_overlap(true);
     }
 
+    // Two-batch overlap: micro-batch h of rank r holds its tokens [h0, T_r) or [0, h0), h0 = ceil(T_r / 2).
+    if (tbo && t_max >= 2) {
+      const int t_half = (t_max + 1) / 2;
+      std::vector<std::unique_ptr<gpu::EpLocalGroup>> groups;
+      std::vector<std::vector<std::unique_ptr<gpu::GpuMoeLayer>>> mb(2);
+      gpu::GpuLayerConfig half_cfg = cfg;
+      half_cfg.max_tokens = t_half;
+      for (int h = 0; h < 2; ++h) {
+        groups.push_back(std::make_unique<gpu::EpLocalGroup>(
+            gpu::layer_ep_config(model, placement.num_slots, P, t_half, gpu::EpMode::kLowLatency)));
+        for (int r = 0; r < P; ++r)
+          mb[h].push_back(std::make_unique<gpu::GpuMoeLayer>(model, weights, placement, 0, groups[h]->rank(r), half_cfg));
+      }
+      cudaStream_t stream2;
+      cudaEvent_t fork, join;
+      MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream2, cudaStreamNonBlocking));
+      MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+      auto part = [&](int h, int r, int& begin, int& count) {
+        const int T = int(first(r + 1) - first(r)), h0 = (T + 1) / 2;
+        begin = h == 0 ? 0 : h0;
+        count = h == 0 ? h0 : T - h0;
+      };
+      cudaStream_t streams[2] = {stream, stream2};
+      cudaGraph_t g3;
+      cudaGraphExec_t e3;
+      MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      MOEKIT_CUDA_CHECK(cudaEventRecord(fork, stream));
+      MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream2, fork, 0));
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < P; ++r) {
+          int begin, count;
+          part(h, r, begin, count);
+          mb[h][r]->dispatch(x[r] + size_t(begin) * d, count, first(r) + begin, streams[h]);
+        }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < P; ++r) mb[h][r]->compute(streams[h]);
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < P; ++r) {
+          int begin, count;
+          part(h, r, begin, count);
+          mb[h][r]->combine(out[r] + size_t(begin) * d, streams[h]);
+        }
+      MOEKIT_CUDA_CHECK(cudaEventRecord(join, stream2));
+      MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+      MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &g3));
+      MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&e3, g3, 0));
+      MOEKIT_CUDA_CHECK(cudaGraphLaunch(e3, stream));
+      row.tbo_us = time_us([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(e3, stream)); });
+      for (int h = 0; h < 2; ++h)
+        for (auto& l : mb[h]) l->check(stream);
+      cudaGraphExecDestroy(e3);
+      cudaGraphDestroy(g3);
+      mb.clear();
+      groups.clear();
+      cudaEventDestroy(fork);
+      cudaEventDestroy(join);
+      cudaStreamDestroy(stream2);
+    }
+
     // The floor of this routing: weights of the slots that received rows, plus the FLOPs.
     for (int r = 0; r < P; ++r) {
       std::vector<int32_t> count(layers[r]->num_local_experts());
@@ -286,6 +351,13 @@ int main(int argc, char** argv) try {
                 r.serial_us, r.eager_us, r.floor_us, r.graph_us / P, r.graph_us / r.floor_us,
                 r.batch / (r.graph_us * 1e-6), (long long)r.rows);
   std::printf("no-overlap: the shared expert in line on the main stream instead of on each rank's side stream\n");
+  if (tbo) {
+    std::printf("\ntwo-batch overlap (two micro-batches on two streams, one graph):\n%6s %10s %10s %8s\n", "B", "graph us",
+                "tbo us", "hidden");
+    for (const Row& r : rows)
+      if (r.tbo_us > 0)
+        std::printf("%6d %10.1f %10.1f %7.1f%%\n", r.batch, r.graph_us, r.tbo_us, 100 * (1 - r.tbo_us / r.graph_us));
+  }
   std::printf("\nstages (eager, events, summed over the %d ranks, us):\n%6s %8s %8s %8s %8s %8s %8s %8s %8s\n", P, "B",
               "gate", "send", "recv", "gemm1", "act", "gemm2", "c.send", "c.recv");
   for (const Row& r : rows)
@@ -301,7 +373,7 @@ int main(int argc, char** argv) try {
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       js << (i ? ", " : "") << "{\"batch\": " << r.batch << ", \"graph_us\": " << r.graph_us
-         << ", \"shared_inline_graph_us\": " << r.serial_us << ", \"eager_us\": " << r.eager_us << ", \"floor_us\": " << r.floor_us << ", \"mem_floor_us\": "
+         << ", \"shared_inline_graph_us\": " << r.serial_us << ", \"tbo_graph_us\": " << r.tbo_us << ", \"eager_us\": " << r.eager_us << ", \"floor_us\": " << r.floor_us << ", \"mem_floor_us\": "
          << r.mem_floor_us << ", \"flop_floor_us\": " << r.flop_floor_us << ", \"hit_slots\": " << r.hit_slots
          << ", \"recv_rows\": " << r.rows << ", \"stages_us\": {\"gate\": " << 1e3 * r.stages.gate
          << ", \"dispatch_send\": " << 1e3 * r.stages.dispatch_send << ", \"dispatch_recv\": "
