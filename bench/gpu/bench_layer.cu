@@ -216,6 +216,20 @@ int main(int argc, char** argv) try {
       std::sort(t.begin(), t.end());
       return 1e3 * t[t.size() / 2];
     };
+    // Captures `body` on the stream as one graph, runs it once, and returns the median replay time.
+    auto time_graph = [&](auto&& body) {
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      body();
+      MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      const double us = time_us([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      return us;
+    };
     Row row;
     row.batch = B;
     issue();  // warm-up
@@ -235,29 +249,13 @@ int main(int argc, char** argv) try {
       row.stages.combine_recv += t.combine_recv;
       l->set_timing(false);
     }
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    issue();
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    row.graph_us = time_us([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+    row.graph_us = time_graph(issue);
     for (auto& l : layers) l->check(stream);
     // The same step with the shared expert in line: the difference is what its overlap hides.
     {
       for (auto& l : layers) l->set_shared_overlap(false);
-      cudaGraph_t g2;
-      cudaGraphExec_t e2;
-      MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      issue();
-      MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &g2));
-      MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&e2, g2, 0));
-      MOEKIT_CUDA_CHECK(cudaGraphLaunch(e2, stream));
-      row.serial_us = time_us([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(e2, stream)); });
+      row.serial_us = time_graph(issue);
       for (auto& l : layers) l->check(stream);
-      cudaGraphExecDestroy(e2);
-      cudaGraphDestroy(g2);
       for (auto& l : layers) l->set_shared_overlap(true);
     }
 
@@ -285,35 +283,28 @@ int main(int argc, char** argv) try {
         count = h == 0 ? h0 : T - h0;
       };
       cudaStream_t streams[2] = {stream, stream2};
-      cudaGraph_t g3;
-      cudaGraphExec_t e3;
-      MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      MOEKIT_CUDA_CHECK(cudaEventRecord(fork, stream));
-      MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream2, fork, 0));
-      for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < P; ++r) {
-          int begin, count;
-          part(h, r, begin, count);
-          mb[h][r]->dispatch(x[r] + size_t(begin) * d, count, first(r) + begin, streams[h]);
-        }
-      for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < P; ++r) mb[h][r]->compute(streams[h]);
-      for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < P; ++r) {
-          int begin, count;
-          part(h, r, begin, count);
-          mb[h][r]->combine(out[r] + size_t(begin) * d, streams[h]);
-        }
-      MOEKIT_CUDA_CHECK(cudaEventRecord(join, stream2));
-      MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
-      MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &g3));
-      MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&e3, g3, 0));
-      MOEKIT_CUDA_CHECK(cudaGraphLaunch(e3, stream));
-      row.tbo_us = time_us([&] { MOEKIT_CUDA_CHECK(cudaGraphLaunch(e3, stream)); });
+      row.tbo_us = time_graph([&] {
+        MOEKIT_CUDA_CHECK(cudaEventRecord(fork, stream));
+        MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream2, fork, 0));
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < P; ++r) {
+            int begin, count;
+            part(h, r, begin, count);
+            mb[h][r]->dispatch(x[r] + size_t(begin) * d, count, first(r) + begin, streams[h]);
+          }
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < P; ++r) mb[h][r]->compute(streams[h]);
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < P; ++r) {
+            int begin, count;
+            part(h, r, begin, count);
+            mb[h][r]->combine(out[r] + size_t(begin) * d, streams[h]);
+          }
+        MOEKIT_CUDA_CHECK(cudaEventRecord(join, stream2));
+        MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+      });
       for (int h = 0; h < 2; ++h)
         for (auto& l : mb[h]) l->check(stream);
-      cudaGraphExecDestroy(e3);
-      cudaGraphDestroy(g3);
       mb.clear();
       groups.clear();
       cudaEventDestroy(fork);
@@ -336,8 +327,6 @@ int main(int argc, char** argv) try {
     row.flop_floor_us = 1e6 * flops / kFp8Flops;
     row.floor_us = std::max(row.mem_floor_us, row.flop_floor_us);
     rows.push_back(row);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     for (int r = 0; r < P; ++r) {
       cudaFree(x[r]);
       cudaFree(out[r]);

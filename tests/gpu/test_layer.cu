@@ -461,6 +461,34 @@ INSTANTIATE_TEST_SUITE_P(Prefill, GpuLayer,
                          ::testing::Values(Case{1, false, false}, Case{2, false, false}, Case{4, false, false},
                                            Case{8, false, false}, Case{4, true, false}));
 
+// One step of every rank of a rig captured in a CUDA Graph (ended even when issuing throws, so
+// a failure does not leave the stream capturing for the tests that follow).
+struct CapturedStep {
+  GpuRig& rig;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CapturedStep(GpuRig& r, bool caller_routing) : rig(r) {
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      rig.issue(caller_routing);
+    } catch (...) {
+      cudaStreamEndCapture(rig.stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  }
+  ~CapturedStep() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+  void replay() {
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, rig.stream));
+    rig.check();
+  }
+};
+
 // One step of P = 4 ranks captured once; replays with new tokens (router) and new caller routing.
 TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
   const Fixture& f = fixture();
@@ -475,32 +503,18 @@ TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
     std::vector<float> w;
     random_routing(kBatch, f.model.num_routed_experts, f.model.num_experts_per_token, rng, idx, w);
     rig.load(x, &idx, &w);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      rig.issue(caller);
-    } catch (...) {
-      // End the capture so that the failure does not poison the tests that follow.
-      cudaStreamEndCapture(rig.stream, &graph);
-      throw;
-    }
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CapturedStep step(rig, caller);
     for (int replay = 0; replay < 3; ++replay) {
       x = random_tokens(kBatch, int(f.model.hidden_size), rng);
       random_routing(kBatch, f.model.num_routed_experts, f.model.num_experts_per_token, rng, idx, w);
       rig.load(x, &idx, &w);
-      MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, rig.stream));
-      rig.check();
+      step.replay();
       const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, placement, x, caller ? &idx : nullptr,
                                     caller ? &w : nullptr, seed);
       const std::string what = std::string("graph replay ") + std::to_string(replay) + (caller ? " caller routing" : " router");
       compare_step(rig, cpu, x, true, what.c_str());
       for (int r = 0; r < P; ++r) check_stages(rig, r, placement, true, what.c_str());
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
 }
 
@@ -517,17 +531,7 @@ TEST(GpuLayerEplb, NewPlacementBetweenGraphReplays) {
   std::mt19937 rng(31);
   auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
   rig.load(x, nullptr, nullptr);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
-  try {
-    rig.issue(false);
-  } catch (...) {
-    cudaStreamEndCapture(rig.stream, &graph);
-    throw;
-  }
-  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
-  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedStep step(rig, false);
   for (const Placement* placement : {&a, &b}) {
     if (placement == &b) {
       int moved = 0;
@@ -536,15 +540,12 @@ TEST(GpuLayerEplb, NewPlacementBetweenGraphReplays) {
     }
     x = random_tokens(kBatch, int(f.model.hidden_size), rng);
     rig.load(x, nullptr, nullptr);
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, rig.stream));
-    rig.check();
+    step.replay();
     const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, *placement, x, nullptr, nullptr, seed);
     const char* what = placement == &a ? "graph, placement A" : "graph, placement B after set_placement";
     compare_step(rig, cpu, x, true, what);
     for (int r = 0; r < P; ++r) check_stages(rig, r, *placement, true, what);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past
