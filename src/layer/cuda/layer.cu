@@ -88,6 +88,11 @@ struct GpuMoeLayer::Impl {
   int num_tokens = 0;
   enum class Phase { kIdle, kDispatched, kComputed } phase = Phase::kIdle;
 
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl();
+
   template <class T>
   T* alloc(size_t count) {
     void* p = nullptr;
@@ -289,19 +294,22 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   for (auto& e : s.events) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
 }
 
-GpuMoeLayer::~GpuMoeLayer() {
-  Impl& s = *impl_;
-  s.gemm1.reset();
-  s.gemm2.reset();
-  s.shared1.reset();
-  s.shared2.reset();
-  s.cgemm1.reset();
-  s.cgemm2.reset();
-  for (auto e : s.events) cudaEventDestroy(e);
-  cudaEventDestroy(s.fork);
-  cudaEventDestroy(s.join);
-  cudaStreamDestroy(s.side);
-  for (void* p : s.allocations) cudaFree(p);
+GpuMoeLayer::~GpuMoeLayer() = default;
+
+// Here rather than in ~GpuMoeLayer so that a constructor that throws half-way frees what it made.
+GpuMoeLayer::Impl::~Impl() {
+  gemm1.reset();
+  gemm2.reset();
+  shared1.reset();
+  shared2.reset();
+  cgemm1.reset();
+  cgemm2.reset();
+  for (auto e : events)
+    if (e) cudaEventDestroy(e);
+  if (fork) cudaEventDestroy(fork);
+  if (join) cudaEventDestroy(join);
+  if (side) cudaStreamDestroy(side);
+  for (void* p : allocations) cudaFree(p);
 }
 
 void GpuMoeLayer::Impl::upload_table(const Placement& placement, int layer, cudaStream_t stream) {
