@@ -13,7 +13,7 @@
 // over the device copy bandwidth measured here (read + write of a 2 GB buffer), next to the FP8
 // FLOPs over DESIGN.md's measured 1272 TFLOP/s; floor = the larger. "per rank" = time / P.
 // --tbo also times two-batch overlap: each rank's tokens split in two micro-batches, each with its
-// own EP group and layer objects (weights uploaded twice), issued on two streams in one graph so
+// own EP group and layer objects (sharing the full-batch layers' weights), issued on two streams in one graph so
 // that one micro-batch's dispatch and combine kernels can run beside the other's GEMMs.
 #include <cuda_runtime.h>
 
@@ -270,7 +270,8 @@ int main(int argc, char** argv) try {
         groups.push_back(std::make_unique<gpu::EpLocalGroup>(
             gpu::layer_ep_config(model, placement.num_slots, P, t_half, gpu::EpMode::kLowLatency)));
         for (int r = 0; r < P; ++r)
-          mb[h].push_back(std::make_unique<gpu::GpuMoeLayer>(model, weights, placement, 0, groups[h]->rank(r), half_cfg));
+          mb[h].push_back(std::make_unique<gpu::GpuMoeLayer>(model, weights, placement, 0, groups[h]->rank(r), half_cfg,
+                                                             layers[r].get()));
       }
       cudaStream_t stream2;
       cudaEvent_t fork, join;

@@ -87,9 +87,11 @@ class GpuMoeLayer {
   // shared experts; the rank's local experts are the slots rank * E_loc + i of placement layer
   // `placement_layer`, and their weights are copied to the device here. `ep` is this rank's
   // buffer (EpLocalGroup::rank(r) or connect_ep()); it must outlive the layer. The current CUDA
-  // device is used.
+  // device is used. share_weights_with: a layer of the same rank, model and placement whose device
+  // weights this one uses instead of its own copy (two micro-batches of one layer, each with its
+  // own EP buffer); it must outlive this one, and set_placement is refused on both.
   GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement, int placement_layer,
-              EpBuffer& ep, const GpuLayerConfig& config);
+              EpBuffer& ep, const GpuLayerConfig& config, const GpuMoeLayer* share_weights_with = nullptr);
   ~GpuMoeLayer();
   GpuMoeLayer(const GpuMoeLayer&) = delete;
   GpuMoeLayer& operator=(const GpuMoeLayer&) = delete;

@@ -183,7 +183,9 @@ struct GpuRig {
   std::vector<DeviceArray<float>> w;
   cudaStream_t stream{};
 
-  GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed) : P(num_ranks), mode(m) {
+  // share: a rig of the same P and placement whose layers' weights these layers use.
+  GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr)
+      : P(num_ranks), mode(m) {
     const Fixture& f = fixture();
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
     group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode));
@@ -191,7 +193,8 @@ struct GpuRig {
     cfg.max_tokens = t_max;
     cfg.replica_seed = seed;
     for (int r = 0; r < P; ++r) {
-      layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg));
+      layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg,
+                                                           share ? share->layers[r].get() : nullptr));
       x.emplace_back(size_t(t_max) * d);
       out.emplace_back(size_t(t_max) * d);
       idx.emplace_back(size_t(t_max) * k);
@@ -545,6 +548,31 @@ TEST(GpuLayerEplb, NewPlacementBetweenGraphReplays) {
     const char* what = placement == &a ? "graph, placement A" : "graph, placement B after set_placement";
     compare_step(rig, cpu, x, true, what);
     for (int r = 0; r < P; ++r) check_stages(rig, r, *placement, true, what);
+  }
+}
+
+// Two micro-batches of one layer: a second set of layers (own EP group, own buffers) using the
+// first set's device weights computes the same step as the CPU layer; set_placement is refused.
+TEST(GpuLayerShared, SecondLayerUsesTheFirstsWeights) {
+  const Fixture& f = fixture();
+  const int P = 2;
+  const uint64_t seed = 4;
+  const Placement placement = make_placement(P, true);
+  GpuRig owner(P, gpu::EpMode::kLowLatency, placement, seed);
+  GpuRig rig(P, gpu::EpMode::kLowLatency, placement, seed, &owner);
+  std::mt19937 rng(8);
+  const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+  rig.load(x, nullptr, nullptr);
+  rig.issue(false);
+  rig.check();
+  const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, placement, x, nullptr, nullptr, seed);
+  compare_step(rig, cpu, x, true, "shared weights");
+  for (int r = 0; r < P; ++r) check_stages(rig, r, placement, true, "shared weights");
+  try {
+    owner.layers[0]->set_placement(placement, 0, f.weights, owner.stream);
+    ADD_FAILURE() << "set_placement accepted on a layer whose weights are shared";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shares its weights"), std::string::npos) << e.what();
   }
 }
 

@@ -60,6 +60,8 @@ struct GpuMoeLayer::Impl {
   ReplicaTable replicas;
   int32_t *log2phy = nullptr, *replica_count = nullptr;
   std::vector<int32_t> local_experts;  // the logical expert of each local slot
+  Impl* owner = nullptr;               // the layer whose weights this one uses (share_weights_with)
+  int num_sharers = 0;                 // layers using this one's weights
   std::vector<void*> allocations;
 
   float *router_w = nullptr, *router_bias = nullptr;
@@ -134,7 +136,8 @@ void gather(const ExpertWeights& all, const int32_t* phy2log, int first_slot, in
 }  // namespace
 
 GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
-                         int placement_layer, EpBuffer& ep, const GpuLayerConfig& config)
+                         int placement_layer, EpBuffer& ep, const GpuLayerConfig& config,
+                         const GpuMoeLayer* share_weights_with)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.cfg = config;
@@ -190,16 +193,29 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
 
   // Weights of the rank's slots, the router, the placement row, the shared expert.
   const int32_t* phy2log = placement.phy2log_row(placement_layer);
-  std::vector<uint8_t> w;
-  std::vector<float> sc;
-  gather(weights.w1, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
-  s.w1 = s.upload(w);
-  s.w1s = s.upload(sc);
-  gather(weights.w2, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
-  s.w2 = s.upload(w);
-  s.w2s = s.upload(sc);
-  s.router_w = s.upload(weights.router_weight);
-  if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
+  const Impl* owner = share_weights_with ? share_weights_with->impl_.get() : nullptr;
+  if (owner) {
+    MOEKIT_CHECK(owner->rank == s.rank && owner->e_loc == s.e_loc && owner->d == s.d && owner->inter == s.inter &&
+                     owner->num_experts == s.num_experts &&
+                     std::equal(owner->local_experts.begin(), owner->local_experts.end(), phy2log + s.rank * s.e_loc),
+                 fmtr("share_weights_with: a layer of rank {} holding other experts or shapes, expected rank {} of "
+                      "the same model and placement", owner->rank, s.rank));
+    s.owner = const_cast<Impl*>(owner);
+    ++s.owner->num_sharers;
+    s.w1 = owner->w1, s.w1s = owner->w1s, s.w2 = owner->w2, s.w2s = owner->w2s;
+    s.router_w = owner->router_w, s.router_bias = owner->router_bias;
+  } else {
+    std::vector<uint8_t> w;
+    std::vector<float> sc;
+    gather(weights.w1, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
+    s.w1 = s.upload(w);
+    s.w1s = s.upload(sc);
+    gather(weights.w2, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
+    s.w2 = s.upload(w);
+    s.w2s = s.upload(sc);
+    s.router_w = s.upload(weights.router_weight);
+    if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
+  }
   // The replica table at a fixed stride (the most replicas any placement of these slots can
   // give an expert), so that set_placement() never changes what a captured graph points at.
   s.replicas.max_replicas = s.ec.num_slots - s.num_experts + 1;
@@ -233,10 +249,14 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
                                                                   s.ec.num_slots - 1) / s.ec.num_slots));
   if (weights.has_shared_experts()) {
     s.shared_inter = weights.shared_w1.layout.n / 2;
-    s.sw1 = s.upload(weights.shared_w1.w);
-    s.sw1s = s.upload(weights.shared_w1.scales);
-    s.sw2 = s.upload(weights.shared_w2.w);
-    s.sw2s = s.upload(weights.shared_w2.scales);
+    if (owner) {
+      s.sw1 = owner->sw1, s.sw1s = owner->sw1s, s.sw2 = owner->sw2, s.sw2s = owner->sw2s;
+    } else {
+      s.sw1 = s.upload(weights.shared_w1.w);
+      s.sw1s = s.upload(weights.shared_w1.scales);
+      s.sw2 = s.upload(weights.shared_w2.w);
+      s.sw2s = s.upload(weights.shared_w2.scales);
+    }
     s.sx = s.alloc<uint8_t>(size_t(s.t_pad) * s.d);
     s.sx_scales = s.alloc<float>(size_t(s.t_pad) * (s.d / kQuantBlock));
     s.s_m = s.alloc<int32_t>(1);
@@ -298,6 +318,7 @@ GpuMoeLayer::~GpuMoeLayer() = default;
 
 // Here rather than in ~GpuMoeLayer so that a constructor that throws half-way frees what it made.
 GpuMoeLayer::Impl::~Impl() {
+  if (owner) --owner->num_sharers;
   gemm1.reset();
   gemm2.reset();
   shared1.reset();
@@ -336,6 +357,8 @@ int GpuMoeLayer::set_placement(const Placement& placement, int placement_layer, 
                                cudaStream_t stream) {
   Impl& s = *impl_;
   MOEKIT_CHECK(s.phase == Impl::Phase::kIdle, fmtr("rank {}: set_placement during a step", s.rank));
+  MOEKIT_CHECK(!s.owner && s.num_sharers == 0,
+               fmtr("rank {}: set_placement on a layer that shares its weights with another", s.rank));
   MOEKIT_CHECK(placement.num_experts == s.num_experts && placement.num_gpus == s.ec.num_ranks &&
                    placement.num_slots == s.ec.num_slots,
                fmtr("new placement of {} experts in {} slots on {} GPUs, expected {} experts in {} slots on {}",
