@@ -20,6 +20,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -373,11 +374,12 @@ int main(int argc, char** argv) {
       out["problem1"].push_back(r);
     }
     // Variants on "all 16": the tuning knobs, each against the heuristic's choice.
-    for (auto [bm, splits] : {std::pair{16, 1}, std::pair{32, 1}, std::pair{16, 2}, std::pair{16, 4}}) {
+    for (auto [bm, splits, bn] : {std::tuple{16, 1, 128}, std::tuple{16, 1, 64}, std::tuple{32, 1, 128},
+                                  std::tuple{16, 2, 128}, std::tuple{16, 4, 128}}) {
       GemmConfig f;
       f.swap_ab = true;
       f.block_m = bm;
-      f.block_n = 128;
+      f.block_n = bn;
       f.num_splits = splits;
       json r = run_masked_pair(dsv3_8, 128, cases[1].second, 16, ceil, 2, iters, &f, &f);
       r["case"] = "all 16 (forced)";

@@ -224,11 +224,13 @@ TEST(GemmMasked, EveryTilePath) {
   const std::vector<int32_t> masked_m = {0, 1, 17, 132, 70};
   struct Path {
     bool swap;
-    int block_m, splits;
+    int block_m, splits, block_n = 128;
   };
   for (Path p : {Path{true, 16, 1}, Path{true, 32, 1}, Path{true, 64, 1}, Path{true, 128, 1}, Path{true, 16, 3},
-                 Path{true, 64, 8}, Path{false, 64, 1}, Path{false, 128, 1}, Path{false, 128, 2}}) {
+                 Path{true, 64, 8}, Path{true, 16, 1, 64}, Path{true, 16, 2, 64}, Path{false, 64, 1},
+                 Path{false, 128, 1}, Path{false, 128, 2}}) {
     GemmConfig cfg = forced(p.swap, p.block_m, p.splits);
+    cfg.block_n = p.block_n;
     ErrorStats st = run_masked(c, masked_m, &cfg);
     expect_good(st, 3e-3, cfg.to_string());
     EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string();

@@ -38,6 +38,8 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     cfg.block_m = (m + 63) / 64 * 64 < (m + 127) / 128 * 128 ? 64 : 128;
   }
   long tiles = long(p.num_experts) * (p.n / cfg.block_n) * ((m + cfg.block_m - 1) / cfg.block_m);
+  // block_n = 64 (swap-AB, 16 tokens) fills the last wave better but measured slower once the
+  // GEMMs overlap (docs/gemm.md, run 7): not chosen here, available as a forced config.
   cfg.num_splits = gemm_detail::choose_splits(tiles, num_sms, p.k / 128);
   cfg.num_ctas = num_sms;
   return cfg;

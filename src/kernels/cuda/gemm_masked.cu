@@ -17,7 +17,12 @@ namespace {
 template <class F>
 void with_masked_instance(const GemmConfig& cfg, F&& f) {
   const std::string bad = "masked GEMM config " + cfg.to_string() + " is not compiled; expected ";
-  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128");
+  if (cfg.swap_ab && cfg.block_n == 64) {
+    // One math warpgroup, 64 weight rows per tile: twice the tiles, for a fuller last wave.
+    MOEKIT_CHECK(cfg.block_m == 16, bad + "block_m = 16 with block_n = 64");
+    return f(Instance<true, true, 1, 16, 64>{});
+  }
+  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128 (or 64 with swap-AB block_m = 16)");
   if (cfg.swap_ab) {
     switch (cfg.block_m) {
       case 16: return f(Instance<true, true, 2, 16, 128>{});
