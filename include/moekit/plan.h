@@ -1,0 +1,130 @@
+// moekit/plan.h: the roofline planner, MISSION.md §2–§6 turned into numbers.
+//
+// Pure functions over a ModelSpec and a GpuSpec: no I/O, no GPU. `plan()` takes a deployment
+// (expert-parallel degree P, a list of global decode batches B, an optional TPOT SLA, the
+// context length, the memory fraction and the dtype whose dense rate F is used) and returns,
+// per batch, the weight-read time, the compute time and the floor of one decode step, the
+// coverage, the all-to-all bytes and the statistical load skew; and, for the deployment, the
+// throughput knee B*, the SLA and memory caps, the operating point min(B*, B_SLA, B_mem) with
+// the constraint that binds, the critical block size BM* and the padding waste of the expert
+// GEMM. Every formula lives in src/plan/plan.cpp next to the MISSION.md section it comes from.
+//
+// Units: bytes, milliseconds, FLOP/s, B/s. B is the global batch of one decode step in
+// tokens, spread evenly over P GPUs (B/P may be fractional: it is an average).
+//
+// Dense models (num_routed_experts == 0) have coverage 1 (every weight is read every step)
+// and no expert-parallel all-to-all: the MoE-only figures are std::nullopt (null in JSON).
+//
+// Bad input (P < 1, P not dividing E, no batches, a batch < 1, mem_fraction outside (0, 1],
+// context < 1, a non-positive SLA) throws moekit::Error naming the value.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moekit/spec.h"
+
+namespace moekit {
+
+enum class Dtype { fp8, bf16 };
+
+// "fp8" | "bf16"; anything else is an Error that lists both.
+Dtype parse_dtype(std::string_view s);
+const char* to_string(Dtype d);
+
+// "1,8,64,256" or ranges "LO..HI" that double from LO up to HI (HI included when it is not
+// hit exactly), mixed freely: "1..1024,1536". The result is sorted and de-duplicated.
+// Empty lists, non-integers, values < 1 are Errors naming the item.
+std::vector<int64_t> parse_batch_list(std::string_view s);
+
+// "30ms", "30" (milliseconds), "0.03s" or "30000us" -> milliseconds; must be finite and > 0.
+double parse_duration_ms(std::string_view s);
+
+struct PlanInput {
+  ModelSpec model;
+  GpuSpec gpu;
+  int ep = 1;                          // P: expert-parallel ranks (GPUs)
+  std::vector<int64_t> batches;        // global decode batches B (tokens per step)
+  std::optional<double> tpot_sla_ms;   // --tpot-sla; B_SLA is computed only when set
+  int64_t context = 4096;              // tokens of KV cache held per sequence
+  double mem_fraction = 0.85;          // share of HBM for weights + KV (MISSION.md §3 serves with 0.85)
+  Dtype dtype = Dtype::fp8;            // picks F: gpu.fp8_flops or gpu.bf16_flops
+};
+
+// One decode step at one batch. std::nullopt marks figures a dense model does not have.
+struct PlanRow {
+  int64_t batch = 0;                    // B
+  double tokens_per_gpu = 0;            // B/P
+  double coverage = 1;                  // share of routed experts hit in the step (1 for dense)
+  double step_weight_bytes_per_gpu = 0;
+  double weight_read_ms = 0;
+  double compute_ms = 0;
+  double floor_ms = 0;                  // max(weight_read_ms, compute_ms)
+  std::optional<double> comm_ms;        // dispatch + combine of all MoE layers (not in the floor)
+  std::string dominant;                 // "weights" | "compute" | "communication": the largest term
+  std::optional<double> expected_rows_per_expert;  // M_e = B·k/E
+  std::optional<double> dedup_targets;             // distinct target ranks per token
+  std::optional<double> dispatch_bytes_per_gpu;    // per MoE layer, FP8 payload
+  std::optional<double> combine_bytes_per_gpu;     // per MoE layer, BF16, one message per expert
+  std::optional<double> combine_bytes_prereduced_per_gpu;  // per MoE layer, BF16, one per target rank
+  std::optional<double> cv_expert;                 // CV_e of one expert's load
+  std::optional<double> imbalance_stat;            // S₀ from statistical fluctuation alone
+};
+
+// Padding waste of the expert GEMM for one block size BM (MISSION.md §5).
+struct PaddingRow {
+  int bm = 0;
+  double expected_m = 0;                  // M_e at the operating point
+  std::optional<double> waste_expected;   // ⌈M_e/BM⌉·BM/M_e at the expected M_e (null when M_e = 0)
+  double waste_m5 = 0;                    // the same at M_e = 5
+  std::optional<double> waste_pad_to_m_max;  // ⌈M_max/BM⌉·BM/M_e, M_max = 64 (null when M_e > M_max or 0)
+  double waste_pad_to_m_max_m5 = 0;       // the same at M_e = 5
+};
+
+struct PlanResult {
+  PlanInput input;
+  bool is_moe = false;
+  double flops = 0;            // F, dense FLOP/s for the dtype
+  double ridge = 0;            // F / HBM bandwidth, FLOP per byte
+  double routed_weight_bytes = 0;
+  double other_weight_bytes = 0;
+  std::string comm_link;       // "nvlink" (P <= gpus_per_node) or "network"
+  double comm_bandwidth = 0;   // B/s per GPU, one direction
+  double comm_latency_us = 0;
+  double knee_batch = 0;       // B*
+  std::optional<int64_t> batch_sla;  // largest B with floor_ms <= SLA (0: none meets it)
+  double batch_mem = 0;        // may be <= 0 when the weights alone do not fit
+  int64_t operating_point = 0; // ⌊min(B*, B_SLA, B_mem)⌋, at least 0
+  std::string binding;         // "knee" | "sla" | "memory"
+  double bm_star = 0;          // Ridge·bpp/2
+  std::vector<PaddingRow> padding;  // empty for dense models
+  std::vector<PlanRow> rows;        // one per input batch, in input order
+};
+
+// The fixed constants of the padding table (MISSION.md §5).
+inline constexpr int kPaddingBlockSizes[] = {8, 16, 32, 64, 128};
+inline constexpr int kPaddingMMax = 64;
+inline constexpr double kPaddingSmallM = 5;
+
+PlanResult plan(const PlanInput& input);
+
+// One row without validation of the list, for callers that sweep B (the plot, B_SLA).
+// `input` must have passed plan()'s checks.
+PlanRow plan_row(const PlanInput& input, int64_t batch);
+
+// MISSION.md §6: end-to-end EPLB gain 1 / (f/S + 1 − f); f in [0, 1], S > 0.
+double eplb_gain(double f, double speedup);
+
+// Closed forms shared with the simulator (MISSION.md §2, §4, §6). k ≤ E, P ≥ 1, B ≥ 1.
+double coverage_closed_form(int num_experts, int topk, double batch);  // 1 − (1 − k/E)^B
+double dedup_targets_closed_form(int num_ranks, int topk);             // P·[1 − (1 − 1/P)^k]
+double cv_expert_closed_form(int num_experts, int topk, double batch); // sqrt((1 − k/E)/(B·k/E))
+double imbalance_closed_form(int num_experts, int topk, int num_ranks, double batch);  // 1 + sqrt(2 ln P)·CV_e/sqrt(E/P)
+
+// The result as JSON (keys as in the issue: rows[], knee_batch, batch_mem, ...).
+std::string plan_to_json(const PlanResult& result);
+
+}  // namespace moekit

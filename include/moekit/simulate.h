@@ -1,0 +1,101 @@
+// moekit/simulate.h: Monte Carlo routing, to check the closed forms of MISSION.md §2, §4, §6.
+//
+// One sample is one decode step: B tokens each pick k distinct experts out of E by a routing
+// distribution; experts sit on P GPUs contiguously (expert e on GPU e / (E/P)). Over `trials`
+// samples it estimates, with a standard error:
+//   coverage        share of experts hit in the step                    closed form 1 − (1 − k/E)^B
+//   dedup_targets   distinct GPUs a token is sent to, mean over tokens  closed form P·[1 − (1 − 1/P)^k]
+//   s0              busiest GPU's load over the mean GPU load (S₀)      closed form 1 + sqrt(2 ln P)·CV_e/sqrt(E/P)
+//   cv_expert       CV of the expert loads, sqrt(E[var over experts])/mean
+//                                                                       closed form sqrt((1 − k/E)/(B·k/E))
+// The closed forms are MISSION.md's, derived for uniform routing; each comes with what it
+// assumes and, under uniform routing, a sharper reference where one exists (see
+// docs/planner.md): top-k picks k *distinct* experts, so the picks of one token are not
+// independent; one expert's load is still exactly Binomial(B, k/E), but the ranks a token
+// reaches follow the hypergeometric law and the GPU loads sum to exactly B·k.
+//
+// Routing: uniform; zipf:S (expert i has weight (i + 1)^−S); hot:H:R (experts 0 … H−1 are R
+// times as likely as the rest: they sit on the first GPUs, the worst contiguous placement).
+// k distinct experts per token are drawn by successive sampling without replacement (each
+// next expert with probability proportional to its weight among those not yet picked), the
+// rule of a top-k over Gumbel-perturbed log-weights.
+//
+// Determinism: sample i draws from its own std::mt19937_64 seeded from (seed, i) and uses
+// moekit's own integer and real distributions (std:: distributions differ across standard
+// libraries), so the samples, the statistics and a saved trace depend on the seed only,
+// not on the number of threads or the machine.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moekit/trace.h"
+
+namespace moekit {
+
+struct Routing {
+  enum class Kind { uniform, zipf, hot };
+  Kind kind = Kind::uniform;
+  double zipf_s = 0;     // zipf: weight of expert i is (i + 1)^-s, s >= 0
+  int hot_count = 0;     // hot: experts 0 … hot_count−1 …
+  double hot_ratio = 1;  // … are hot_ratio times as likely as the others (> 0)
+};
+
+// "uniform" | "zipf:S" | "hot:H:R"; malformed text is an Error naming it and the expected forms.
+Routing parse_routing(std::string_view s);
+std::string to_string(const Routing& r);
+// Unnormalised weight of each expert; validates the routing against E (H <= E).
+std::vector<double> expert_weights(const Routing& r, int num_experts);
+
+struct SimulateInput {
+  int num_experts = 0;  // E
+  int topk = 0;         // k
+  int num_ranks = 1;    // P, must divide E
+  int64_t batch = 0;    // B, tokens per step (all ranks together)
+  int64_t trials = 0;   // samples (decode steps); >= 2 for a standard error
+  uint64_t seed = 1;
+  Routing routing;
+  int num_threads = 0;  // 0: one per hardware thread; results do not depend on it
+};
+
+// One simulated figure next to its closed form.
+struct Metric {
+  double simulated = 0;
+  double std_error = 0;              // of `simulated`, from the spread over trials
+  double closed_form = 0;            // MISSION.md's, for uniform routing
+  std::string closed_form_assumes;   // what the closed form takes for granted
+  std::optional<double> reference;   // uniform routing only: exact, or a sharper approximation
+  std::string reference_is;          // what `reference` is
+  double gap() const { return simulated - closed_form; }
+  // gap in standard errors; nullopt when the standard error is 0 (no spread over trials)
+  std::optional<double> gap_in_se(double value) const;
+};
+
+struct SimulateResult {
+  SimulateInput input;
+  Metric coverage, dedup_targets, s0, cv_expert;
+};
+
+// done/total samples; called from the calling thread about every 100 ms, and once at the end.
+using ProgressFn = std::function<void(int64_t done, int64_t total)>;
+
+SimulateResult simulate(const SimulateInput& input, const ProgressFn& progress = {});
+
+// The top-k indices of sample i, row-major [B][k]: the samples simulate() draws.
+std::vector<int32_t> sample_step(const SimulateInput& input, int64_t sample_index);
+
+// A trace of `num_layers` × `num_steps` samples: layers[l][s] is sample s·num_layers + l, so
+// with one layer and num_steps = trials it holds exactly the samples simulate() used.
+// num_ranks of the trace is P; B must be a multiple of P (the trace spreads tokens evenly).
+RoutingTrace sample_trace(const SimulateInput& input, int num_layers, int64_t num_steps);
+
+// E[max of n independent standard normals], by quadrature (n >= 1; 0 for n = 1).
+double expected_max_std_normal(int n);
+
+std::string simulate_to_json(const SimulateResult& result);
+
+}  // namespace moekit

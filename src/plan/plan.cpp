@@ -1,0 +1,322 @@
+// The roofline planner (see include/moekit/plan.h). Every formula of the plan is in this file,
+// each next to the MISSION.md section it comes from; nothing here does I/O.
+#include "moekit/plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
+
+#include "moekit/check.h"
+
+namespace moekit {
+
+// ---------------------------------------------------------------------------------------------
+// Closed forms shared with the simulator.
+
+// MISSION.md §2 (coverage): C(B) = 1 − (1 − k/E)^B, the expected share of experts hit by B
+// tokens. Written as −expm1(B·log1p(−k/E)) so a small k/E keeps its digits.
+double coverage_closed_form(int num_experts, int topk, double batch) {
+  if (topk >= num_experts) return 1.0;  // every expert every step (log1p(−1) would be −inf)
+  return -std::expm1(batch * std::log1p(-double(topk) / num_experts));
+}
+
+// MISSION.md §4: C = P·[1 − (1 − 1/P)^k] distinct target ranks per token after de-duplication.
+// It treats the k picks as independent uniform ranks (sampling with replacement).
+double dedup_targets_closed_form(int num_ranks, int topk) {
+  if (num_ranks == 1) return 1.0;
+  return num_ranks * -std::expm1(topk * std::log1p(-1.0 / num_ranks));
+}
+
+// MISSION.md §6: CV_e = sqrt((1 − k/E)/(B·k/E)), the coefficient of variation of one expert's
+// load when each of B tokens picks it with probability p = k/E (Binomial(B, p): σ/μ = sqrt((1 − p)/(B·p))).
+double cv_expert_closed_form(int num_experts, int topk, double batch) {
+  double p = double(topk) / num_experts;
+  return std::sqrt((1.0 - p) / (batch * p));
+}
+
+// MISSION.md §6: S₀ ≈ 1 + sqrt(2 ln P)·CV_gpu with CV_gpu = CV_e/sqrt(e), e = E/P experts per GPU.
+double imbalance_closed_form(int num_experts, int topk, int num_ranks, double batch) {
+  double e = double(num_experts) / num_ranks;
+  return 1.0 + std::sqrt(2.0 * std::log(double(num_ranks))) * cv_expert_closed_form(num_experts, topk, batch) /
+                   std::sqrt(e);
+}
+
+// MISSION.md §6: the MoE layer speeds up S = S₀/S₁; end to end 1 / (f/S + 1 − f).
+double eplb_gain(double f, double speedup) {
+  MOEKIT_CHECK(std::isfinite(f) && f >= 0 && f <= 1,
+               fmt::format("--f = {} must be in [0, 1] (the balanceable share of step time)", f));
+  MOEKIT_CHECK(std::isfinite(speedup) && speedup > 0,
+               fmt::format("--speedup = {} must be > 0 (the MoE layer speed-up S0/S1)", speedup));
+  return 1.0 / (f / speedup + 1.0 - f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing helpers for the command line (pure: strings in, values or Errors out).
+
+Dtype parse_dtype(std::string_view s) {
+  if (s == "fp8") return Dtype::fp8;
+  if (s == "bf16") return Dtype::bf16;
+  throw Error(fmt::format("--dtype '{}' is unknown: expected fp8 or bf16", s));
+}
+
+const char* to_string(Dtype d) { return d == Dtype::fp8 ? "fp8" : "bf16"; }
+
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+int64_t parse_batch_value(std::string_view item, std::string_view whole) {
+  int64_t v = 0;
+  auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+  MOEKIT_CHECK(ec != std::errc::result_out_of_range,
+               fmt::format("--batch '{}': '{}' is out of range", whole, item));
+  MOEKIT_CHECK(ec == std::errc() && ptr == item.data() + item.size() && !item.empty(),
+               fmt::format("--batch '{}': '{}' is not an integer (expected a list like 1,8,64 or a range 1..1024)",
+                           whole, item));
+  MOEKIT_CHECK(v >= 1, fmt::format("--batch '{}': batch {} must be >= 1 (tokens per decode step)", whole, v));
+  return v;
+}
+
+}  // namespace
+
+std::vector<int64_t> parse_batch_list(std::string_view s) {
+  MOEKIT_CHECK(!trim(s).empty(), std::string("--batch is empty: expected a list like 1,8,64 or a range 1..1024"));
+  std::vector<int64_t> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t comma = s.find(',', pos);
+    if (comma == std::string_view::npos) comma = s.size();
+    std::string_view item = trim(s.substr(pos, comma - pos));
+    MOEKIT_CHECK(!item.empty(), fmt::format("--batch '{}': empty item (two commas, or a trailing comma?)", s));
+    size_t dots = item.find("..");
+    if (dots == std::string_view::npos) {
+      out.push_back(parse_batch_value(item, s));
+    } else {
+      int64_t lo = parse_batch_value(trim(item.substr(0, dots)), s);
+      int64_t hi = parse_batch_value(trim(item.substr(dots + 2)), s);
+      MOEKIT_CHECK(lo <= hi, fmt::format("--batch '{}': range '{}' runs backwards ({} > {})", s, item, lo, hi));
+      for (int64_t b = lo;; b *= 2) {  // lo, 2·lo, 4·lo, … while <= hi (b > hi/2 ⇔ 2·b > hi)
+        out.push_back(b);
+        if (b > hi / 2) break;
+      }
+      out.push_back(hi);
+    }
+    pos = comma + 1;
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+double parse_duration_ms(std::string_view s) {
+  std::string_view t = trim(s);
+  double scale = 1.0;  // to milliseconds
+  auto ends_with = [&](std::string_view suffix) {
+    return t.size() >= suffix.size() && t.substr(t.size() - suffix.size()) == suffix;
+  };
+  if (ends_with("ms")) {
+    t.remove_suffix(2);
+  } else if (ends_with("us")) {
+    t.remove_suffix(2), scale = 1e-3;
+  } else if (ends_with("s")) {
+    t.remove_suffix(1), scale = 1e3;
+  }
+  t = trim(t);
+  double v = 0;
+  auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  MOEKIT_CHECK(ec == std::errc() && ptr == t.data() + t.size() && !t.empty(),
+               fmt::format("--tpot-sla '{}' is not a duration: expected a number of milliseconds like 30 or 30ms "
+                           "(or 0.03s, 30000us)",
+                           s));
+  MOEKIT_CHECK(std::isfinite(v) && v > 0, fmt::format("--tpot-sla '{}' must be > 0", s));
+  return v * scale;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plan.
+
+namespace {
+
+double dense_flops(const GpuSpec& gpu, Dtype dtype) { return dtype == Dtype::fp8 ? gpu.fp8_flops : gpu.bf16_flops; }
+
+// Bytes of all routed experts, whole model (MISSION.md §2, W_routed·bpp):
+// num_moe_layers·E·3·hidden·moe_inter·bpp (gate, up and down projections of a SwiGLU expert).
+double routed_weight_bytes(const ModelSpec& m) {
+  return double(m.num_moe_layers) * m.num_routed_experts * m.params_per_expert() * m.weight_bytes_per_param;
+}
+
+void validate(const PlanInput& in) {
+  // The specs are validated again through their JSON form, so a hand-built ModelSpec or GpuSpec
+  // with a zero bandwidth or k > E cannot reach a division below.
+  parse_model_spec(to_json(in.model), fmt::format("model '{}'", in.model.name));
+  parse_gpu_spec(to_json(in.gpu), fmt::format("gpu '{}'", in.gpu.name));
+  MOEKIT_CHECK(in.ep >= 1, fmt::format("--ep = {} must be >= 1 (expert-parallel GPUs)", in.ep));
+  if (in.model.is_moe())
+    MOEKIT_CHECK(in.model.num_routed_experts % in.ep == 0,
+                 fmt::format("--ep = {} must divide num_routed_experts = {} of model '{}' (experts are placed E/P "
+                             "per GPU); try one of its divisors",
+                             in.ep, in.model.num_routed_experts, in.model.name));
+  MOEKIT_CHECK(!in.batches.empty(), std::string("--batch: no batch sizes given"));
+  for (int64_t b : in.batches) MOEKIT_CHECK(b >= 1, fmt::format("--batch: batch {} must be >= 1", b));
+  MOEKIT_CHECK(in.context >= 1, fmt::format("--context = {} must be >= 1 (tokens of KV cache per sequence)", in.context));
+  MOEKIT_CHECK(std::isfinite(in.mem_fraction) && in.mem_fraction > 0 && in.mem_fraction <= 1,
+               fmt::format("--mem-fraction = {} must be in (0, 1]", in.mem_fraction));
+  if (in.tpot_sla_ms)
+    MOEKIT_CHECK(std::isfinite(*in.tpot_sla_ms) && *in.tpot_sla_ms > 0,
+                 fmt::format("--tpot-sla = {} ms must be > 0", *in.tpot_sla_ms));
+}
+
+// The largest B with floor_ms(B) <= SLA, or 0 when even B = 1 misses it.
+// floor_ms(B) = max(weight_read_ms, compute_ms) is non-decreasing in B (coverage and compute
+// both grow with B), so bisection over integers finds it. The upper end is the first B at which
+// compute alone misses the SLA, compute_ms(B) = 2·N_active·B/(P·F) > SLA, capped at 2^53 (where
+// doubles stop counting integers exactly; no deployment comes near). At most 54 steps.
+int64_t batch_sla(const PlanInput& in, double sla_ms) {
+  if (plan_row(in, 1).floor_ms > sla_ms) return 0;
+  const double flops = dense_flops(in.gpu, in.dtype);
+  constexpr double kMaxBatch = 9007199254740992.0;  // 2^53
+  double hi_real = std::floor(sla_ms * 1e-3 * in.ep * flops / (2.0 * in.model.active_params)) + 1;
+  int64_t lo = 1;
+  int64_t hi = int64_t(std::clamp(hi_real, 2.0, kMaxBatch));
+  if (plan_row(in, hi).floor_ms <= sla_ms) return hi;  // only at the cap
+  while (hi - lo > 1) {  // invariant: floor(lo) <= SLA < floor(hi)
+    int64_t mid = lo + (hi - lo) / 2;
+    (plan_row(in, mid).floor_ms <= sla_ms ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+PaddingRow padding_row(int bm, double expected_m) {
+  // MISSION.md §5: a tile with at least one real row computes all BM rows, so the FLOP waste
+  // is ⌈M_e/BM⌉·BM/M_e; padding every expert to M_max computes ⌈M_max/BM⌉·BM rows.
+  auto waste = [bm](double rows_computed_for, double m) { return std::ceil(rows_computed_for / bm) * bm / m; };
+  PaddingRow r;
+  r.bm = bm;
+  r.expected_m = expected_m;
+  if (expected_m > 0) r.waste_expected = waste(expected_m, expected_m);
+  r.waste_m5 = waste(kPaddingSmallM, kPaddingSmallM);
+  if (expected_m > 0 && expected_m <= kPaddingMMax) r.waste_pad_to_m_max = waste(kPaddingMMax, expected_m);
+  r.waste_pad_to_m_max_m5 = waste(kPaddingMMax, kPaddingSmallM);
+  return r;
+}
+
+}  // namespace
+
+PlanRow plan_row(const PlanInput& in, int64_t batch) {
+  const ModelSpec& m = in.model;
+  const GpuSpec& g = in.gpu;
+  const double B = double(batch);
+  const double P = in.ep;
+  const double F = dense_flops(g, in.dtype);
+  const double bpp = m.weight_bytes_per_param;
+  const double d = double(m.hidden_size);
+
+  PlanRow r;
+  r.batch = batch;
+  r.tokens_per_gpu = B / P;
+
+  // MISSION.md §2 (coverage): weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
+  // evenly over the P GPUs. A dense model reads every weight every step (C = 1).
+  const double routed = routed_weight_bytes(m);
+  const double other = m.total_params * bpp - routed;
+  r.coverage = m.is_moe() ? coverage_closed_form(m.num_routed_experts, m.num_experts_per_token, B) : 1.0;
+  r.step_weight_bytes_per_gpu = (r.coverage * routed + other) / P;
+  r.weight_read_ms = r.step_weight_bytes_per_gpu / g.hbm_bandwidth * 1e3;
+
+  // MISSION.md §2 (knee): compute of a step is 2·N_active FLOP per token.
+  r.compute_ms = 2.0 * m.active_params * B / (P * F) * 1e3;
+  // MISSION.md §2–§3: the floor is the larger of the two (communication is reported apart).
+  r.floor_ms = std::max(r.weight_read_ms, r.compute_ms);
+
+  if (m.is_moe()) {
+    const double E = m.num_routed_experts;
+    const double k = m.num_experts_per_token;
+    // MISSION.md §2 (rows per expert): each token sends k rows spread over E experts.
+    r.expected_rows_per_expert = B * k / E;
+    // MISSION.md §4: bytes per GPU and MoE layer. Dispatch sends one FP8 copy per distinct target
+    // rank (1 B per element; the 1×128 scales, d/32 B more, are left out); combine returns BF16,
+    // one message per expert (k), or one per target rank when a rank sums its experts first.
+    r.dedup_targets = dedup_targets_closed_form(in.ep, m.num_experts_per_token);
+    r.dispatch_bytes_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 1.0;
+    r.combine_bytes_per_gpu = r.tokens_per_gpu * k * d * 2.0;
+    r.combine_bytes_prereduced_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 2.0;
+    // MISSION.md §6: statistical skew S₀ = 1 + sqrt(2 ln P)·CV_e/sqrt(E/P).
+    r.cv_expert = cv_expert_closed_form(m.num_routed_experts, m.num_experts_per_token, B);
+    r.imbalance_stat = imbalance_closed_form(m.num_routed_experts, m.num_experts_per_token, in.ep, B);
+    // MISSION.md §4: communication time of a step, every MoE layer doing one dispatch and one
+    // combine (pre-reduced, as moekit's combine sends: DESIGN.md). Only the bytes that leave
+    // the GPU cost link time: under uniform routing a (P − 1)/P share of the target ranks are
+    // remote. Each collective pays the link latency α once. Over NVLink inside one node
+    // (P <= gpus_per_node), else over the network (the slowest link decides the all-to-all).
+    if (in.ep > 1) {
+      const bool nvlink = in.ep <= g.gpus_per_node;
+      const double bw = nvlink ? g.nvlink_bandwidth : g.network_bandwidth;
+      const double alpha_s = (nvlink ? g.nvlink_latency_us : g.network_latency_us) * 1e-6;
+      const double remote_bytes = (*r.dispatch_bytes_per_gpu + *r.combine_bytes_prereduced_per_gpu) * (P - 1) / P;
+      r.comm_ms = m.num_moe_layers * (remote_bytes / bw + 2.0 * alpha_s) * 1e3;
+    } else {
+      r.comm_ms = 0.0;
+    }
+  }
+
+  r.dominant = "weights";
+  double largest = r.weight_read_ms;
+  if (r.compute_ms > largest) r.dominant = "compute", largest = r.compute_ms;
+  if (r.comm_ms && *r.comm_ms > largest) r.dominant = "communication";
+  return r;
+}
+
+PlanResult plan(const PlanInput& in) {
+  validate(in);
+  const ModelSpec& m = in.model;
+  const GpuSpec& g = in.gpu;
+  const double bpp = m.weight_bytes_per_param;
+
+  PlanResult res;
+  res.input = in;
+  res.is_moe = m.is_moe();
+  res.flops = dense_flops(g, in.dtype);
+  // MISSION.md notation: Ridge = F/BW, FLOP per byte.
+  res.ridge = res.flops / g.hbm_bandwidth;
+  res.routed_weight_bytes = routed_weight_bytes(m);
+  res.other_weight_bytes = m.total_params * bpp - res.routed_weight_bytes;
+  const bool nvlink = in.ep <= g.gpus_per_node;
+  res.comm_link = nvlink ? "nvlink" : "network";
+  res.comm_bandwidth = nvlink ? g.nvlink_bandwidth : g.network_bandwidth;
+  res.comm_latency_us = nvlink ? g.nvlink_latency_us : g.network_latency_us;
+
+  for (int64_t b : in.batches) res.rows.push_back(plan_row(in, b));
+
+  // MISSION.md §2: knee B* ≈ Ridge·W_total·bpp / (2·N_active) (full coverage, same sharding).
+  res.knee_batch = res.ridge * m.total_params * bpp / (2.0 * m.active_params);
+  // MISSION.md §2: the TPOT cap, the largest B whose floor meets the SLA.
+  if (in.tpot_sla_ms) res.batch_sla = batch_sla(in, *in.tpot_sla_ms);
+  // MISSION.md §2 (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
+  // weights, over the KV bytes of one sequence of `context` tokens.
+  res.batch_mem = (in.ep * g.hbm_bytes * in.mem_fraction - m.total_params * bpp) /
+                  (m.kv_bytes_per_token * double(in.context));
+
+  // MISSION.md §2: the operating point is min(B*, B_SLA, B_max_mem); ties go to the first named.
+  double op = res.knee_batch;
+  res.binding = "knee";
+  if (res.batch_sla && double(*res.batch_sla) < op) op = double(*res.batch_sla), res.binding = "sla";
+  if (res.batch_mem < op) op = res.batch_mem, res.binding = "memory";
+  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, 9007199254740992.0)));
+
+  // MISSION.md §5: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
+  res.bm_star = res.ridge * bpp / 2.0;
+  if (m.is_moe()) {
+    double expected_m = double(res.operating_point) * m.num_experts_per_token / m.num_routed_experts;
+    for (int bm : kPaddingBlockSizes) res.padding.push_back(padding_row(bm, expected_m));
+  }
+  return res;
+}
+
+}  // namespace moekit

@@ -1,0 +1,95 @@
+// PlanResult as JSON: the machine form of `moekit plan --json` (keys as named in the issue).
+#include <nlohmann/json.hpp>
+
+#include "moekit/plan.h"
+
+namespace moekit {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+template <class T>
+ojson opt(const std::optional<T>& v) {
+  return v ? ojson(*v) : ojson(nullptr);
+}
+
+ojson row_json(const PlanRow& r, const PlanResult& res) {
+  return ojson{
+      {"batch", r.batch},
+      {"tokens_per_gpu", r.tokens_per_gpu},
+      {"coverage", r.coverage},
+      {"routed_weight_bytes", res.routed_weight_bytes},
+      {"other_weight_bytes", res.other_weight_bytes},
+      {"step_weight_bytes_per_gpu", r.step_weight_bytes_per_gpu},
+      {"weight_read_ms", r.weight_read_ms},
+      {"compute_ms", r.compute_ms},
+      {"floor_ms", r.floor_ms},
+      {"comm_ms", opt(r.comm_ms)},
+      {"dominant", r.dominant},
+      {"expected_rows_per_expert", opt(r.expected_rows_per_expert)},
+      {"dedup_targets", opt(r.dedup_targets)},
+      {"dispatch_bytes_per_gpu", opt(r.dispatch_bytes_per_gpu)},
+      {"combine_bytes_per_gpu", opt(r.combine_bytes_per_gpu)},
+      {"combine_bytes_prereduced_per_gpu", opt(r.combine_bytes_prereduced_per_gpu)},
+      {"cv_expert", opt(r.cv_expert)},
+      {"imbalance_stat", opt(r.imbalance_stat)},
+      {"meets_sla", res.input.tpot_sla_ms ? ojson(r.floor_ms <= *res.input.tpot_sla_ms) : ojson(nullptr)},
+  };
+}
+
+}  // namespace
+
+std::string plan_to_json(const PlanResult& res) {
+  const PlanInput& in = res.input;
+  ojson j;
+  j["model"] = in.model.name;
+  j["gpu"] = in.gpu.name;
+  j["ep"] = in.ep;
+  j["dtype"] = to_string(in.dtype);
+  j["context"] = in.context;
+  j["mem_fraction"] = in.mem_fraction;
+  j["tpot_sla_ms"] = opt(in.tpot_sla_ms);
+  j["is_moe"] = res.is_moe;
+  j["flops"] = res.flops;
+  j["hbm_bandwidth"] = in.gpu.hbm_bandwidth;
+  j["ridge"] = res.ridge;
+  j["routed_weight_bytes"] = res.routed_weight_bytes;
+  j["other_weight_bytes"] = res.other_weight_bytes;
+  j["comm_link"] = res.is_moe ? ojson(res.comm_link) : ojson(nullptr);
+  j["comm_bandwidth"] = res.is_moe ? ojson(res.comm_bandwidth) : ojson(nullptr);
+  j["comm_latency_us"] = res.is_moe ? ojson(res.comm_latency_us) : ojson(nullptr);
+  j["knee_batch"] = res.knee_batch;
+  if (res.batch_sla) j["batch_sla"] = *res.batch_sla;  // absent without --tpot-sla
+  j["batch_mem"] = res.batch_mem;
+  j["operating_point"] = res.operating_point;
+  j["binding"] = res.binding;
+  j["bm_star"] = res.bm_star;
+  if (res.is_moe) {
+    ojson pad = ojson::array();
+    for (const PaddingRow& p : res.padding)
+      pad.push_back(ojson{{"bm", p.bm},
+                          {"expected_m", p.expected_m},
+                          {"waste_expected", opt(p.waste_expected)},
+                          {"waste_m5", p.waste_m5},
+                          {"m_max", kPaddingMMax},
+                          {"waste_pad_to_m_max", opt(p.waste_pad_to_m_max)},
+                          {"waste_pad_to_m_max_m5", p.waste_pad_to_m_max_m5}});
+    j["padding"] = pad;
+  } else {
+    j["padding"] = nullptr;  // no experts, no per-expert padding
+  }
+  ojson rows = ojson::array();
+  for (const PlanRow& r : res.rows) rows.push_back(row_json(r, res));
+  j["rows"] = rows;
+  j["notes"] = ojson::array({
+      "floor_ms = max(weight_read_ms, compute_ms); comm_ms is reported apart and is not in the floor",
+      "comm_ms = moe_layers x [(dispatch + combine_prereduced bytes) x (P-1)/P / link bandwidth + 2 x latency]; "
+      "nvlink when ep <= gpus_per_node, else network",
+      "dispatch/combine bytes are per GPU and per MoE layer; dispatch counts the FP8 payload without scales",
+      "MoE-only figures are null for a dense model (num_routed_experts = 0), whose coverage is 1",
+      "batch_sla = 0 means no batch meets the SLA; operating_point = floor(min(knee_batch, batch_sla, batch_mem)) >= 0",
+  });
+  return j.dump(2);
+}
+
+}  // namespace moekit

@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# `moekit plan` end to end: the default table, --json on the embedded default and on custom spec
+# files written here (every figure checked against hand arithmetic), --eplb-gain, --plot and
+# scripts/plot-plan, and every bad flag: a non-zero exit and an error naming the value.
+# Usage: bash tests/cli/plan.sh <path-to-moekit> <source-dir>
+set -u
+MOEKIT=$1
+SRC=${2:-$(cd "$(dirname "$0")/../.." && pwd)}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failures=0
+pass() { echo "ok   $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1"; failures=$((failures + 1)); }
+command -v python3 > /dev/null || { echo "FAIL python3 is needed to read the JSON output"; exit 1; }
+
+# expect_error NAME FRAGMENT ARGS...: a non-zero exit (2 for moekit's own checks) and FRAGMENT on stderr.
+expect_error() {
+  local name=$1 fragment=$2
+  shift 2
+  "$MOEKIT" "$@" > "$tmp/stdout" 2> "$tmp/stderr"
+  local rc=$?
+  if [ $rc -eq 0 ]; then fail "$name: exit 0, expected an error"; return; fi
+  if ! grep -qF -- "$fragment" "$tmp/stderr"; then fail "$name: stderr lacks '$fragment'"; cat "$tmp/stderr"; return; fi
+  pass "$name"
+}
+
+# json_check NAME FILE PYTHON-EXPRESSION over j (and close(a, b, rel) for floats);
+# json_code NAME FILE PYTHON-CODE that sets ok.
+json_code() {
+  if python3 -c "
+import json, math, sys
+j = json.load(open(sys.argv[1]))
+def close(a, b, rel=1e-9): return a is not None and abs(a - b) <= rel * abs(b) + 1e-15
+ok = False
+$3
+sys.exit(0 if ok else 1)" "$2"; then pass "$1"
+  else fail "$1"; fi
+}
+json_check() { json_code "$1" "$2" "ok = ($3)"; }
+
+run_ok() {  # run_ok NAME OUTFILE ARGS...
+  local name=$1 out=$2
+  shift 2
+  if "$MOEKIT" "$@" > "$out" 2> "$tmp/stderr"; then pass "$name"; else fail "$name"; cat "$tmp/stderr"; fi
+}
+
+# --- the embedded default: deepseek-v3 on 8 x h200, B = 1 … 1024 ---
+run_ok "default table" "$tmp/table" plan
+if grep -q "operating point B = 999" "$tmp/table" && grep -q "bound by memory" "$tmp/table" &&
+   grep -q "dominant" "$tmp/table" && grep -q "(ms)" "$tmp/table"; then pass "table names the binding constraint, units, dominant term"
+else fail "table names the binding constraint, units, dominant term"; cat "$tmp/table"; fi
+run_ok "default json" "$tmp/d.json" plan --json
+# B_mem = (8·141e9·0.85 − 671e9)/(70272·4096) = 287.8e9/287,834,112 = 999.88; knee 3738.48
+json_check "default: batches 1..1024" "$tmp/d.json" "[r['batch'] for r in j['rows']] == [2**i for i in range(11)]"
+json_check "default: operating point and binding" "$tmp/d.json" \
+  "j['operating_point'] == 999 and j['binding'] == 'memory' and close(j['batch_mem'], 999.8814872922359) and close(j['knee_batch'], 3738.4825450450453) and 'batch_sla' not in j"
+
+# --- custom spec files ---
+cat > "$tmp/toy-moe.json" << 'J'
+{"name": "toy-moe", "hidden_size": 1000, "num_layers": 10, "num_moe_layers": 10, "moe_intermediate_size": 500,
+ "num_routed_experts": 64, "num_experts_per_token": 4, "num_shared_experts": 1, "shared_intermediate_size": 500,
+ "total_params": 1.2e9, "active_params": 0.2e9, "weight_bytes_per_param": 2, "kv_bytes_per_token": 10000,
+ "router": {"scoring": "softmax", "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0, "normalize_topk": true}}
+J
+cat > "$tmp/toy-gpu.json" << 'J'
+{"name": "toy-gpu", "hbm_bytes": 100e9, "hbm_bandwidth": 2e12, "fp8_flops": 1000e12, "bf16_flops": 500e12,
+ "nvlink_bandwidth": 400e9, "nvlink_latency_us": 2.0, "network_bandwidth": 40e9, "network_latency_us": 8.0,
+ "gpus_per_node": 4}
+J
+cat > "$tmp/toy-dense.json" << 'J'
+{"name": "toy-dense", "hidden_size": 1000, "num_layers": 10, "num_moe_layers": 0, "moe_intermediate_size": 0,
+ "num_routed_experts": 0, "num_experts_per_token": 0, "num_shared_experts": 0, "shared_intermediate_size": 0,
+ "total_params": 1e9, "active_params": 1e9, "weight_bytes_per_param": 2, "kv_bytes_per_token": 1000}
+J
+run_ok "custom specs: json" "$tmp/c.json" plan --model "$tmp/toy-moe.json" --gpu "$tmp/toy-gpu.json" --ep 4 \
+  --batch 1,16,256 --tpot-sla 20.00005ms --json
+# routed = 10·64·3·1000·500·2 B = 1.92e9; other = 1.2e9·2 − 1.92e9 = 0.48e9
+json_check "custom: weight bytes" "$tmp/c.json" \
+  "close(j['rows'][0]['routed_weight_bytes'], 1.92e9) and close(j['rows'][0]['other_weight_bytes'], 0.48e9)"
+# B = 16 on P = 4: coverage = 1 − (60/64)^16 = 0.643926; step bytes/GPU = (C·1.92e9 + 0.48e9)/4,
+# weight read = that / 2e12 s; compute = 2·0.2e9·16/(4·1e15) s = 0.0016 ms
+json_code "custom: coverage, weight read, compute at B=16" "$tmp/c.json" "
+r = j['rows'][1]; C = 1 - (60/64)**16
+ok = (r['batch'] == 16 and close(r['coverage'], C, 1e-12) and abs(C - 0.643926) < 1e-6 and
+close(r['step_weight_bytes_per_gpu'], (C*1.92e9 + 0.48e9)/4) and close(r['weight_read_ms'], (C*1.92e9 + 0.48e9)/4/2e12*1e3) and
+close(r['compute_ms'], 0.0016) and close(r['floor_ms'], r['weight_read_ms']) and r['dominant'] == 'weights')"
+# dedup = 4·(1 − (3/4)^4) = 4·(1 − 81/256) = 2.734375; dispatch = 4 tokens·2.734375·1000 B = 10937.5;
+# combine = 4·4·1000·2 = 32000; pre-reduced = 4·2.734375·1000·2 = 21875; M_e = 16·4/64 = 1
+json_code "custom: all-to-all bytes at B=16" "$tmp/c.json" "
+r = j['rows'][1]
+ok = (r['dedup_targets'] == 2.734375 and r['dispatch_bytes_per_gpu'] == 10937.5 and r['combine_bytes_per_gpu'] == 32000 and
+r['combine_bytes_prereduced_per_gpu'] == 21875 and r['expected_rows_per_expert'] == 1)"
+# comm = 10 layers·[(10937.5 + 21875)·3/4 / 400e9 + 2·2 µs] = 10·(61.5234375 ns + 4 µs) = 0.040615234375 ms (NVLink: P = 4 <= 4)
+json_check "custom: comm over NVLink at B=16" "$tmp/c.json" \
+  "j['comm_link'] == 'nvlink' and close(j['rows'][1]['comm_ms'], 0.040615234375)"
+# CV_e = sqrt((1 − 1/16)/(16·4/64)) = sqrt(0.9375) = 0.968246; S₀ = 1 + sqrt(2 ln 4)·0.968246/sqrt(16)
+json_check "custom: CV_e and statistical S0 at B=16" "$tmp/c.json" \
+  "close(j['rows'][1]['cv_expert'], math.sqrt(0.9375)) and close(j['rows'][1]['imbalance_stat'], 1 + math.sqrt(2*math.log(4))*math.sqrt(0.9375)/4)"
+# Ridge = 1e15/2e12 = 500; knee = 500·1.2e9·2/(2·0.2e9) = 3000; BM* = 500·2/2 = 500;
+# B_mem = (4·100e9·0.85 − 2.4e9)/(10000·4096) = 337.6e9/40.96e6 = 8242.1875;
+# B_SLA: weights never exceed 2.4e9/4/2e12 = 0.3 ms, compute = 1e-4·B ms <= 20.00005 ⇔ B <= 200000.5
+json_check "custom: knee, BM*, B_mem, B_SLA, operating point" "$tmp/c.json" "
+close(j['ridge'], 500) and close(j['knee_batch'], 3000) and close(j['bm_star'], 500) and
+close(j['batch_mem'], 8242.1875) and j['batch_sla'] == 200000 and j['operating_point'] == 3000 and j['binding'] == 'knee'"
+# Padding at M_e = 3000·4/64 = 187.5: BM8 24·8/187.5 = 1.024; BM128 2·128/187.5 = 1.365333; padding
+# to M_max = 64 does not apply above 64 rows (null); at M_e = 5 BM16 3.2
+json_code "custom: padding" "$tmp/c.json" "
+p = {x['bm']: x for x in j['padding']}
+ok = (sorted(p) == [8, 16, 32, 64, 128] and p[8]['expected_m'] == 187.5 and close(p[8]['waste_expected'], 1.024) and
+close(p[128]['waste_expected'], 256/187.5) and p[64]['waste_pad_to_m_max'] is None and close(p[16]['waste_m5'], 3.2) and
+close(p[64]['waste_pad_to_m_max_m5'], 12.8))"
+run_ok "custom specs: bf16, EP8 across nodes" "$tmp/c8.json" plan --model "$tmp/toy-moe.json" --gpu "$tmp/toy-gpu.json" \
+  --ep 8 --batch 64 --dtype bf16 --context 1000 --mem-fraction 0.5 --json
+# bf16: Ridge = 5e14/2e12 = 250, knee = 250·6 = 1500; EP8 > 4 GPUs per node: network 40e9 B/s, 8 µs.
+# B_mem = (8·100e9·0.5 − 2.4e9)/(10000·1000) = 397.6e9/1e7 = 39760.
+# B = 64 on P = 8: 8 tokens/GPU, dedup = 8(1 − (7/8)^4) = 3.3105469; comm = 10·[8·dedup·1000·3·7/8/40e9 + 16 µs]
+json_code "custom: bf16 knee, network comm, B_mem" "$tmp/c8.json" "
+d = 8*(1 - (7/8)**4)
+ok = (close(j['knee_batch'], 1500) and j['comm_link'] == 'network' and close(j['batch_mem'], 39760) and
+close(j['rows'][0]['comm_ms'], 10*(8*d*1000*3*7/8/40e9 + 16e-6)*1e3) and j['operating_point'] == 1500)"
+run_ok "custom dense spec: json" "$tmp/dense.json" plan --model "$tmp/toy-dense.json" --gpu "$tmp/toy-gpu.json" \
+  --ep 3 --batch 1,100 --json
+# Dense: coverage 1, weight read 1e9·2/3/2e12 s = 0.333333 ms whatever B, MoE-only figures null.
+json_check "custom dense: coverage 1, MoE fields null" "$tmp/dense.json" "
+all(r['coverage'] == 1 and r['dedup_targets'] is None and r['comm_ms'] is None and r['imbalance_stat'] is None and
+    close(r['weight_read_ms'], 1e9*2/3/2e12*1e3) for r in j['rows']) and j['padding'] is None and j['is_moe'] is False"
+run_ok "custom dense spec: table" "$tmp/dense.txt" plan --model "$tmp/toy-dense.json" --gpu "$tmp/toy-gpu.json" --ep 3 --batch 1,100
+
+# --- EPLB gain (MISSION.md §6): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
+run_ok "eplb gain 1.10" "$tmp/g1" plan --eplb-gain --f 0.6 --speedup 1.18
+grep -q "= 1.101x" "$tmp/g1" && pass "eplb gain prints 1.101x" || { fail "eplb gain prints 1.101x"; cat "$tmp/g1"; }
+run_ok "eplb gain 2.10 json" "$tmp/g2.json" plan --eplb-gain --f 0.85 --speedup 2.6 --json
+json_check "eplb gain 2.10" "$tmp/g2.json" "round(j['eplb_gain'], 2) == 2.10"
+
+# --- plots ---
+if command -v gnuplot > /dev/null; then
+  run_ok "plot" "$tmp/p.json" plan --batch 1..1024 --tpot-sla 30ms --json --plot "$tmp/plots"
+  for f in plan-floor.png plan-coverage.png; do
+    if [ -s "$tmp/plots/$f" ] && [ "$(head -c 4 "$tmp/plots/$f" | tail -c 3)" = PNG ]; then pass "plot writes $f"
+    else fail "plot writes $f"; fi
+  done
+  json_check "plot leaves --json stdout clean" "$tmp/p.json" "j['binding'] in ('knee', 'sla', 'memory')"
+  rm -f "$tmp/plots"/*.png
+  if bash "$SRC/scripts/plot-plan" "$tmp/plots" > /dev/null 2>&1 && [ -s "$tmp/plots/plan-floor.png" ]; then pass "scripts/plot-plan re-draws"
+  else fail "scripts/plot-plan re-draws"; fi
+else
+  echo "skip plot checks: gnuplot is not installed"
+fi
+# Without gnuplot on PATH: a clear error, and the data and script are still written.
+PATH=/nonexistent "$MOEKIT" plan --plot "$tmp/noplot" > /dev/null 2> "$tmp/stderr"
+rc=$?
+if [ $rc -eq 2 ] && grep -q "gnuplot is not installed" "$tmp/stderr" && [ -f "$tmp/noplot/plan.gp" ]; then pass "plot without gnuplot: clear error"
+else fail "plot without gnuplot: clear error (exit $rc)"; cat "$tmp/stderr"; fi
+PATH=/nonexistent /bin/bash "$SRC/scripts/plot-plan" "$tmp/noplot" > /dev/null 2> "$tmp/stderr"
+if [ $? -ne 0 ] && grep -q "gnuplot is not installed" "$tmp/stderr"; then pass "scripts/plot-plan without gnuplot: clear error"
+else fail "scripts/plot-plan without gnuplot: clear error"; cat "$tmp/stderr"; fi
+
+# --- speed: 20 batch sizes, the whole command (informational; test_plan asserts the 50 ms) ---
+start=$(date +%s%N)
+"$MOEKIT" plan --batch 1..524288 --tpot-sla 30 --json > /dev/null
+echo "info: moekit plan, 20 batch sizes, whole process: $(( ($(date +%s%N) - start) / 1000000 )) ms"
+
+# --- bad flags ---
+expect_error "ep 0" "--ep = 0 must be >= 1" plan --ep 0
+expect_error "ep negative" "--ep = -4 must be >= 1" plan --ep -4
+expect_error "ep not a number" "--ep" plan --ep abc
+expect_error "ep not dividing E" "--ep = 7 must divide num_routed_experts = 256" plan --ep 7
+expect_error "empty batch list" "--batch is empty" plan --batch ""
+expect_error "batch 0" "batch 0 must be >= 1" plan --batch 0,8
+expect_error "negative batch" "batch -3 must be >= 1" plan --batch=-3
+expect_error "batch not a number" "'x' is not an integer" plan --batch 8,x
+expect_error "backwards range" "runs backwards" plan --batch 64..8
+expect_error "mem-fraction 0" "--mem-fraction = 0 must be in (0, 1]" plan --mem-fraction 0
+expect_error "mem-fraction 1.5" "--mem-fraction = 1.5 must be in (0, 1]" plan --mem-fraction 1.5
+expect_error "unknown dtype" "--dtype 'fp16' is unknown: expected fp8 or bf16" plan --dtype fp16
+expect_error "bad sla" "--tpot-sla 'fast' is not a duration" plan --tpot-sla fast
+expect_error "negative sla" "--tpot-sla '-3ms' must be > 0" plan --tpot-sla=-3ms
+expect_error "context 0" "--context = 0 must be >= 1" plan --context 0
+expect_error "unknown model" "unknown model 'nope'" plan --model nope
+expect_error "missing spec file" "cannot open spec file" plan --gpu "$tmp/none.json"
+echo '{"name": "bad-gpu", "hbm_bytes": 1e9}' > "$tmp/bad-gpu.json"
+expect_error "invalid custom spec" "missing field 'hbm_bandwidth'" plan --gpu "$tmp/bad-gpu.json"
+touch "$tmp/afile"
+expect_error "plot dir under a file" "--plot '$tmp/afile/x': cannot create the directory" plan --plot "$tmp/afile/x"
+[ ! -s "$tmp/stdout" ] && pass "plot dir error prints no table" || fail "plot dir error prints no table"
+expect_error "f without eplb-gain" "--f and --speedup go with --eplb-gain" plan --f 0.5
+expect_error "eplb-gain without speedup" "--eplb-gain needs --speedup" plan --eplb-gain --f 0.6
+expect_error "eplb-gain f out of range" "--f = 1.5 must be in [0, 1]" plan --eplb-gain --f 1.5 --speedup 2
+
+echo "plan CLI: $passed passed, $failures failed"
+[ $failures -eq 0 ]

@@ -1,0 +1,391 @@
+// The roofline planner against figures computed independently of moekit's code: MISSION.md's
+// worked examples, and hand arithmetic written out next to each expected value.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "moekit/check.h"
+#include "moekit/plan.h"
+#include "moekit/spec.h"
+
+using namespace moekit;
+using nlohmann::json;
+
+namespace {
+
+template <class F>
+void expect_error(F&& f, std::initializer_list<std::string> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
+  }
+}
+
+PlanInput input(const std::string& model, const std::string& gpu, int ep, std::vector<int64_t> batches) {
+  PlanInput in;
+  in.model = load_model_spec(model);
+  in.gpu = load_gpu_spec(gpu);
+  in.ep = ep;
+  in.batches = std::move(batches);
+  return in;
+}
+
+// Relative closeness, for figures given to many digits.
+void expect_rel(double got, double want, double rel = 1e-9) {
+  EXPECT_NEAR(got, want, std::abs(want) * rel) << "got " << got << ", want " << want;
+}
+
+}  // namespace
+
+// ---- MISSION.md's worked figures ------------------------------------------------------------
+
+TEST(PlanMission, DistinctTargetRanks) {
+  // MISSION.md §4: 7.18 distinct target ranks at EP32, k = 8; §4 (EP4 measurement): 3.60.
+  EXPECT_NEAR(dedup_targets_closed_form(32, 8), 7.18, 0.005);
+  EXPECT_NEAR(dedup_targets_closed_form(4, 8), 3.60, 0.005);
+  // The same through a plan of DeepSeek-V3 (k = 8) at EP32 and EP4.
+  EXPECT_NEAR(*plan(input("deepseek-v3", "h200", 32, {64})).rows[0].dedup_targets, 7.18, 0.005);
+  EXPECT_NEAR(*plan(input("deepseek-v3", "h200", 4, {64})).rows[0].dedup_targets, 3.60, 0.005);
+}
+
+TEST(PlanMission, FullWeightFloor) {
+  // MISSION.md §3: 397 GB / 8 GPUs / 3.33 TB/s = 14.9 ms. Qwen3.5-397B in FP8 (bpp 1) on a GPU
+  // with 3.33 TB/s; at B = 10^6 the coverage is 1 − (1 − 10/512)^1e6 = 1 to double precision.
+  json gpu = json::parse(to_json(load_gpu_spec("h100-sxm")));
+  gpu["name"] = "gpu-3.33";
+  gpu["hbm_bandwidth"] = 3.33e12;
+  PlanInput in = input("qwen3.5-397b-a17b", "h200", 8, {1000000});
+  in.gpu = parse_gpu_spec(gpu.dump(), "test");
+  PlanResult r = plan(in);
+  EXPECT_NEAR(r.rows[0].coverage, 1.0, 1e-12);
+  EXPECT_NEAR(r.rows[0].weight_read_ms, 14.9, 0.05);
+  expect_rel(r.rows[0].weight_read_ms, 397e9 / 8 / 3.33e12 * 1e3, 1e-9);
+}
+
+TEST(PlanMission, CriticalBlockSize) {
+  // MISSION.md §5: BM* = Ridge·bpp/2 ≈ 37 with 296 FP8 TFLOP/s and 4.0 TB/s (the H20), bpp 1:
+  // 296e12 / 4e12 = 74 FLOP/B, × 1 / 2 = 37.
+  PlanResult r = plan(input("deepseek-v3", "h20", 8, {64}));
+  EXPECT_NEAR(r.ridge, 74.0, 1e-9);
+  EXPECT_NEAR(r.bm_star, 37.0, 1e-9);
+}
+
+TEST(PlanMission, EplbGain) {
+  // MISSION.md §6: 1/(0.6/1.18 + 0.4) = 1/0.908475 = 1.1008 (1.10×); 1/(0.85/2.6 + 0.15) =
+  // 1/0.476923 = 2.0968 (2.10×).
+  EXPECT_NEAR(eplb_gain(0.6, 1.18), 1.10, 0.005);
+  EXPECT_NEAR(eplb_gain(0.85, 2.6), 2.10, 0.005);
+  EXPECT_DOUBLE_EQ(eplb_gain(0.0, 5.0), 1.0);  // nothing balanceable, no gain
+  EXPECT_DOUBLE_EQ(eplb_gain(1.0, 2.0), 2.0);  // all of it balanceable: the layer speed-up
+  expect_error([] { eplb_gain(1.5, 2.0); }, {"--f = 1.5", "[0, 1]"});
+  expect_error([] { eplb_gain(0.5, 0.0); }, {"--speedup = 0", "> 0"});
+}
+
+TEST(PlanMission, PaddingWasteAtFiveRows) {
+  // MISSION.md §5, at M_e = 5: BM64 computes 64 rows, 64/5 = 12.8×; BM16 16/5 = 3.2×; BM8
+  // ⌈5/8⌉·8/5 = 1.6×; padding to M_max = 64 computes 64 rows, 12.8×.
+  PlanResult r = plan(input("deepseek-v3", "h200", 8, {64}));
+  ASSERT_EQ(r.padding.size(), 5u);
+  auto bm = [&](int b) {
+    for (const auto& p : r.padding)
+      if (p.bm == b) return p;
+    ADD_FAILURE() << "no BM " << b;
+    return PaddingRow{};
+  };
+  EXPECT_NEAR(bm(64).waste_m5, 12.8, 1e-12);
+  EXPECT_NEAR(bm(16).waste_m5, 3.2, 1e-12);
+  EXPECT_NEAR(bm(8).waste_m5, 1.6, 1e-12);
+  EXPECT_NEAR(bm(32).waste_m5, 6.4, 1e-12);    // 32/5
+  EXPECT_NEAR(bm(128).waste_m5, 25.6, 1e-12);  // 128/5
+  for (int b : {8, 16, 32, 64}) EXPECT_NEAR(bm(b).waste_pad_to_m_max_m5, 12.8, 1e-12);
+}
+
+TEST(PlanMission, StatisticalFloorThirteenPercent) {
+  // MISSION.md §6: B/P = 48, P = 32, k = 8, E = 256 → S₀ ≈ 1.13. By hand:
+  // CV_e = sqrt((1 − 8/256)/(1536·8/256)) = sqrt(0.96875/48) = 0.1420644; CV_gpu = CV_e/sqrt(8)
+  // = 0.0502273; sqrt(2 ln 32) = 2.6327688; S₀ = 1 + 2.6327688·0.0502273 = 1.132237.
+  EXPECT_NEAR(imbalance_closed_form(256, 8, 32, 1536), 1.132237, 1e-6);
+  PlanResult r = plan(input("deepseek-v3", "h200", 32, {1536}));
+  EXPECT_NEAR(*r.rows[0].imbalance_stat, 1.13, 0.005);
+  EXPECT_NEAR(*r.rows[0].cv_expert, 0.1420644, 1e-6);
+  EXPECT_NEAR(r.rows[0].tokens_per_gpu, 48.0, 0.0);
+}
+
+// ---- DeepSeek-V3 on 8 × H200 at B = 64, every row field by hand ------------------------------
+
+TEST(PlanDeepSeek, RowAtBatch64ByHand) {
+  PlanResult r = plan(input("deepseek-v3", "h200", 8, {64}));
+  const PlanRow& row = r.rows[0];
+  // routed = 58 layers · 256 experts · 3 · 7168 · 2048 · 1 B = 14848 · 44,040,192 = 653,908,770,816 B
+  EXPECT_DOUBLE_EQ(r.routed_weight_bytes, 653908770816.0);
+  // other = 671e9 − 653,908,770,816 = 17,091,229,184 B
+  EXPECT_DOUBLE_EQ(r.other_weight_bytes, 17091229184.0);
+  // coverage = 1 − (1 − 8/256)^64 = 1 − 0.96875^64 = 1 − 0.131084 = 0.868916
+  expect_rel(row.coverage, 0.868915967521525, 1e-12);
+  // step bytes/GPU = (0.868916 · 653.909e9 + 17.091e9)/8 = 73.160e9 B; / 4.8e12 B/s = 15.2417 ms
+  expect_rel(row.step_weight_bytes_per_gpu, 73160375181.04947, 1e-12);
+  expect_rel(row.weight_read_ms, 15.241744829385306, 1e-12);
+  // compute = 2 · 37e9 · 64 / (8 · 1979e12) = 4.736e12 / 1.5832e16 s = 0.299141 ms
+  expect_rel(row.compute_ms, 0.29914098029307734, 1e-12);
+  EXPECT_DOUBLE_EQ(row.floor_ms, row.weight_read_ms);
+  EXPECT_EQ(row.dominant, "weights");
+  // M_e = 64 · 8 / 256 = 2
+  EXPECT_DOUBLE_EQ(*row.expected_rows_per_expert, 2.0);
+  // dedup = 8 · (1 − (7/8)^8) = 8 · (1 − 0.343609) = 5.251129
+  expect_rel(*row.dedup_targets, 5.251128673553467, 1e-12);
+  // dispatch = (64/8) · 5.251129 · 7168 · 1 B = 301,120.72 B
+  expect_rel(*row.dispatch_bytes_per_gpu, 301120.72265625, 1e-12);
+  // combine = 8 · 8 · 7168 · 2 = 917,504 B; pre-reduced = 8 · 5.251129 · 7168 · 2 = 602,241.45 B
+  EXPECT_DOUBLE_EQ(*row.combine_bytes_per_gpu, 917504.0);
+  expect_rel(*row.combine_bytes_prereduced_per_gpu, 602241.4453125, 1e-12);
+  // comm = 58 · [(301,120.72 + 602,241.45) · 7/8 / 450e9 + 2 · 3 µs] = 58 · (1.75654 µs + 6 µs)
+  //      = 0.449879 ms (NVLink: 8 GPUs fit in one node)
+  EXPECT_EQ(r.comm_link, "nvlink");
+  expect_rel(*row.comm_ms, 0.4498791778320312, 1e-12);
+  // CV_e = sqrt((1 − 1/32)/(64/32)) = sqrt(0.484375) = 0.695971
+  expect_rel(*row.cv_expert, 0.6959705453537527, 1e-12);
+  // S₀ = 1 + sqrt(2 ln 8) · 0.695971 / sqrt(32) = 1 + 2.039334 · 0.123031 = 1.250902
+  expect_rel(*row.imbalance_stat, 1.2509020596705975, 1e-12);
+}
+
+TEST(PlanDeepSeek, DeploymentByHand) {
+  PlanInput in = input("deepseek-v3", "h200", 8, {1, 64, 1024});
+  PlanResult r = plan(in);
+  // Ridge = 1979e12 / 4.8e12 = 412.2917 FLOP/B
+  expect_rel(r.ridge, 412.2916666666667, 1e-12);
+  // knee = 412.2917 · 671e9 · 1 / (2 · 37e9) = 412.2917 · 9.067568 = 3738.48
+  expect_rel(r.knee_batch, 3738.4825450450453, 1e-12);
+  // B_mem = (8 · 141e9 · 0.85 − 671e9) / (70272 · 4096) = 287.8e9 / 287,834,112 = 999.88
+  expect_rel(r.batch_mem, 999.8814872922359, 1e-12);
+  EXPECT_FALSE(r.batch_sla.has_value());
+  EXPECT_EQ(r.operating_point, 999);
+  EXPECT_EQ(r.binding, "memory");
+  // BM* = 412.2917 · 1 / 2 = 206.15
+  expect_rel(r.bm_star, 206.14583333333334, 1e-12);
+  // Padding at the operating point: M_e = 999 · 8/256 = 31.21875. BM8: ⌈3.90⌉·8 = 32 rows,
+  // 32/31.21875 = 1.025025; BM64: 64/31.21875 = 2.050050; BM128: 128/31.21875 = 4.100100;
+  // padding to M_max = 64 (BM ≤ 64): 64/31.21875 = 2.050050.
+  ASSERT_EQ(r.padding.size(), 5u);
+  EXPECT_EQ(r.padding[0].bm, 8);
+  EXPECT_DOUBLE_EQ(r.padding[0].expected_m, 31.21875);
+  expect_rel(*r.padding[0].waste_expected, 1.025025025025025, 1e-12);
+  expect_rel(*r.padding[3].waste_expected, 2.05005005005005, 1e-12);
+  expect_rel(*r.padding[4].waste_expected, 4.1001001001001, 1e-12);
+  expect_rel(*r.padding[0].waste_pad_to_m_max, 2.05005005005005, 1e-12);
+  // Rows come back in input order, one per batch.
+  ASSERT_EQ(r.rows.size(), 3u);
+  EXPECT_EQ(r.rows[0].batch, 1);
+  EXPECT_EQ(r.rows[2].batch, 1024);
+}
+
+TEST(PlanDeepSeek, BatchSlaByHandAndByScan) {
+  // SLA 15 ms, weights dominate: (C·653.909e9 + 17.091e9)/8/4.8e12 ≤ 15 ms ⇔ C ≤ (576e9 −
+  // 17.091e9)/653.909e9 = 0.854721 ⇔ 0.96875^B ≥ 0.145279 ⇔ B ≤ ln 0.145279 / ln 0.96875 = 60.76.
+  PlanInput in = input("deepseek-v3", "h200", 8, {1, 1024});
+  in.tpot_sla_ms = 15.0;
+  PlanResult r = plan(in);
+  ASSERT_TRUE(r.batch_sla.has_value());
+  EXPECT_EQ(*r.batch_sla, 60);
+  EXPECT_EQ(r.operating_point, 60);
+  EXPECT_EQ(r.binding, "sla");
+  // A linear scan (not bisection) agrees for several SLAs, including compute-bound ones.
+  for (double sla : {1.0, 5.0, 17.0, 17.4, 17.5, 20.0, 30.0}) {
+    in.tpot_sla_ms = sla;
+    int64_t bisect = *plan(in).batch_sla;
+    int64_t scan = 0;
+    for (int64_t b = 1; b <= 20000; ++b) {
+      if (plan_row(in, b).floor_ms > sla) break;
+      scan = b;
+    }
+    EXPECT_EQ(bisect, scan) << "SLA " << sla;
+  }
+  // Even B = 1 misses 0.5 ms: (0.03125 · 653.909e9 + 17.091e9)/8/4.8e12 = 0.977 ms.
+  in.tpot_sla_ms = 0.5;
+  r = plan(in);
+  EXPECT_EQ(*r.batch_sla, 0);
+  EXPECT_EQ(r.operating_point, 0);
+  EXPECT_EQ(r.binding, "sla");
+}
+
+TEST(PlanDeepSeek, FloorIsMonotoneInBatch) {
+  PlanInput in = input("deepseek-v3", "h200", 8, {1});
+  double prev = 0;
+  for (int64_t b = 1; b <= 8192; ++b) {
+    double f = plan_row(in, b).floor_ms;
+    ASSERT_GE(f, prev) << "B = " << b;
+    prev = f;
+  }
+}
+
+TEST(PlanDeepSeek, Bf16RateAndNetwork) {
+  // --dtype bf16 takes F = 989e12: knee = 989/4.8 · 671/74 = 1868.30.
+  PlanInput in = input("deepseek-v3", "h200", 8, {64});
+  in.dtype = Dtype::bf16;
+  expect_rel(plan(in).knee_batch, 1868.2967342342342, 1e-12);
+  // EP16 crosses the node (8 GPUs per node): the network, 50 GB/s and 10 µs per collective.
+  PlanResult r = plan(input("deepseek-v3", "h200", 16, {256}));
+  EXPECT_EQ(r.comm_link, "network");
+  // B = 256, P = 16: dedup = 16(1 − (15/16)^8) = 6.0267; dispatch = 16 · 6.0267 · 7168 B; pre-reduced
+  // combine twice that; comm = 58 · [3 · 16 · 6.0267 · 7168 · 15/16 / 50e9 + 20 µs].
+  double dedup = 16 * (1 - std::pow(15.0 / 16, 8));
+  double want = 58 * (3 * 16 * dedup * 7168 * 15.0 / 16 / 50e9 + 20e-6) * 1e3;
+  expect_rel(*r.rows[0].comm_ms, want, 1e-12);
+  // One GPU: nothing leaves it.
+  PlanResult one = plan(input("mixtral-8x7b", "h200", 1, {64}));
+  EXPECT_EQ(*one.rows[0].comm_ms, 0.0);
+  EXPECT_EQ(*one.rows[0].dedup_targets, 1.0);
+  EXPECT_EQ(*one.rows[0].imbalance_stat, 1.0);
+}
+
+TEST(PlanDeepSeek, CommunicationDominatesAcrossNodesAtLargeBatch) {
+  // EP64 over 50 GB/s links at B = 65536: weights 671e9/64/4.8e12 = 2.18 ms, compute
+  // 2·37e9·65536/(64·1979e12) = 38.3 ms, comm ≈ 58 · 3 · 1024 · 7.55 · 7168 · 63/64 / 50e9 ≈ 190 ms.
+  PlanResult r = plan(input("deepseek-v3", "h200", 64, {65536}));
+  EXPECT_EQ(r.rows[0].dominant, "communication");
+  EXPECT_GT(*r.rows[0].comm_ms, r.rows[0].floor_ms);
+  EXPECT_DOUBLE_EQ(r.rows[0].floor_ms, r.rows[0].compute_ms);
+}
+
+// ---- Dense models ---------------------------------------------------------------------------
+
+TEST(PlanDense, CoverageOneAndNoMoeFields) {
+  PlanResult r = plan(input("llama-3-70b", "h200", 8, {1, 64}));
+  EXPECT_FALSE(r.is_moe);
+  EXPECT_TRUE(r.padding.empty());
+  EXPECT_DOUBLE_EQ(r.routed_weight_bytes, 0.0);
+  for (const PlanRow& row : r.rows) {
+    EXPECT_DOUBLE_EQ(row.coverage, 1.0);
+    EXPECT_FALSE(row.comm_ms || row.dedup_targets || row.expected_rows_per_expert || row.dispatch_bytes_per_gpu ||
+                 row.combine_bytes_per_gpu || row.imbalance_stat || row.cv_expert);
+    // 70.6e9 · 2 B / 8 / 4.8e12 = 3.677083 ms whatever B
+    expect_rel(row.weight_read_ms, 3.6770833333333335, 1e-12);
+  }
+  // knee = 412.2917 · 70.6e9 · 2 / (2 · 70.6e9) = 412.29
+  expect_rel(r.knee_batch, 412.2916666666667, 1e-12);
+  json j = json::parse(plan_to_json(r));
+  EXPECT_TRUE(j["padding"].is_null());
+  EXPECT_TRUE(j["rows"][0]["dedup_targets"].is_null());
+  EXPECT_TRUE(j["rows"][0]["comm_ms"].is_null());
+  EXPECT_EQ(j["rows"][0]["coverage"].get<double>(), 1.0);
+  // A dense model has no experts to divide: any P is fine.
+  EXPECT_NO_THROW(plan(input("llama-3-70b", "h200", 7, {1})));
+}
+
+TEST(PlanMemory, WeightsThatDoNotFit) {
+  // DeepSeek-V3 on one H200: 141e9 · 0.85 − 671e9 < 0, so no batch fits.
+  PlanInput in = input("deepseek-v3", "h200", 1, {1});
+  PlanResult r = plan(in);
+  EXPECT_LT(r.batch_mem, 0);
+  EXPECT_EQ(r.operating_point, 0);
+  EXPECT_EQ(r.binding, "memory");
+  // The padding at M_e = 0 is undefined: null, not a division by zero.
+  EXPECT_FALSE(r.padding[0].waste_expected.has_value());
+  EXPECT_FALSE(r.padding[0].waste_pad_to_m_max.has_value());
+  json j = json::parse(plan_to_json(r));
+  EXPECT_TRUE(j["padding"][0]["waste_expected"].is_null());
+}
+
+// ---- JSON ------------------------------------------------------------------------------------
+
+TEST(PlanJson, KeysAsNamedInTheIssue) {
+  PlanInput in = input("deepseek-v3", "h200", 8, {1, 8, 64});
+  json j = json::parse(plan_to_json(plan(in)));
+  for (const char* key : {"knee_batch", "batch_mem", "operating_point", "binding", "bm_star", "padding", "rows"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_FALSE(j.contains("batch_sla"));  // absent without an SLA
+  ASSERT_EQ(j["rows"].size(), 3u);
+  for (const char* key :
+       {"batch", "coverage", "routed_weight_bytes", "other_weight_bytes", "step_weight_bytes_per_gpu",
+        "weight_read_ms", "compute_ms", "floor_ms", "expected_rows_per_expert", "dedup_targets",
+        "dispatch_bytes_per_gpu", "combine_bytes_per_gpu", "combine_bytes_prereduced_per_gpu", "imbalance_stat",
+        "comm_ms", "dominant"})
+    EXPECT_TRUE(j["rows"][0].contains(key)) << key;
+  ASSERT_EQ(j["padding"].size(), 5u);
+  for (const char* key : {"bm", "expected_m", "waste_expected", "waste_m5", "waste_pad_to_m_max"})
+    EXPECT_TRUE(j["padding"][0].contains(key)) << key;
+  in.tpot_sla_ms = 15;
+  j = json::parse(plan_to_json(plan(in)));
+  EXPECT_EQ(j["batch_sla"].get<int64_t>(), 60);
+  EXPECT_EQ(j["binding"], "sla");
+}
+
+// ---- Parsing and bad input ---------------------------------------------------------------------
+
+TEST(PlanParse, BatchLists) {
+  EXPECT_EQ(parse_batch_list("1,8,64,256"), (std::vector<int64_t>{1, 8, 64, 256}));
+  EXPECT_EQ(parse_batch_list("1..1024"), (std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024}));
+  EXPECT_EQ(parse_batch_list("3..20"), (std::vector<int64_t>{3, 6, 12, 20}));  // HI kept though not hit
+  EXPECT_EQ(parse_batch_list(" 64, 8 ,8,1..2"), (std::vector<int64_t>{1, 2, 8, 64}));  // sorted, unique
+  EXPECT_EQ(parse_batch_list("5..5"), (std::vector<int64_t>{5}));
+  expect_error([] { parse_batch_list(""); }, {"--batch is empty"});
+  expect_error([] { parse_batch_list("1,,2"); }, {"empty item"});
+  expect_error([] { parse_batch_list("8,abc"); }, {"'abc' is not an integer"});
+  expect_error([] { parse_batch_list("0,8"); }, {"batch 0 must be >= 1"});
+  expect_error([] { parse_batch_list("-4"); }, {"batch -4 must be >= 1"});
+  expect_error([] { parse_batch_list("64..8"); }, {"runs backwards"});
+  expect_error([] { parse_batch_list("99999999999999999999"); }, {"out of range"});
+}
+
+TEST(PlanParse, DurationsAndDtypes) {
+  EXPECT_DOUBLE_EQ(parse_duration_ms("30ms"), 30.0);
+  EXPECT_DOUBLE_EQ(parse_duration_ms("30"), 30.0);
+  EXPECT_DOUBLE_EQ(parse_duration_ms("2.5 ms"), 2.5);
+  EXPECT_DOUBLE_EQ(parse_duration_ms("0.03s"), 30.0);
+  EXPECT_DOUBLE_EQ(parse_duration_ms("30000us"), 30.0);
+  expect_error([] { parse_duration_ms("fast"); }, {"'fast' is not a duration"});
+  expect_error([] { parse_duration_ms("0ms"); }, {"'0ms' must be > 0"});
+  expect_error([] { parse_duration_ms("-5"); }, {"'-5' must be > 0"});
+  EXPECT_EQ(parse_dtype("fp8"), Dtype::fp8);
+  EXPECT_EQ(parse_dtype("bf16"), Dtype::bf16);
+  expect_error([] { parse_dtype("fp16"); }, {"'fp16'", "fp8 or bf16"});
+}
+
+TEST(PlanInputChecks, BadValuesAreNamed) {
+  auto bad = [](auto edit, std::initializer_list<std::string> fragments) {
+    PlanInput in = input("deepseek-v3", "h200", 8, {64});
+    edit(in);
+    expect_error([&] { plan(in); }, fragments);
+  };
+  bad([](PlanInput& in) { in.ep = 0; }, {"--ep = 0", ">= 1"});
+  bad([](PlanInput& in) { in.ep = -8; }, {"--ep = -8"});
+  bad([](PlanInput& in) { in.ep = 7; }, {"--ep = 7", "num_routed_experts = 256"});
+  bad([](PlanInput& in) { in.batches = {}; }, {"no batch sizes"});
+  bad([](PlanInput& in) { in.batches = {8, 0}; }, {"batch 0"});
+  bad([](PlanInput& in) { in.mem_fraction = 0; }, {"--mem-fraction = 0", "(0, 1]"});
+  bad([](PlanInput& in) { in.mem_fraction = 1.5; }, {"--mem-fraction = 1.5"});
+  bad([](PlanInput& in) { in.mem_fraction = NAN; }, {"--mem-fraction = nan"});
+  bad([](PlanInput& in) { in.context = 0; }, {"--context = 0"});
+  bad([](PlanInput& in) { in.tpot_sla_ms = -1.0; }, {"--tpot-sla = -1"});
+  // A hand-built spec that skipped validation is caught before any division.
+  bad([](PlanInput& in) { in.gpu.hbm_bandwidth = 0; }, {"hbm_bandwidth", "must be > 0"});
+  bad([](PlanInput& in) { in.model.num_experts_per_token = 300; }, {"num_experts_per_token", "300"});
+  PlanInput ok = input("deepseek-v3", "h200", 8, {64});
+  ok.mem_fraction = 1.0;  // the closed end of (0, 1]
+  EXPECT_NO_THROW(plan(ok));
+}
+
+// ---- Speed -------------------------------------------------------------------------------------
+
+TEST(PlanSpeed, TwentyBatchSizesUnder50ms) {
+  // The issue: a full plan of 20 batch sizes in under 50 ms. Spec loading, the plan with a
+  // TPOT SLA (bisection) and the JSON together; best of 5 to keep a busy CI machine fair.
+  std::vector<int64_t> batches;
+  for (int i = 0; i < 20; ++i) batches.push_back(int64_t(1) << i);  // 1 … 524288
+  double best_ms = 1e9;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    PlanInput in = input("deepseek-v3", "h200", 8, batches);
+    in.tpot_sla_ms = 30.0;
+    std::string j = plan_to_json(plan(in));
+    auto t1 = std::chrono::steady_clock::now();
+    ASSERT_FALSE(j.empty());
+    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  RecordProperty("best_ms", std::to_string(best_ms));
+  EXPECT_LT(best_ms, 50.0);
+}
