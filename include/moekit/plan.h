@@ -29,11 +29,11 @@
 
 namespace moekit {
 
-enum class Dtype { fp8, bf16 };
+enum class ComputeDtype { fp8, bf16 };
 
 // "fp8" | "bf16"; anything else is an Error that lists both.
-Dtype parse_dtype(std::string_view s);
-const char* to_string(Dtype d);
+ComputeDtype parse_dtype(std::string_view s);
+const char* to_string(ComputeDtype d);
 
 // "1,8,64,256" or ranges "LO..HI" that double from LO up to HI (HI included when it is not
 // hit exactly), mixed freely: "1..1024,1536". The result is sorted and de-duplicated.
@@ -51,7 +51,7 @@ struct PlanInput {
   std::optional<double> tpot_sla_ms;   // --tpot-sla; B_SLA is computed only when set
   int64_t context = 4096;              // tokens of KV cache held per sequence
   double mem_fraction = 0.85;          // share of HBM for weights + KV (MISSION.md §3 serves with 0.85)
-  Dtype dtype = Dtype::fp8;            // picks F: gpu.fp8_flops or gpu.bf16_flops
+  ComputeDtype dtype = ComputeDtype::fp8;  // picks F: gpu.fp8_flops or gpu.bf16_flops
 };
 
 // One decode step at one batch. std::nullopt marks figures a dense model does not have.

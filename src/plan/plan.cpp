@@ -56,13 +56,13 @@ double eplb_gain(double f, double speedup) {
 // ---------------------------------------------------------------------------------------------
 // Parsing helpers for the command line (pure: strings in, values or Errors out).
 
-Dtype parse_dtype(std::string_view s) {
-  if (s == "fp8") return Dtype::fp8;
-  if (s == "bf16") return Dtype::bf16;
+ComputeDtype parse_dtype(std::string_view s) {
+  if (s == "fp8") return ComputeDtype::fp8;
+  if (s == "bf16") return ComputeDtype::bf16;
   throw Error(fmt::format("--dtype '{}' is unknown: expected fp8 or bf16", s));
 }
 
-const char* to_string(Dtype d) { return d == Dtype::fp8 ? "fp8" : "bf16"; }
+const char* to_string(ComputeDtype d) { return d == ComputeDtype::fp8 ? "fp8" : "bf16"; }
 
 namespace {
 
@@ -144,7 +144,7 @@ double parse_duration_ms(std::string_view s) {
 
 namespace {
 
-double dense_flops(const GpuSpec& gpu, Dtype dtype) { return dtype == Dtype::fp8 ? gpu.fp8_flops : gpu.bf16_flops; }
+double dense_flops(const GpuSpec& gpu, ComputeDtype dtype) { return dtype == ComputeDtype::fp8 ? gpu.fp8_flops : gpu.bf16_flops; }
 
 // Bytes of all routed experts, whole model (MISSION.md §2, W_routed·bpp):
 // num_moe_layers·E·3·hidden·moe_inter·bpp (gate, up and down projections of a SwiGLU expert).

@@ -225,7 +225,7 @@ TEST(PlanDeepSeek, FloorIsMonotoneInBatch) {
 TEST(PlanDeepSeek, Bf16RateAndNetwork) {
   // --dtype bf16 takes F = 989e12: knee = 989/4.8 · 671/74 = 1868.30.
   PlanInput in = input("deepseek-v3", "h200", 8, {64});
-  in.dtype = Dtype::bf16;
+  in.dtype = ComputeDtype::bf16;
   expect_rel(plan(in).knee_batch, 1868.2967342342342, 1e-12);
   // EP16 crosses the node (8 GPUs per node): the network, 50 GB/s and 10 µs per collective.
   PlanResult r = plan(input("deepseek-v3", "h200", 16, {256}));
@@ -340,8 +340,8 @@ TEST(PlanParse, DurationsAndDtypes) {
   expect_error([] { parse_duration_ms("fast"); }, {"'fast' is not a duration"});
   expect_error([] { parse_duration_ms("0ms"); }, {"'0ms' must be > 0"});
   expect_error([] { parse_duration_ms("-5"); }, {"'-5' must be > 0"});
-  EXPECT_EQ(parse_dtype("fp8"), Dtype::fp8);
-  EXPECT_EQ(parse_dtype("bf16"), Dtype::bf16);
+  EXPECT_EQ(parse_dtype("fp8"), ComputeDtype::fp8);
+  EXPECT_EQ(parse_dtype("bf16"), ComputeDtype::bf16);
   expect_error([] { parse_dtype("fp16"); }, {"'fp16'", "fp8 or bf16"});
 }
 
