@@ -56,7 +56,15 @@ struct Launch {
 template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW>
 Launch get_launch(int smem_bytes) {
   auto kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW>;
-  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  // The limit belongs to the kernel function, not to a plan: raise it to the device's opt-in
+  // maximum, so a later plan of the same kernel with a smaller ring never lowers it below what
+  // an earlier plan launches with.
+  int device = 0, optin = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  MOEKIT_CHECK(smem_bytes <= optin, "GEMM plan needs " + std::to_string(smem_bytes) +
+                                        " B of shared memory, the device allows " + std::to_string(optin));
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
   Launch l;
   l.kernel = kernel;
   l.threads = (kMathWGs + 1) * 128;

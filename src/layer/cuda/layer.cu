@@ -270,43 +270,27 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   const MaskedGemmProblem p2{s.e_loc, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max)};
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up};
   const MaskedGemmBuffers b2{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y};
-  auto make_routed = [&] {
-    if (s.decode) {
-      s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
-      s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
-    } else {
-      s.cgemm1 = std::make_unique<ContiguousGemm>(
-          ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows},
-          ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up});
-      s.cgemm2 = std::make_unique<ContiguousGemm>(
-          ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows},
-          ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y});
-    }
-  };
-  make_routed();
+  if (s.decode) {
+    s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
+    s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
+    // GEMM1 starts under the receive kernel's tail; GEMM2's weights (static) start streaming
+    // under the activation kernel (docs/gemm.md: the decode-step overlap).
+    s.gemm1->set_overlap(Overlap::kPreviousKernel);
+    s.gemm2->set_overlap(Overlap::kPreviousKernelStaticWeights);
+  } else {
+    s.cgemm1 = std::make_unique<ContiguousGemm>(
+        ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows},
+        ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up});
+    s.cgemm2 = std::make_unique<ContiguousGemm>(
+        ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows},
+        ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y});
+  }
   if (s.shared_inter > 0) {
-    // Work-around (docs/layer-gpu.md): a GEMM plan sets its kernel's dynamic shared memory
-    // limit, and that limit belongs to the kernel function, so a later plan of the same kernel
-    // with less shared memory (fewer experts) breaks the launch of an earlier, larger one. The
-    // shared plans take the routed plans' stage count (so they never need more), and the routed
-    // plans are made again last.
+    // The shared expert is a masked GEMM with one "expert" of every token.
     const MaskedGemmProblem q1{1, 2 * s.shared_inter, s.d, s.t_pad, s.t_max};
     const MaskedGemmProblem q2{1, s.d, s.shared_inter, s.t_pad, s.t_max};
-    auto shared_config = [&](const MaskedGemmProblem& q) {
-      GemmConfig c = choose_masked_config(q, query_device().num_sms);
-      c.num_stages = 0;
-      c.num_ctas = 0;
-      for (const MaskedGemm* routed : {s.gemm1.get(), s.gemm2.get()})
-        if (routed && routed->config().swap_ab == c.swap_ab && routed->config().block_m == c.block_m &&
-            routed->config().block_n == c.block_n)
-          c.num_stages = c.num_stages > 0 ? std::min(c.num_stages, routed->config().num_stages)
-                                          : routed->config().num_stages;
-      return c;
-    };
-    const GemmConfig c1 = shared_config(q1), c2 = shared_config(q2);
-    s.shared1 = std::make_unique<MaskedGemm>(q1, MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up}, &c1);
-    s.shared2 = std::make_unique<MaskedGemm>(q2, MaskedGemmBuffers{s.s_act, s.s_act_scales, s.sw2, s.sw2s, s.s_m, s.s_out}, &c2);
-    if (s.decode) make_routed();
+    s.shared1 = std::make_unique<MaskedGemm>(q1, MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up});
+    s.shared2 = std::make_unique<MaskedGemm>(q2, MaskedGemmBuffers{s.s_act, s.s_act_scales, s.sw2, s.sw2s, s.s_m, s.s_out});
   }
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
   MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
