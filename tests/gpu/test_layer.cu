@@ -264,11 +264,27 @@ int ulp_distance(uint16_t a, uint16_t b) {
 
 struct Agreement {
   size_t n = 0, same = 0, over_one = 0;
+  std::vector<std::pair<float, float>> values;  // (got, want)
   void add(uint16_t got, uint16_t want) {
     const int d = ulp_distance(got, want);
     ++n;
     same += d == 0;
     over_one += d > 1;
+    values.emplace_back(bf16_to_float(got), bf16_to_float(want));
+  }
+  // Outputs outside the GEMM library's own tolerance (tests/gpu/test_gemm.cu, docs/gemm.md):
+  // the tensor core sums a 128-deep block with fewer bits than the reference's exact partial,
+  // so near-zero outputs can be several bf16 ulps off; 4e-3 of the RMS output plus two bf16
+  // ulps of the value bounds that (measured on the H200: ~1% of the layer's GEMM outputs are
+  // more than one ulp off, which is why a one-ulp bound was wrong).
+  size_t outside() const {
+    double sq = 0;
+    for (const auto& v : values) sq += double(v.second) * v.second;
+    const double rms = std::sqrt(sq / double(std::max<size_t>(n, 1)));
+    size_t bad = 0;
+    for (const auto& [got, want] : values)
+      bad += std::fabs(double(got) - want) > 4e-3 * rms + std::ldexp(std::fabs(double(want)), -6);
+    return bad;
   }
 };
 
@@ -351,8 +367,8 @@ void check_stages(GpuRig& rig, int r, const Placement& placement, bool decode, c
               "and %zu scales differ; GEMM2 %.1f%% same bits, %zu > 1 ulp\n",
               what, r, valid.size(), g1.n ? 100.0 * g1.same / g1.n : 100.0, g1.over_one, act_diff, act_n, scale_diff,
               g2.n ? 100.0 * g2.same / g2.n : 100.0, g2.over_one);
-  EXPECT_LE(g1.over_one, g1.n / 1000) << what << ": GEMM1 of rank " << r;
-  EXPECT_LE(g2.over_one, g2.n / 1000) << what << ": GEMM2 of rank " << r;
+  EXPECT_EQ(g1.outside(), 0u) << what << ": GEMM1 of rank " << r;
+  EXPECT_EQ(g2.outside(), 0u) << what << ": GEMM2 of rank " << r;
   EXPECT_GE(g1.same, g1.n * 7 / 10) << what << ": GEMM1 of rank " << r;
   EXPECT_GE(g2.same, g2.n * 7 / 10) << what << ": GEMM2 of rank " << r;
   EXPECT_LE(act_diff, 4 + act_n / 1000) << what << ": activation of rank " << r;

@@ -59,12 +59,16 @@ Launch get_launch(int smem_bytes) {
   // The limit belongs to the kernel function, not to a plan: raise it to the device's opt-in
   // maximum, so a later plan of the same kernel with a smaller ring never lowers it below what
   // an earlier plan launches with.
+  // (The dynamic limit is the opt-in maximum less the kernel's static shared memory.)
   int device = 0, optin = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
   MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  MOEKIT_CHECK(smem_bytes <= optin, "GEMM plan needs " + std::to_string(smem_bytes) +
-                                        " B of shared memory, the device allows " + std::to_string(optin));
-  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  cudaFuncAttributes attr{};
+  MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int limit = optin - int(attr.sharedSizeBytes);
+  MOEKIT_CHECK(smem_bytes <= limit, "GEMM plan needs " + std::to_string(smem_bytes) +
+                                        " B of dynamic shared memory, the device allows " + std::to_string(limit));
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
   Launch l;
   l.kernel = kernel;
   l.threads = (kMathWGs + 1) * 128;
