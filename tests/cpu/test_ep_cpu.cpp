@@ -11,6 +11,7 @@
 #include <set>
 #include <tuple>
 
+#include "expect_error.h"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/ep_cpu.h"
@@ -21,17 +22,6 @@
 using namespace moekit;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown";
-  } catch (const Error& e) {
-    std::string msg = e.what();
-    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
-  }
-}
 
 // One rank's input: T tokens whose first quantisation block encodes (source rank, token):
 // x[0] = 448 fixes the block's scale to exactly 1, so x[1] = rank, x[2] = t % 16, x[3] = t / 16

@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include "expect_error.h"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
@@ -30,17 +31,6 @@ using namespace moekit;
 namespace fs = std::filesystem;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown";
-  } catch (const Error& e) {
-    std::string msg = e.what();
-    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
-  }
-}
 
 // A small DeepSeek-style model: sigmoid router with bias, 4 groups keep 2, one shared expert.
 const char* kModelJson = R"({

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "expect_error.h"
 #include "moekit/check.h"
 #include "moekit/plan.h"
 #include "moekit/spec.h"
@@ -14,17 +15,6 @@ using namespace moekit;
 using nlohmann::json;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown";
-  } catch (const Error& e) {
-    std::string msg = e.what();
-    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
-  }
-}
 
 PlanInput input(const std::string& model, const std::string& gpu, int ep, std::vector<int64_t> batches) {
   PlanInput in;

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "expect_error.h"
 #include "moekit/check.h"
 #include "moekit/plan.h"
 #include "moekit/simulate.h"
@@ -21,17 +22,6 @@
 using namespace moekit;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown";
-  } catch (const Error& e) {
-    std::string msg = e.what();
-    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
-  }
-}
 
 SimulateInput sim_input(int E, int k, int P, int64_t B, int64_t trials, const std::string& routing = "uniform",
                         uint64_t seed = 1) {

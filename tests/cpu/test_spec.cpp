@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "expect_error.h"
 #include "moekit/check.h"
 #include "moekit/spec.h"
 
@@ -10,18 +11,6 @@ using namespace moekit;
 using nlohmann::json;
 
 namespace {
-
-// Expect an Error whose message contains every fragment.
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error thrown";
-  } catch (const Error& e) {
-    std::string msg = e.what();
-    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
-  }
-}
 
 json deepseek() { return json::parse(to_json(load_model_spec("deepseek-v3"))); }
 json h200() { return json::parse(to_json(load_gpu_spec("h200"))); }

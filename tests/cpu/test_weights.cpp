@@ -1,6 +1,7 @@
 // MoE layer weights: the random-checkpoint generator, the loader and its fused gate/up layout,
 // its errors, and cross-checks against the `safetensors` Python package in both directions
 // (tests/python/safetensors_interop.py).
+#include "expect_error.h"
 #include "moekit/weights.h"
 
 #include <gtest/gtest.h>
@@ -62,16 +63,6 @@ ModelSpec odd_spec() {
   s.router.scoring = "softmax";
   s.num_moe_layers = 1;
   return s;
-}
-
-template <typename Fn>
-void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown";
-  } catch (const Error& e) {
-    for (const auto& part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what() << "\n  lacks: " << part;
-  }
 }
 
 std::string read_file(const fs::path& p) {
