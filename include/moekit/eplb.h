@@ -198,9 +198,13 @@ class LoadRecorder {
   static LoadRecorder decay(int num_layers, int num_experts, double factor);
 
   void record(int layer, const int32_t* topk_idx, int num_tokens, int topk);  // -1 ids are skipped
+  // Adds per-expert token counts [E] to the open step (what the GPU layer's
+  // take_expert_counts() returns); every count must be >= 0.
+  void record_counts(int layer, const int64_t* counts);
   void end_step();
   std::vector<std::vector<double>> loads() const;  // [L][E]
   int num_steps_recorded() const { return steps_; }
+  int num_experts() const { return num_experts_; }
 
  private:
   LoadRecorder(int num_layers, int num_experts, int window, double factor);

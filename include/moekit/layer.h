@@ -58,6 +58,7 @@
 namespace moekit {
 struct MoeLayerWeights;  // weights.h
 struct Placement;        // eplb.h
+class LoadRecorder;      // eplb.h
 }  // namespace moekit
 
 namespace moekit::gpu {
@@ -120,6 +121,9 @@ class GpuMoeLayer {
   // Per-logical-expert token counts [E] accumulated since the last call (synchronises `stream`,
   // then clears them).
   std::vector<int64_t> take_expert_counts(cudaStream_t stream);
+  // take_expert_counts() into an EPLB statistics accumulator, as layer `layer` of the step
+  // (the caller ends the step with recorder.end_step() after the last layer).
+  void record_load(LoadRecorder& recorder, int layer, cudaStream_t stream);
 
   // EPLB between steps: moves to a new placement of the same slots (placement layer
   // `placement_layer`; weights: all E experts). Issued on `stream` after the step before it, so the

@@ -48,6 +48,16 @@ void LoadRecorder::record(int layer, const int32_t* topk_idx, int num_tokens, in
     if (topk_idx[i] >= 0) ++row[topk_idx[i]];
 }
 
+void LoadRecorder::record_counts(int layer, const int64_t* counts) {
+  MOEKIT_CHECK(layer >= 0 && layer < num_layers_,
+               fmt::format("LoadRecorder::record_counts: layer {} out of range [0, {})", layer, num_layers_));
+  for (int e = 0; e < num_experts_; ++e)
+    MOEKIT_CHECK(counts[e] >= 0, fmt::format("LoadRecorder::record_counts: layer {} expert {} count {} is negative",
+                                             layer, e, counts[e]));
+  int64_t* row = &open_[size_t(layer) * num_experts_];
+  for (int e = 0; e < num_experts_; ++e) row[e] += counts[e];
+}
+
 void LoadRecorder::end_step() {
   const size_t cells = open_.size();
   if (window_ > 0) {

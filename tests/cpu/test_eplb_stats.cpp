@@ -47,6 +47,22 @@ TEST(EplbStats, RecorderRejectsBadInput) {
   EXPECT_THROW(LoadRecorder::decay(1, 4, 1.0), Error);
 }
 
+// Counts (what the GPU layer's take_expert_counts returns) add up exactly like the top-k
+// arrays they summarise, and a negative count is refused without touching the step.
+TEST(EplbStats, CountsEqualTheirTopkArrays) {
+  LoadRecorder from_ids = LoadRecorder::window(1, 3, 2), from_counts = LoadRecorder::window(1, 3, 2);
+  const std::vector<int32_t> ids = {0, 2, 2, 2, 1, -1};  // 3 tokens, top-2: expert 0 once, 1 once, 2 three times
+  const std::vector<int64_t> counts = {1, 1, 3}, negative = {1, -1, 0};
+  from_ids.record(0, ids.data(), 3, 2);
+  from_counts.record_counts(0, counts.data());
+  EXPECT_THROW(from_counts.record_counts(0, negative.data()), Error);
+  EXPECT_THROW(from_counts.record_counts(1, counts.data()), Error);
+  from_ids.end_step();
+  from_counts.end_step();
+  EXPECT_EQ(from_counts.loads(), (std::vector<std::vector<double>>{{1, 1, 3}}));
+  EXPECT_EQ(from_counts.loads(), from_ids.loads());
+}
+
 TEST(EplbStats, GainMatchesMission) {
   // MISSION.md section 6: S0/S1 = 1.18, f = 0.6 -> 1.10x; S0/S1 = 2.6, f = 0.85 -> 2.10x.
   EXPECT_NEAR(end_to_end_gain(1.18, 0.6), 1.10, 0.005);

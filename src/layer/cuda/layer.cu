@@ -498,6 +498,14 @@ std::vector<int64_t> GpuMoeLayer::take_expert_counts(cudaStream_t stream) {
   return std::vector<int64_t>(raw.begin(), raw.end());
 }
 
+void GpuMoeLayer::record_load(LoadRecorder& recorder, int layer, cudaStream_t stream) {
+  MOEKIT_CHECK(recorder.num_experts() == impl_->num_experts,
+               fmtr("record_load: the recorder counts {} experts, the layer routes {}", recorder.num_experts(),
+                    impl_->num_experts));
+  const std::vector<int64_t> counts = take_expert_counts(stream);
+  recorder.record_counts(layer, counts.data());
+}
+
 void GpuMoeLayer::set_timing(bool on) { impl_->timing = on; }
 
 void GpuMoeLayer::set_shared_overlap(bool on) {
