@@ -3,13 +3,7 @@
 # and every bad-input case: exit status 2, an error naming the value, and --out untouched.
 # Usage: bash tests/cli/eplb.sh <path-to-moekit> <source-dir>
 set -u
-MOEKIT=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-pass() { echo "ok   $1"; }
-fail() { echo "FAIL $1"; failures=$((failures + 1)); }
-command -v python3 > /dev/null || { echo "FAIL python3 is needed to read the JSON output"; exit 1; }
+source "$(dirname "$0")/lib.bash"
 
 # expect_error NAME FRAGMENT ARGS...: exit 2, FRAGMENT on stderr, the --out file unchanged.
 expect_error() {
@@ -121,5 +115,4 @@ else
   pass "missing --groups is rejected"
 fi
 
-if [ $failures -ne 0 ]; then echo "$failures failure(s)"; exit 1; fi
-echo "all eplb CLI checks passed"
+finish "eplb CLI"

@@ -4,15 +4,8 @@
 # scripts/plot-plan, and every bad flag: a non-zero exit and an error naming the value.
 # Usage: bash tests/cli/plan.sh <path-to-moekit> <source-dir>
 set -u
-MOEKIT=$1
 SRC=${2:-$(cd "$(dirname "$0")/../.." && pwd)}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0
-failures=0
-pass() { echo "ok   $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1"; failures=$((failures + 1)); }
-command -v python3 > /dev/null || { echo "FAIL python3 is needed to read the JSON output"; exit 1; }
+source "$(dirname "$0")/lib.bash"
 
 # expect_error NAME FRAGMENT ARGS...: a non-zero exit (2 for moekit's own checks) and FRAGMENT on stderr.
 expect_error() {
@@ -188,5 +181,4 @@ expect_error "f without eplb-gain" "--f and --speedup go with --eplb-gain" plan 
 expect_error "eplb-gain without speedup" "--eplb-gain needs --speedup" plan --eplb-gain --f 0.6
 expect_error "eplb-gain f out of range" "--f = 1.5 must be in [0, 1]" plan --eplb-gain --f 1.5 --speedup 2
 
-echo "plan CLI: $passed passed, $failures failed"
-[ $failures -eq 0 ]
+finish "plan CLI"

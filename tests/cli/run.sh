@@ -5,13 +5,7 @@
 # exits 2 with an error naming the value.
 # Usage: bash tests/cli/run.sh <path-to-moekit> <source-dir>
 set -u
-MOEKIT=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-pass() { echo "ok   $1"; }
-fail() { echo "FAIL $1"; failures=$((failures + 1)); }
-command -v python3 > /dev/null || { echo "FAIL python3 is needed to read the JSON output"; exit 1; }
+source "$(dirname "$0")/lib.bash"
 
 # json_check NAME FILE PYTHON-EXPRESSION over j
 json_check() {
@@ -111,5 +105,4 @@ shard=$(ls "$tmp"/ckpt/*.safetensors | head -1)
 truncate -s -64 "$shard"
 expect_error "truncated shard" "$(basename "$shard")" --model "$tmp/small.json" --weights "$tmp/ckpt"
 
-if [ $failures -ne 0 ]; then echo "$failures failure(s)"; exit 1; fi
-echo "all passed"
+finish "run CLI"

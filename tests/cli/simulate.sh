@@ -4,14 +4,7 @@
 # --json stdout, and every bad flag: a non-zero exit and an error naming the value.
 # Usage: bash tests/cli/simulate.sh <path-to-moekit> <source-dir>
 set -u
-MOEKIT=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0
-failures=0
-pass() { echo "ok   $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1"; failures=$((failures + 1)); }
-command -v python3 > /dev/null || { echo "FAIL python3 is needed to read the JSON output"; exit 1; }
+source "$(dirname "$0")/lib.bash"
 
 expect_error() {
   local name=$1 fragment=$2
@@ -113,5 +106,4 @@ expect_error "steps without trace" "--steps goes with --save-trace" simulate --s
 expect_error "layers 0" "--layers = 0 must be >= 1" simulate --batch 16 --trials 4 --layers 0 --save-trace "$tmp/x.json"
 [ ! -e "$tmp/x.json" ] && pass "failed runs write no trace" || fail "failed runs write no trace"
 
-echo "simulate CLI: $passed passed, $failures failed"
-[ $failures -eq 0 ]
+finish "simulate CLI"
