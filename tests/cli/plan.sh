@@ -7,37 +7,6 @@ set -u
 SRC=${2:-$(cd "$(dirname "$0")/../.." && pwd)}
 source "$(dirname "$0")/lib.bash"
 
-# expect_error NAME FRAGMENT ARGS...: a non-zero exit (2 for moekit's own checks) and FRAGMENT on stderr.
-expect_error() {
-  local name=$1 fragment=$2
-  shift 2
-  "$MOEKIT" "$@" > "$tmp/stdout" 2> "$tmp/stderr"
-  local rc=$?
-  if [ $rc -eq 0 ]; then fail "$name: exit 0, expected an error"; return; fi
-  if ! grep -qF -- "$fragment" "$tmp/stderr"; then fail "$name: stderr lacks '$fragment'"; cat "$tmp/stderr"; return; fi
-  pass "$name"
-}
-
-# json_check NAME FILE PYTHON-EXPRESSION over j (and close(a, b, rel) for floats);
-# json_code NAME FILE PYTHON-CODE that sets ok.
-json_code() {
-  if python3 -c "
-import json, math, sys
-j = json.load(open(sys.argv[1]))
-def close(a, b, rel=1e-9): return a is not None and abs(a - b) <= rel * abs(b) + 1e-15
-ok = False
-$3
-sys.exit(0 if ok else 1)" "$2"; then pass "$1"
-  else fail "$1"; fi
-}
-json_check() { json_code "$1" "$2" "ok = ($3)"; }
-
-run_ok() {  # run_ok NAME OUTFILE ARGS...
-  local name=$1 out=$2
-  shift 2
-  if "$MOEKIT" "$@" > "$out" 2> "$tmp/stderr"; then pass "$name"; else fail "$name"; cat "$tmp/stderr"; fi
-}
-
 # --- the embedded default: deepseek-v3 on 8 x h200, B = 1 … 1024 ---
 run_ok "default table" "$tmp/table" plan
 if grep -q "operating point B = 999" "$tmp/table" && grep -q "bound by memory" "$tmp/table" &&

@@ -6,33 +6,6 @@
 set -u
 source "$(dirname "$0")/lib.bash"
 
-expect_error() {
-  local name=$1 fragment=$2
-  shift 2
-  "$MOEKIT" "$@" > "$tmp/stdout" 2> "$tmp/stderr"
-  local rc=$?
-  if [ $rc -eq 0 ]; then fail "$name: exit 0, expected an error"; return; fi
-  if ! grep -qF -- "$fragment" "$tmp/stderr"; then fail "$name: stderr lacks '$fragment'"; cat "$tmp/stderr"; return; fi
-  pass "$name"
-}
-
-json_code() {
-  if python3 -c "
-import json, math, sys
-j = json.load(open(sys.argv[1]))
-ok = False
-$3
-sys.exit(0 if ok else 1)" "$2"; then pass "$1"
-  else fail "$1"; fi
-}
-json_check() { json_code "$1" "$2" "ok = ($3)"; }
-
-run_ok() {  # run_ok NAME OUTFILE ARGS...
-  local name=$1 out=$2
-  shift 2
-  if "$MOEKIT" "$@" > "$out" 2> "$tmp/stderr"; then pass "$name"; else fail "$name"; cat "$tmp/stderr"; fi
-}
-
 # --- uniform routing against the closed forms, MISSION.md's EP4 case (E = 256, k = 8, B = 64) ---
 run_ok "uniform json" "$tmp/u.json" simulate --experts 256 --topk 8 --ranks 4 --batch 64 --trials 2000 --seed 5 --json
 # coverage 1 − (1 − 8/256)^64; CV_e sqrt((1 − 1/32)/2) — both exact for uniform top-k; distinct
