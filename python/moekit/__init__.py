@@ -73,27 +73,30 @@ def balance(weight, phy2log, num_groups, num_nodes, num_gpus):
 
 # ---- FP8 quantisation (DeepGEMM's utils names) ------------------------------------------------
 
-def per_token_cast_to_fp8(x, out=None):
+def per_token_cast_to_fp8(x, out=None, check_finite=True):
     """x [..., M, K] fp32 or bf16 (K a multiple of 128) -> (x_fp8 [..., M, K], x_scales [..., M, K/128]).
 
     One fp32 scale per token and 128 columns: scale = amax / 448, x_fp8 = e4m3(x / scale).
     x_scales is MN-major (its memory is [..., K/128, M]), the layout the grouped GEMMs read.
-    `out=(x_fp8, x_scales)` writes into the caller's tensors instead of allocating.
+    `out=(x_fp8, x_scales)` writes into the caller's tensors instead of allocating. CUDA tensors
+    are quantised on the current stream; a NaN or infinity is a ValueError, which on CUDA costs
+    one synchronisation: check_finite=False (or a CUDA-Graph capture) skips that check.
     """
     if out is None:
         shape = shape_of(x, "x")
         out = (empty(x, shape, FP8), empty_mn_major(x, shape[:-1] + (shape[-1] // 128,)))
-    _core.quantize_per_token(x, dl(out[0]), out[1])
+    _core.quantize_per_token(x, dl(out[0]), out[1], stream_of(x), check_finite)
     return out
 
 
-def per_block_cast_to_fp8(w, out=None):
+def per_block_cast_to_fp8(w, out=None, check_finite=True):
     """w [..., N, K] fp32 or bf16 (N, K multiples of 128) -> (w_fp8 [..., N, K], w_scales [..., N/128, K/128]),
-    one fp32 scale per 128x128 block (DeepSeek-V3's checkpoint format)."""
+    one fp32 scale per 128x128 block (DeepSeek-V3's checkpoint format). CUDA tensors as in
+    per_token_cast_to_fp8."""
     if out is None:
         shape = shape_of(w, "w")
         out = (empty(w, shape, FP8), empty(w, shape[:-2] + (shape[-2] // 128, shape[-1] // 128), F32))
-    _core.quantize_per_block(w, dl(out[0]), out[1])
+    _core.quantize_per_block(w, dl(out[0]), out[1], stream_of(w), check_finite)
     return out
 
 

@@ -64,16 +64,6 @@ Operand weights_arg(nb::handle b, int64_t num_experts, int64_t k) {
 }
 
 #if defined(MOEKIT_WITH_CUDA)
-// Runs on the tensors' device, restoring the caller's current device afterwards.
-struct DeviceGuard {
-  int previous = 0;
-  explicit DeviceGuard(int device) {
-    MOEKIT_CUDA_CHECK(cudaGetDevice(&previous));
-    if (previous != device) MOEKIT_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous); }
-};
-
 using PlanKey = std::tuple<int, const void*, const void*, const void*, const void*, const void*, const void*, int64_t,
                            int64_t, int64_t, int64_t, int64_t>;
 std::map<PlanKey, std::unique_ptr<MaskedGemm>> g_masked_plans;

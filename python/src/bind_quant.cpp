@@ -1,6 +1,10 @@
-// FP8 e4m3 quantisation (quant.h) on caller-provided tensors: per token (1x128 groups, scales
-// MN-major as the masked and contiguous GEMMs read them) and per 128x128 weight block.
-// Leading dimensions are batch dimensions: x [..., M, K] quantises every [M, K] matrix.
+// FP8 e4m3 quantisation on caller-provided tensors: per token (1x128 groups, scales MN-major as
+// the masked and contiguous GEMMs read them) and per 128x128 weight block. Leading dimensions are
+// batch dimensions: x [..., M, K] quantises every [M, K] matrix. CPU tensors run quant.h, CUDA
+// tensors quant_gpu.h's kernels (the same bits) on the caller's stream. A non-finite input is a
+// moekit.Error naming its index: on the CPU before anything is written; on CUDA after the kernel,
+// which needs one synchronisation, so `check_finite=False` (and any call inside a CUDA-Graph
+// capture) skips it.
 #include <fmt/format.h>
 
 #include <vector>
@@ -10,6 +14,13 @@
 #include "moekit/layout.h"
 #include "moekit/quant.h"
 #include "tensor.h"
+
+#if defined(MOEKIT_WITH_CUDA)
+#include <map>
+
+#include "moekit/cuda_check.h"
+#include "moekit/quant_gpu.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -54,7 +65,37 @@ void for_each_row(int64_t batches, int64_t m, int64_t kb, F&& fn) {
     for (int64_t r = 0; r < m; ++r) fn(b * m + r, b * kb * m + r);
 }
 
-void quantize_per_token(nb::handle x_obj, nb::handle q_obj, nb::handle scales_obj) {
+#if defined(MOEKIT_WITH_CUDA)
+// Runs launch(first_bad, stream) on the tensors' device; then, unless the stream is capturing or
+// check_finite is off, reads quant_gpu.h's non-finite report back and raises on it.
+template <class Launch>
+void run_on_cuda(const Tensor& in, uintptr_t stream_handle, bool check_finite, Launch&& launch) {
+  static std::map<int, unsigned long long*> first_bad_of_device;  // one report word per device, kept
+  DeviceGuard guard(in.device_id);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  unsigned long long* first_bad = nullptr;
+  if (check_finite && capture == cudaStreamCaptureStatusNone) {
+    unsigned long long*& word = first_bad_of_device[in.device_id];
+    if (word == nullptr) MOEKIT_CUDA_CHECK(cudaMalloc(&word, sizeof(*word)));
+    first_bad = word;
+    MOEKIT_CUDA_CHECK(cudaMemsetAsync(first_bad, 0xff, sizeof(*first_bad), stream));
+  }
+  launch(first_bad, stream);
+  if (first_bad == nullptr) return;
+  unsigned long long bad = 0;
+  {
+    nb::gil_scoped_release release;
+    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(&bad, first_bad, sizeof(bad), cudaMemcpyDeviceToHost, stream));
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  // moekit.Error, as the CPU path's check raises it.
+  if (bad != ~0ull) throw Error(fmt::format("{}: element {} (flattened) is not finite", in.name, bad));
+}
+#endif
+
+void quantize_per_token(nb::handle x_obj, nb::handle q_obj, nb::handle scales_obj, uintptr_t stream, bool check_finite) {
   Tensor x = take(x_obj, "x", {DType::kFloat32, DType::kBf16});
   Tensor q = take(q_obj, "x_fp8", {DType::kFp8}, Access::kWrite);
   Tensor scales = take(scales_obj, "x_scales", {DType::kFloat32}, Access::kWrite);
@@ -65,8 +106,20 @@ void quantize_per_token(nb::handle x_obj, nb::handle q_obj, nb::handle scales_ob
   expect_contiguous(q);
   expect_shape(scales, same_shape_dims(x, kb, "K/128", m, "M"));
   expect_mn_major(scales);
-  if (expect_same_device({&x, &q, &scales}) == Device::kCuda) no_cuda_path("per_token_cast_to_fp8");
   int64_t batches = x.numel() / (m * k);
+  if (expect_same_device({&x, &q, &scales}) == Device::kCuda) {
+#if defined(MOEKIT_WITH_CUDA)
+    run_on_cuda(x, stream, check_finite, [&](unsigned long long* first_bad, cudaStream_t s) {
+      if (x.dtype == DType::kBf16)
+        gpu::quantize_tokens_fp8(x.ptr<uint16_t>(), batches, m, int(k), q.ptr<uint8_t>(), scales.ptr<float>(), first_bad, s);
+      else
+        gpu::quantize_tokens_fp8(x.ptr<float>(), batches, m, int(k), q.ptr<uint8_t>(), scales.ptr<float>(), first_bad, s);
+    });
+    return;
+#else
+    no_cuda_path("per_token_cast_to_fp8");
+#endif
+  }
   nb::gil_scoped_release release;
   std::vector<float> buf;
   for_each_row(batches, m, kb, [&](int64_t row, int64_t s) {
@@ -74,7 +127,7 @@ void quantize_per_token(nb::handle x_obj, nb::handle q_obj, nb::handle scales_ob
   });
 }
 
-void quantize_per_block(nb::handle w_obj, nb::handle q_obj, nb::handle scales_obj) {
+void quantize_per_block(nb::handle w_obj, nb::handle q_obj, nb::handle scales_obj, uintptr_t stream, bool check_finite) {
   Tensor w = take(w_obj, "w", {DType::kFloat32, DType::kBf16});
   Tensor q = take(q_obj, "w_fp8", {DType::kFp8}, Access::kWrite);
   Tensor scales = take(scales_obj, "w_scales", {DType::kFloat32}, Access::kWrite);
@@ -85,8 +138,20 @@ void quantize_per_block(nb::handle w_obj, nb::handle q_obj, nb::handle scales_ob
   expect_contiguous(q);
   expect_shape(scales, same_shape_dims(w, k / kQuantBlock, "K/128", n / kQuantBlock, "N/128"));
   expect_contiguous(scales);
-  if (expect_same_device({&w, &q, &scales}) == Device::kCuda) no_cuda_path("per_block_cast_to_fp8");
   int64_t batches = w.numel() / (n * k), scale_elems = (n / kQuantBlock) * (k / kQuantBlock);
+  if (expect_same_device({&w, &q, &scales}) == Device::kCuda) {
+#if defined(MOEKIT_WITH_CUDA)
+    run_on_cuda(w, stream, check_finite, [&](unsigned long long* first_bad, cudaStream_t s) {
+      if (w.dtype == DType::kBf16)
+        gpu::quantize_blocks_fp8(w.ptr<uint16_t>(), batches, int(n), int(k), q.ptr<uint8_t>(), scales.ptr<float>(), first_bad, s);
+      else
+        gpu::quantize_blocks_fp8(w.ptr<float>(), batches, int(n), int(k), q.ptr<uint8_t>(), scales.ptr<float>(), first_bad, s);
+    });
+    return;
+#else
+    no_cuda_path("per_block_cast_to_fp8");
+#endif
+  }
   nb::gil_scoped_release release;
   std::vector<float> matrix;
   for (int64_t b = 0; b < batches; ++b) {
@@ -124,8 +189,10 @@ void dequantize_per_token(nb::handle q_obj, nb::handle scales_obj, nb::handle ou
 
 void bind_quant(nb::module_& m) {
   m.def("quantize_per_token", &quantize_per_token, nb::arg("x"), nb::arg("x_fp8"), nb::arg("x_scales"),
+        nb::arg("stream") = 0, nb::arg("check_finite") = true,
         "x [..., M, K] fp32/bf16 -> x_fp8 [..., M, K], x_scales [..., M, K/128] (MN-major), written in place.");
   m.def("quantize_per_block", &quantize_per_block, nb::arg("w"), nb::arg("w_fp8"), nb::arg("w_scales"),
+        nb::arg("stream") = 0, nb::arg("check_finite") = true,
         "w [..., N, K] fp32/bf16 -> w_fp8 [..., N, K], w_scales [..., N/128, K/128], written in place.");
   m.def("dequantize_per_token", &dequantize_per_token, nb::arg("x_fp8"), nb::arg("x_scales"), nb::arg("out"),
         "The inverse of quantize_per_token into out [..., M, K] fp32.");

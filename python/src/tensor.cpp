@@ -3,6 +3,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#if defined(MOEKIT_WITH_CUDA)
+#include "moekit/cuda_check.h"
+#endif
+
 namespace moekit::py {
 
 namespace {
@@ -186,5 +190,13 @@ Device expect_same_device(std::initializer_list<const Tensor*> tensors) {
 void no_cuda_path(const char* function) {
   throw nb::value_error(fmt::format("{} has no CUDA path yet: pass CPU tensors", function).c_str());
 }
+
+#if defined(MOEKIT_WITH_CUDA)
+DeviceGuard::DeviceGuard(int device) {
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&previous));
+  if (previous != device) MOEKIT_CUDA_CHECK(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() { cudaSetDevice(previous); }
+#endif
 
 }  // namespace moekit::py

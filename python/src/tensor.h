@@ -78,4 +78,13 @@ void expect_mn_major(const Tensor& t);
 // Raised when a CUDA tensor reaches a function that has no CUDA path in this build.
 [[noreturn]] void no_cuda_path(const char* function);
 
+#if defined(MOEKIT_WITH_CUDA)
+// Runs on the tensors' device, restoring the caller's current device afterwards.
+struct DeviceGuard {
+  int previous = 0;
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+};
+#endif
+
 }  // namespace moekit::py

@@ -75,10 +75,47 @@ def test_mixed_devices_are_refused(rng):
                                             torch.zeros(E, dtype=torch.int32), 8)  # masked_m on the CPU
 
 
-def test_quantisation_has_no_cuda_path_yet():
-    x = torch.zeros((2, 128), device="cuda")
-    with pytest.raises(ValueError, match="no CUDA path"):
+def test_quantisation_in_a_graph_and_at_serving_size(rng):
+    """A DeepSeek-V3-sized activation (bf16, 4 x 128 tokens x 7168) and weight block set quantised on
+    the GPU equal the CPU bits; the capture replays on new values in the same buffers."""
+    cuda = TorchBackend("cuda")
+    x = moekit.float32_to_bf16((rng.standard_normal((4, 128, 7168)) * rng.uniform(0.01, 50, (4, 128, 1))).astype(np.float32))
+    xg = cuda.put(x, "bf16")
+    q, s = moekit.per_token_cast_to_fp8(xg)
+    want_q, want_s = moekit.per_token_cast_to_fp8(x)  # the CPU path (quant.h) on the same bf16 bits
+    np.testing.assert_array_equal(cuda.get(q), want_q)
+    np.testing.assert_array_equal(cuda.get(s), want_s)
+    pointers = (q.data_ptr(), s.data_ptr())
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moekit.per_token_cast_to_fp8(xg, out=(q, s))
+    x2 = moekit.float32_to_bf16(rng.standard_normal((4, 128, 7168)).astype(np.float32))
+    xg.copy_(cuda.put(x2, "bf16"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_q2, want_s2 = moekit.per_token_cast_to_fp8(x2)
+    np.testing.assert_array_equal(cuda.get(q), want_q2)
+    np.testing.assert_array_equal(cuda.get(s), want_s2)
+    assert (q.data_ptr(), s.data_ptr()) == pointers
+
+    w = rng.standard_normal((3, 512, 768)).astype(np.float32)
+    wq, ws = moekit.per_block_cast_to_fp8(cuda.put(w))
+    cq, cs = moekit.per_block_cast_to_fp8(w)
+    np.testing.assert_array_equal(cuda.get(wq), cq)
+    np.testing.assert_array_equal(cuda.get(ws), cs)
+
+
+def test_quantisation_reports_non_finite_on_cuda():
+    x = torch.ones((3, 256), device="cuda")
+    x[2, 130] = float("nan")
+    with pytest.raises(moekit.Error, match=r"element 642 \(flattened\) is not finite"):
         moekit.per_token_cast_to_fp8(x)
+    moekit.per_token_cast_to_fp8(x, check_finite=False)  # the caller opted out: no synchronisation, no error
+    w = torch.ones((128, 128), dtype=torch.bfloat16, device="cuda")
+    w[5, 7] = float("inf")
+    with pytest.raises(moekit.Error, match=r"element 647 \(flattened\) is not finite"):
+        moekit.per_block_cast_to_fp8(w)
 
 
 # ---- Expert parallelism on the GPU (ep.h, `local` transport): equal to the CPU group bit for bit ----

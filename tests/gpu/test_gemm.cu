@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "device_buffer.h"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
@@ -22,19 +23,6 @@ namespace {
 
 constexpr uint16_t kPoison = 0xFFFF;  // a BF16 NaN: an unwritten element can never pass
 
-template <class T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DeviceBuffer(size_t n) : count(n) { MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, n * sizeof(T))); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void upload(const std::vector<T>& v) { MOEKIT_CUDA_CHECK(cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice)); }
-  std::vector<T> download() const {
-    std::vector<T> v(count);
-    MOEKIT_CUDA_CHECK(cudaMemcpy(v.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
 
 // Random FP8 codes: every finite e4m3 value, or only the positive ones; never NaN.
 std::vector<uint8_t> random_fp8(size_t n, std::mt19937& rng, bool positive = false) {

@@ -1,16 +1,20 @@
-// FP8 quantisation kernels of the MoE layer (see activation.cuh). One warp per row; each lane
-// holds 4 consecutive values of a 128-column group, so a group's amax is one warp reduction.
+// FP8 quantisation kernels: the MoE layer's (activation.cuh) and the public ones of quant_gpu.h.
+// One warp per row; each lane holds 4 consecutive values of a 128-column group, so a group's amax
+// is one warp reduction (weight blocks: one CTA per 128x128 block).
 // The operations are the reference's, in its order: v = g / (1 + exp(-g)) * u in fp32,
 // scale = max(amax, kMinAmax) / 448, q = e4m3(v / scale) (fp8.h's rounding, IEEE division).
 #include <algorithm>
 #include <cmath>
 
+#include "ep/cuda/ep_format.h"
 #include "kernels/cuda/activation.cuh"
 #include "moekit/bf16.h"
+#include "moekit/check.h"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
 #include "moekit/layout.h"
 #include "moekit/quant.h"
+#include "moekit/quant_gpu.h"
 
 namespace moekit::gpu {
 namespace {
@@ -98,7 +102,147 @@ __global__ void quantize_tokens_kernel(const uint16_t* __restrict__ x, int num_t
   }
 }
 
+// Four consecutive inputs as fp32: bf16 widened exactly, fp32 as it is.
+__device__ void load4(const uint16_t* p, float (&v)[4]) {
+  const uint2 b = *reinterpret_cast<const uint2*>(p);
+  v[0] = bf16_to_float(uint16_t(b.x));
+  v[1] = bf16_to_float(uint16_t(b.x >> 16));
+  v[2] = bf16_to_float(uint16_t(b.y));
+  v[3] = bf16_to_float(uint16_t(b.y >> 16));
+}
+__device__ void load4(const float* p, float (&v)[4]) {
+  const float4 f = *reinterpret_cast<const float4*>(p);
+  v[0] = f.x;
+  v[1] = f.y;
+  v[2] = f.z;
+  v[3] = f.w;
+}
+
+// quant_gpu.h's report of a non-finite input: the smallest flattened index wins.
+__device__ void note_non_finite(const float (&v)[4], unsigned long long index, unsigned long long* first_bad) {
+  if (first_bad == nullptr) return;
+  for (int i = 0; i < 4; ++i)
+    if (!isfinite(v[i])) {
+      atomicMin(first_bad, index + i);
+      return;
+    }
+}
+
+// quant_gpu.h tokens: row `row` of x [batches * rows, k]; its scales at [b, g, m] of
+// [batches, k/128, rows].
+template <class T>
+__global__ void quantize_token_rows_kernel(const T* __restrict__ x, int64_t total_rows, int64_t rows, int k,
+                                           uint8_t* __restrict__ q, float* __restrict__ scales,
+                                           unsigned long long* first_bad) {
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= total_rows) return;
+  const int lane = threadIdx.x % kWarp;
+  const int groups = k / kQuantBlock;
+  float* s = scales + (row / rows) * groups * rows + row % rows;
+  for (int g = 0; g < groups; ++g) {
+    const int64_t i = row * k + g * kQuantBlock + lane * 4;
+    float v[4];
+    load4(x + i, v);
+    note_non_finite(v, uint64_t(i), first_bad);
+    float scale;
+    const uint32_t packed = quantize_group(v, scale);
+    *reinterpret_cast<uint32_t*>(q + i) = packed;
+    if (lane == 0) s[int64_t(g) * rows] = scale;
+  }
+}
+
+// quant_gpu.h blocks: CTA (cb, rb, b) quantises the 128x128 block; thread t covers row t / 2,
+// columns (t % 2) * 64 .. + 64, read twice (amax, then values: the second read hits L1/L2).
+constexpr int kBlockThreads = 256;
+template <class T>
+__global__ void __launch_bounds__(kBlockThreads) quantize_blocks_kernel(const T* __restrict__ w, int n, int k,
+                                                                        uint8_t* __restrict__ q,
+                                                                        float* __restrict__ scales,
+                                                                        unsigned long long* first_bad) {
+  __shared__ float warp_amax[kBlockThreads / kWarp];
+  const int cb = blockIdx.x, rb = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const int64_t base = b * n * k + int64_t(rb * kQuantBlock + threadIdx.x / 2) * k + cb * kQuantBlock +
+                       (threadIdx.x % 2) * (kQuantBlock / 2);
+  float amax = 0.0f;
+  for (int i = 0; i < kQuantBlock / 2; i += 4) {
+    float v[4];
+    load4(w + base + i, v);
+    note_non_finite(v, uint64_t(base + i), first_bad);
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  }
+  for (int o = kWarp / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % kWarp == 0) warp_amax[threadIdx.x / kWarp] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+  for (int i = 1; i < kBlockThreads / kWarp; ++i) amax = fmaxf(amax, warp_amax[i]);
+  const float scale = __fdiv_rn(fmaxf(amax, kMinAmax), kFp8Max);
+  for (int i = 0; i < kQuantBlock / 2; i += 4) {
+    float v[4];
+    load4(w + base + i, v);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) packed |= uint32_t(float_to_fp8_e4m3(__fdiv_rn(v[j], scale))) << (8 * j);
+    *reinterpret_cast<uint32_t*>(q + base + i) = packed;
+  }
+  if (threadIdx.x == 0) scales[(b * (n / kQuantBlock) + rb) * (k / kQuantBlock) + cb] = scale;
+}
+
+// Host checks shared by the public launches: the vector loads need aligned rows.
+void check_quant_args(const char* what, const void* x, size_t x_align, const uint8_t* q, const float* scales,
+                      int64_t batches, int64_t rows, int k) {
+  MOEKIT_CHECK(k > 0 && k % kQuantBlock == 0, fmtr("{}: k = {} must be a positive multiple of 128", what, k));
+  MOEKIT_CHECK(batches >= 0 && rows >= 0, fmtr("{}: batches = {}, rows = {} must be >= 0", what, batches, rows));
+  MOEKIT_CHECK(reinterpret_cast<uintptr_t>(x) % x_align == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(scales) % 4 == 0,
+               fmtr("{}: x must be {}-byte aligned and q 4-byte aligned (x = {}, q = {})", what, x_align, x,
+                    static_cast<const void*>(q)));
+}
+
+template <class T>
+void launch_quantize_tokens_fp8(const T* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
+                                unsigned long long* first_bad, cudaStream_t stream) {
+  check_quant_args("quantize_tokens_fp8", x, 4 * sizeof(T), q, scales, batches, rows, k);
+  const int64_t total = batches * rows;
+  if (total == 0) return;
+  const int64_t blocks = (total + kRowsPerBlock - 1) / kRowsPerBlock;
+  MOEKIT_CHECK(blocks < (int64_t(1) << 31), fmtr("quantize_tokens_fp8: {} rows are too many for one launch", total));
+  quantize_token_rows_kernel<<<unsigned(blocks), kRowsPerBlock * kWarp, 0, stream>>>(x, total, rows, k, q, scales,
+                                                                                      first_bad);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_quantize_blocks_fp8(const T* w, int64_t batches, int n, int k, uint8_t* q, float* scales,
+                                unsigned long long* first_bad, cudaStream_t stream) {
+  check_quant_args("quantize_blocks_fp8", w, 4 * sizeof(T), q, scales, batches, n, k);
+  MOEKIT_CHECK(n % kQuantBlock == 0, fmtr("quantize_blocks_fp8: n = {} must be a multiple of 128", n));
+  MOEKIT_CHECK(batches < 65536 && n / kQuantBlock < 65536,
+               fmtr("quantize_blocks_fp8: batches = {} and n/128 = {} must be < 65536", batches, n / kQuantBlock));
+  if (batches == 0 || n == 0) return;
+  const dim3 grid(k / kQuantBlock, n / kQuantBlock, unsigned(batches));
+  quantize_blocks_kernel<<<grid, kBlockThreads, 0, stream>>>(w, n, k, q, scales, first_bad);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+void quantize_tokens_fp8(const uint16_t* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
+                         unsigned long long* first_bad, cudaStream_t stream) {
+  launch_quantize_tokens_fp8(x, batches, rows, k, q, scales, first_bad, stream);
+}
+void quantize_tokens_fp8(const float* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
+                         unsigned long long* first_bad, cudaStream_t stream) {
+  launch_quantize_tokens_fp8(x, batches, rows, k, q, scales, first_bad, stream);
+}
+void quantize_blocks_fp8(const uint16_t* w, int64_t batches, int n, int k, uint8_t* q, float* scales,
+                         unsigned long long* first_bad, cudaStream_t stream) {
+  launch_quantize_blocks_fp8(w, batches, n, k, q, scales, first_bad, stream);
+}
+void quantize_blocks_fp8(const float* w, int64_t batches, int n, int k, uint8_t* q, float* scales,
+                         unsigned long long* first_bad, cudaStream_t stream) {
+  launch_quantize_blocks_fp8(w, batches, n, k, q, scales, first_bad, stream);
+}
 
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream) {
