@@ -1,7 +1,6 @@
 // The combine kernels (both modes).
 //
-// combine_send: for each message this rank received (the map dispatch_recv wrote, one warp per
-// message), the weighted
+// combine_send: for each message this rank received (the map dispatch_recv wrote), the weighted
 // sum of its local experts' output rows in top-k order, in fp32 with explicit round-to-nearest
 // multiply and add (no FMA contraction, so the bits match the CPU reference's `acc += w * y`),
 // rounded once to bf16 and written into the source's combine inbox at the source token's row;
@@ -9,6 +8,10 @@
 // combine_recv: waits for all P flags and writes out[t] = bf16(add[t] + partial[r0][t] + ...) over
 // the token's target ranks in ascending order, in fp32: a fixed order, so the result is
 // deterministic and equal to the reference's.
+//
+// At decode sizes both are bound by round trips to memory, not by bytes: each thread loads
+// every row (send) or every rank's partial (receive) of its chunks before the first add, in
+// registers, and the adds then run in the fixed order.
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
@@ -33,73 +36,106 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
 }
 
-// One warp per received message; each lane sums kUnroll 8-wide chunks at a time, so that many
-// independent loads of y are in flight.
+// combine_send's work item: one message's weighted sum over a slice of 32 * kSendChunks chunks
+// (8 bf16 each). Items are dealt to warps in contiguous runs of equal length, so every warp has
+// the same number of slices whatever the messages' row counts, and a warp reloads a message's map
+// only when its run crosses into the next message. Up to kSendRows rows are loaded before any is
+// added, so a typical message (1-2 local rows) costs one round trip per slice.
+constexpr int kSendChunks = 4;
+constexpr int kSendRows = 4;
+
 __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, const uint16_t* __restrict__ y) {
-  constexpr int kUnroll = 4;
   extern __shared__ int smem[];
   int* src_start = smem;  // [P + 1]
-  __shared__ int warp_rows[kEpThreads / 32][kEpMaxTopk];
-  __shared__ float warp_w[kEpThreads / 32][kEpMaxTopk];
   const int P = a.num_ranks, k = a.topk;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const unsigned step = current_step(a, kPhaseCombineSend);
   const int parity = int(step) & a.parity_mask;
-  if (threadIdx.x == 0) {
-    src_start[0] = 0;
-    for (int s = 0; s < P; ++s) src_start[s + 1] = src_start[s] + a.recv_msgs[s];
-  }
+  if (warp == 0) warp_prefix(src_start, P, [&](int s) { return a.recv_msgs[s]; });
   __syncthreads();
   const int num_msgs = src_start[P], num_chunks = a.hidden / 8;
-  int* rows = warp_rows[warp];
-  float* weights = warp_w[warp];
-  for (int g = blockIdx.x * warps + warp; g < num_msgs; g += gridDim.x * warps) {
-    int s = 0;
-    while (src_start[s + 1] <= g) ++s;
-    const size_t item = size_t(s) * a.max_tokens + (g - src_start[s]);
-    if (lane < k) {
-      rows[lane] = a.map_rows[item * k + lane];
-      weights[lane] = a.map_w[item * k + lane];
+  const int slices = (num_chunks + 32 * kSendChunks - 1) / (32 * kSendChunks);
+  const int64_t items = int64_t(num_msgs) * slices, num_warps = int64_t(gridDim.x) * warps;
+  const int64_t gw = int64_t(blockIdx.x) * warps + warp;
+  const int64_t item_end = (gw + 1) * items / num_warps;
+  int cur = -1;         // the message whose map the lanes hold
+  int my_row = -1;      // lane i < k: entry i's row in y (-1: none)
+  float my_w = 0.0f;    // and its top-k weight
+  unsigned rows = 0;    // lanes with a row, in top-k order
+  uint4* dst = nullptr;
+  for (int64_t it = gw * items / num_warps; it < item_end; ++it) {
+    const int g = int(it / slices), slice = int(it % slices);
+    if (g != cur) {
+      cur = g;
+      const int s = source_of(src_start, P, g);
+      const size_t item = size_t(s) * a.max_tokens + (g - src_start[s]);
+      my_row = lane < k ? a.map_rows[item * k + lane] : -1;
+      my_w = lane < k ? a.map_w[item * k + lane] : 0.0f;
+      const int token = a.map_token[item];
+      rows = __ballot_sync(0xFFFFFFFFu, my_row >= 0);
+      dst = reinterpret_cast<uint4*>(a.combine_outbox(parity, s) + kEpFlagBytes + size_t(token) * a.hidden * 2);
     }
-    const int token = a.map_token[item];
-    __syncwarp();
-    uint4* dst = reinterpret_cast<uint4*>(a.combine_outbox(parity, s) + kEpFlagBytes + size_t(token) * a.hidden * 2);
-    for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
-      float acc[kUnroll][8] = {};
-      for (int i = 0; i < k; ++i) {
-        const int row = rows[i];
-        if (row < 0) continue;
-        const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(row) * a.hidden);
-        uint4 v[kUnroll];
+    const int c0 = slice * 32 * kSendChunks + lane;
+    // acc = 0, then acc + w * y row by row in top-k order: the reference's operations and order.
+    float acc[kSendChunks][8] = {};
+    for (unsigned left = rows; left;) {
+      int row[kSendRows];
+      float w[kSendRows];
+      int n = 0;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (c0 + 32 * u < num_chunks) v[u] = __ldg(yr + c0 + 32 * u);
-        const float w = weights[i];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + 32 * u >= num_chunks) continue;
-          float f[8];
-          unpack8(v[u], f);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, f[q]));
+      for (int q = 0; q < kSendRows; ++q) {
+        row[q] = 0;
+        w[q] = 0.0f;
+        if (left) {  // warp-uniform
+          const int from = __ffs(left) - 1;
+          left &= left - 1;
+          row[q] = __shfl_sync(0xFFFFFFFFu, my_row, from);
+          w[q] = __shfl_sync(0xFFFFFFFFu, my_w, from);
+          n = q + 1;
         }
       }
+      uint4 v[kSendRows][kSendChunks];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c0 + 32 * u < num_chunks) dst[c0 + 32 * u] = pack8(acc[u]);
+      for (int q = 0; q < kSendRows; ++q) {
+        const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(row[q]) * a.hidden);
+#pragma unroll
+        for (int u = 0; u < kSendChunks; ++u)
+          if (q < n && c0 + 32 * u < num_chunks) v[q][u] = __ldg(yr + c0 + 32 * u);
+      }
+#pragma unroll
+      for (int q = 0; q < kSendRows; ++q) {
+        if (q >= n) continue;
+#pragma unroll
+        for (int u = 0; u < kSendChunks; ++u) {
+          if (c0 + 32 * u >= num_chunks) continue;
+          float f[8];
+          unpack8(v[q][u], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w[q], f[e]));
+        }
+      }
     }
-    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < kSendChunks; ++u)
+      if (c0 + 32 * u < num_chunks) dst[c0 + 32 * u] = pack8(acc[u]);
   }
-  if (finish_cta(a, kPhaseCombineSend)) {
+  if (finish_cta(a, kPhaseCombineSend, true)) {
     for (int s = threadIdx.x; s < P; s += blockDim.x)
       st_release_sys(reinterpret_cast<uint64_t*>(a.combine_outbox(parity, s)), uint64_t(step) << 32);
     if (threadIdx.x == 0) advance_step(a, kPhaseCombineSend, step);
   }
 }
 
+// combine_recv: one CTA per token; each thread holds kRecvChunks chunks (a 8192-wide token in one
+// pass at 256 threads) and loads kRecvRanks ranks' partials of them before adding any, so a token
+// with up to 8 target ranks costs one round trip. The adds stay in ascending rank order.
+constexpr int kRecvChunks = 4;
+constexpr int kRecvRanks = 8;
+
 __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out) {
   __shared__ int ok;
   __shared__ int ranks[kEpMaxTopk];
+  __shared__ int token_ranks;
   const int P = a.num_ranks, k = a.topk;
   const unsigned step = current_step(a, kPhaseCombineRecv);
   const int parity = int(step) & a.parity_mask;
@@ -109,35 +145,64 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
     if (wait_flag(a, reinterpret_cast<const uint64_t*>(a.combine_inbox(parity, r)), step, kPhaseCombineRecv, r) == 0)
       ok = 0;
   __syncthreads();
-  const int num_tokens = ok ? a.ctr->num_tokens : 0;
+  const int num_tokens = ok ? a.ctr->num_tokens : 0, num_chunks = a.hidden / 8;
   for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-    if (threadIdx.x < k) ranks[threadIdx.x] = a.route_ranks[size_t(t) * k + threadIdx.x];
+    if (threadIdx.x < 32) {
+      // The token's target ranks, ascending, -1 padded: the partials to add are those before
+      // the first -1.
+      const int lane = threadIdx.x;
+      const int r = lane < k ? a.route_ranks[size_t(t) * k + lane] : -1;
+      const unsigned have = __ballot_sync(0xFFFFFFFFu, r >= 0);
+      if (lane < k) ranks[lane] = r;
+      if (lane == 0) token_ranks = ~have == 0 ? 32 : __ffs(~have) - 1;
+    }
     __syncthreads();
-    for (int c = threadIdx.x; c < a.hidden / 8; c += blockDim.x) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (add) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc);
-      // Four ranks' partials loaded before any is added (the adds stay in ascending rank order).
-      for (int i = 0; i < k && ranks[i] >= 0; i += 4) {
-        uint4 part[4];
+    const int n = token_ranks;
+    for (int c_base = 0; c_base < num_chunks; c_base += kRecvChunks * blockDim.x) {
+      float acc[kRecvChunks][8] = {};
+      if (add) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (i + u < k && ranks[i + u] >= 0)
-            part[u] = __ldcg(reinterpret_cast<const uint4*>(a.combine_inbox(parity, ranks[i + u]) + kEpFlagBytes +
-                                                            size_t(t) * a.hidden * 2) + c);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if (i + u >= k || ranks[i + u] < 0) continue;
-          float v[8];
-          unpack8(part[u], v);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], v[q]);
+        for (int u = 0; u < kRecvChunks; ++u) {
+          const int c = c_base + u * blockDim.x + threadIdx.x;
+          if (c < num_chunks) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);  // add may be out
         }
       }
-      reinterpret_cast<uint4*>(out + size_t(t) * a.hidden)[c] = pack8(acc);
+      for (int i = 0; i < n; i += kRecvRanks) {
+        uint4 part[kRecvRanks][kRecvChunks];
+#pragma unroll
+        for (int q = 0; q < kRecvRanks; ++q) {
+          if (i + q >= n) continue;
+          const uint4* src = reinterpret_cast<const uint4*>(a.combine_inbox(parity, ranks[i + q]) + kEpFlagBytes +
+                                                            size_t(t) * a.hidden * 2);
+#pragma unroll
+          for (int u = 0; u < kRecvChunks; ++u) {
+            const int c = c_base + u * blockDim.x + threadIdx.x;
+            if (c < num_chunks) part[q][u] = __ldcg(src + c);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kRecvRanks; ++q) {
+          if (i + q >= n) continue;
+#pragma unroll
+          for (int u = 0; u < kRecvChunks; ++u) {
+            const int c = c_base + u * blockDim.x + threadIdx.x;
+            if (c >= num_chunks) continue;
+            float v[8];
+            unpack8(part[q][u], v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], v[e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRecvChunks; ++u) {
+        const int c = c_base + u * blockDim.x + threadIdx.x;
+        if (c < num_chunks) reinterpret_cast<uint4*>(out + size_t(t) * a.hidden)[c] = pack8(acc[u]);
+      }
     }
     __syncthreads();
   }
-  if (finish_cta(a, kPhaseCombineRecv) && threadIdx.x == 0) advance_step(a, kPhaseCombineRecv, step);
+  if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) advance_step(a, kPhaseCombineRecv, step);
 }
 
 }  // namespace

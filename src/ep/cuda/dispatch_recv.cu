@@ -7,6 +7,11 @@
 // layout.h: by source rank, then source token) and, for the contiguous layout, the padded
 // segment starts. A row's index is then base + the position the sender computed, so the
 // copies need no atomics and no scan, and any warp may copy any message.
+//
+// One warp per message, messages dealt round-robin over the CTAs first (so every SM copies).
+// At decode sizes this is latency-bound, so a warp keeps a whole message in flight: it loads its
+// first message (payload, scales, metadata) before the table is built, and at most one further
+// round trip per 8 KiB of payload follows.
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
@@ -14,6 +19,51 @@
 
 namespace moekit::gpu {
 namespace {
+
+constexpr int kRecvChunks = 16;  // 16-byte payload chunks per lane in flight: 8 KiB per warp
+constexpr int kRecvScales = 2;   // scales per lane in flight: 64 per warp (d <= 8192)
+
+// What a warp holds of one message: the first 32 * kRecvChunks chunks of the payload, the first
+// 32 * kRecvScales scales, the source token and (lane j < k) top-k entry j's code and weight.
+struct MsgLoad {
+  uint4 v[kRecvChunks];
+  float sc[kRecvScales];
+  int token, code;
+  float w;
+};
+
+__device__ __forceinline__ const uint8_t* message_at(const EpArgs& a, int parity, int s, int j) {
+  return a.dispatch_inbox(parity, s) + a.dispatch_header_bytes + size_t(j) * a.msg_bytes;
+}
+
+__device__ __forceinline__ void load_chunks(const uint8_t* msg, int c0, int num_chunks, uint4* v) {
+  const int lane = threadIdx.x & 31;
+  const uint4* src = reinterpret_cast<const uint4*>(msg);
+#pragma unroll
+  for (int u = 0; u < kRecvChunks; ++u) {
+    const int c = c0 + lane + 32 * u;
+    if (c < num_chunks) v[u] = __ldcg(src + c);
+  }
+}
+__device__ __forceinline__ void load_scales(const EpArgs& a, const uint8_t* msg, int kb0, int kb_count, float* sc) {
+  const int lane = threadIdx.x & 31;
+  const float* scales = reinterpret_cast<const float*>(msg + a.msg_scale_off);
+#pragma unroll
+  for (int u = 0; u < kRecvScales; ++u) {
+    const int kb = kb0 + lane + 32 * u;
+    if (kb < kb_count) sc[u] = __ldcg(scales + kb);
+  }
+}
+
+__device__ __forceinline__ void load_message(const EpArgs& a, const uint8_t* msg, MsgLoad& m) {
+  const int lane = threadIdx.x & 31, k = a.topk;
+  load_chunks(msg, 0, a.hidden / 16, m.v);
+  load_scales(a, msg, 0, a.hidden / kQuantBlock, m.sc);
+  const int* meta = reinterpret_cast<const int*>(msg + a.msg_meta_off);
+  m.token = __ldcg(meta);
+  m.code = lane < k ? __ldcg(meta + 1 + lane) : -1;
+  m.w = lane < k ? __ldcg(reinterpret_cast<const float*>(meta + 1 + k) + lane) : 0.0f;
+}
 
 template <bool kContiguous>
 __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
@@ -25,7 +75,6 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   int* expert_rows = seg + E + 1;   // [E]: real rows per local expert
   int* pad_start = expert_rows + E; // [E + 1]: contiguous: prefix of padding rows per segment
   __shared__ int ok;
-  __shared__ int warp_rows[kEpThreads / 32][kEpMaxTopk];
 
   const unsigned step = current_step(a, kPhaseDispatchRecv);
   const int parity = int(step) & a.parity_mask;
@@ -40,11 +89,24 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   __syncthreads();
 
   if (ok) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (warp == 0) warp_prefix(src_start, P, [&](int s) { return src_start[s + 1]; });
     for (int i = threadIdx.x; i < E * P; i += blockDim.x) {
       const int s = i / E, e = i % E;
       base[e * P + s] = __ldcg(reinterpret_cast<const int*>(a.dispatch_inbox(parity, s) + kEpFlagBytes) + e);
     }
     __syncthreads();
+
+    // This warp's first message is loaded while the table is built.
+    const int msg_stride = gridDim.x * warps, first_msg = warp * gridDim.x + blockIdx.x;
+    const int sent_msgs = src_start[P];
+    MsgLoad ld;
+    int g_src = 0;
+    if (first_msg < sent_msgs) {
+      g_src = source_of(src_start, P, first_msg);
+      load_message(a, message_at(a, parity, g_src, first_msg - src_start[g_src]), ld);
+    }
+
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       int acc = 0;
       for (int s = 0; s < P; ++s) {
@@ -55,18 +117,18 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       expert_rows[e] = acc;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      src_start[0] = 0;
-      for (int s = 0; s < P; ++s) src_start[s + 1] += src_start[s];
-      seg[0] = 0;
-      pad_start[0] = 0;
-      for (int e = 0; e < E; ++e) {
-        seg[e + 1] = seg[e] + (kContiguous ? (expert_rows[e] + a.block_m - 1) / a.block_m * a.block_m : 0);
-        pad_start[e + 1] = pad_start[e] + (kContiguous ? seg[e + 1] - seg[e] - expert_rows[e] : 0);
+    if (kContiguous) {
+      if (threadIdx.x == 0) {
+        seg[0] = 0;
+        pad_start[0] = 0;
+        for (int e = 0; e < E; ++e) {
+          seg[e + 1] = seg[e] + (expert_rows[e] + a.block_m - 1) / a.block_m * a.block_m;
+          pad_start[e + 1] = pad_start[e] + seg[e + 1] - seg[e] - expert_rows[e];
+        }
       }
+      __syncthreads();
     }
-    __syncthreads();
-    const int total_rows = seg[E];
+    const int total_rows = kContiguous ? seg[E] : 0;
     const bool fits = !kContiguous || total_rows <= a.max_rows;
     if (!fits && threadIdx.x == 0 && blockIdx.x == 0)
       record_fault(a, EpErrorKind::kCapacity, kPhaseDispatchRecv, -1, step, -1, a.max_rows, total_rows);
@@ -96,9 +158,8 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
           a.recv_src[r] = -1;
         }
       }
-      const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
       const int kb_count = a.hidden / kQuantBlock;
-      for (int p = blockIdx.x * warps + (threadIdx.x >> 5); fits && p < pad_start[E]; p += gridDim.x * warps) {
+      for (int p = blockIdx.x * warps + warp; fits && p < pad_start[E]; p += gridDim.x * warps) {
         int e = 0;
         while (pad_start[e + 1] <= p) ++e;
         const int r = seg[e] + expert_rows[e] + (p - pad_start[e]);
@@ -108,70 +169,62 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       }
     }
 
-    // One warp per message: a message is a few KB, so many in flight at once beat one CTA
-    // walking them in turn.
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    int* rows = warp_rows[warp];
-    const int num_msgs = fits ? src_start[P] : 0;
+    const int num_msgs = fits ? sent_msgs : 0;
     const int kb_count = a.hidden / kQuantBlock, num_chunks = a.hidden / 16;
-    for (int g = blockIdx.x * warps + warp; g < num_msgs; g += gridDim.x * warps) {
-      int s = 0;
-      while (src_start[s + 1] <= g) ++s;
+    for (int g = first_msg; g < num_msgs; g += msg_stride) {
+      const int s = g == first_msg ? g_src : source_of(src_start, P, g);
       const int j = g - src_start[s];
-      const uint8_t* msg = a.dispatch_inbox(parity, s) + a.dispatch_header_bytes + size_t(j) * a.msg_bytes;
-      const int* meta = reinterpret_cast<const int*>(msg + a.msg_meta_off);
+      const uint8_t* msg = message_at(a, parity, s, j);
+      if (g != first_msg) load_message(a, msg, ld);
       const size_t item = size_t(s) * a.max_tokens + j;
-      const int token = __ldcg(meta);
-      if (lane == 0) a.map_token[item] = token;
+      // Lane i < k: entry i's output row (-1: not on this rank), its expert and its position.
+      int row = -1, e = 0, m = 0;
+      if (ld.code >= 0) {
+        e = ld.code >> 16;
+        m = base[e * P + s] + (ld.code & 0xFFFF);
+        row = kContiguous ? seg[e] + m : e * a.max_m + m;
+        if (kContiguous) a.row_expert[row] = e;
+        a.recv_src[row] = s * a.max_tokens + ld.token;
+      }
+      if (lane == 0) a.map_token[item] = ld.token;
       if (lane < k) {
-        const int code = __ldcg(meta + 1 + lane);
-        const float w = __ldcg(reinterpret_cast<const float*>(meta + 1 + k) + lane);
-        int row = -1;
-        if (code >= 0) {
-          const int e = code >> 16;
-          const int m = base[e * P + s] + (code & 0xFFFF);
-          row = kContiguous ? seg[e] + m : e * a.max_m + m;
-          if (kContiguous) a.row_expert[row] = e;
-          a.recv_src[row] = s * a.max_tokens + token;
-        }
-        rows[lane] = row;
         a.map_rows[item * k + lane] = row;
-        a.map_w[item * k + lane] = w;
+        a.map_w[item * k + lane] = ld.w;
       }
-      __syncwarp();
-      // Two 16-byte chunks per lane per round, both loaded before any store.
-      const uint4* src = reinterpret_cast<const uint4*>(msg);
-      for (int c = lane; c < num_chunks; c += 64) {
-        const bool second = c + 32 < num_chunks;
-        const uint4 v0 = __ldcg(src + c);
-        const uint4 v1 = second ? __ldcg(src + c + 32) : v0;
-        for (int i = 0; i < k; ++i) {
-          const int row = rows[i];
-          if (row < 0) continue;
-          uint4* dst = reinterpret_cast<uint4*>(a.recv_x + size_t(row) * a.hidden);
-          dst[c] = v0;
-          if (second) dst[c + 32] = v1;
-        }
-      }
-      const float* scales = reinterpret_cast<const float*>(msg + a.msg_scale_off);
-      for (int kb = lane; kb < kb_count; kb += 32) {
-        const float sc = __ldcg(scales + kb);
-        for (int i = 0; i < k; ++i) {
-          const int row = rows[i];
-          if (row < 0) continue;
-          if (kContiguous) {
-            a.recv_scales[size_t(kb) * a.max_rows + row] = sc;
-          } else {
-            const int e = row / a.max_m, m = row % a.max_m;
-            a.recv_scales[(size_t(e) * kb_count + kb) * a.max_m + m] = sc;
+      const unsigned rows = __ballot_sync(0xFFFFFFFFu, row >= 0);
+      for (int c0 = 0; c0 < num_chunks; c0 += 32 * kRecvChunks) {
+        if (c0 > 0) load_chunks(msg, c0, num_chunks, ld.v);
+        for (unsigned left = rows; left; left &= left - 1) {
+          const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(left) - 1);
+          uint4* dst = reinterpret_cast<uint4*>(a.recv_x + size_t(r) * a.hidden);
+#pragma unroll
+          for (int u = 0; u < kRecvChunks; ++u) {
+            const int c = c0 + lane + 32 * u;
+            if (c < num_chunks) dst[c] = ld.v[u];
           }
         }
       }
-      __syncwarp();
+      for (int kb0 = 0; kb0 < kb_count; kb0 += 32 * kRecvScales) {
+        if (kb0 > 0) load_scales(a, msg, kb0, kb_count, ld.sc);
+        for (unsigned left = rows; left; left &= left - 1) {
+          const int from = __ffs(left) - 1;
+          const int r = __shfl_sync(0xFFFFFFFFu, row, from);
+          const int re = __shfl_sync(0xFFFFFFFFu, e, from), rm = __shfl_sync(0xFFFFFFFFu, m, from);
+#pragma unroll
+          for (int u = 0; u < kRecvScales; ++u) {
+            const int kb = kb0 + lane + 32 * u;
+            if (kb >= kb_count) continue;
+            if (kContiguous)
+              a.recv_scales[size_t(kb) * a.max_rows + r] = ld.sc[u];
+            else
+              a.recv_scales[(size_t(re) * kb_count + kb) * a.max_m + rm] = ld.sc[u];
+          }
+        }
+      }
     }
   }
 
-  if (finish_cta(a, kPhaseDispatchRecv) && threadIdx.x == 0) advance_step(a, kPhaseDispatchRecv, step);
+  if (finish_cta(a, kPhaseDispatchRecv, false) && threadIdx.x == 0) advance_step(a, kPhaseDispatchRecv, step);
 }
 
 }  // namespace

@@ -7,8 +7,14 @@
 // its own tokens in order (one lane per top-k entry), so token t's message lands at inbox position "messages to that rank
 // from tokens < t", and each entry's row position is "rows of that slot from tokens < t": the
 // canonical order of layout.h, computed where the routing is known. The last CTA to finish
-// recounts the whole batch, writes each peer's per-expert counts into its inbox header and
-// raises the flags with a release store (fence first, so every CTA's payload is visible).
+// recounts the whole batch; the thread that raises a peer's flag first writes that peer's
+// per-expert counts into its inbox header, so its release store covers them (every CTA's payload
+// is covered by the system fence before its sign-off).
+//
+// Latency, not bytes, sets this kernel's time at decode sizes (one token per CTA): the first x
+// block of a CTA's token is loaded before the counting, the counting loads four rounds of
+// topk_idx at once, and the conversion to e4m3 is the hardware's (cvt.rn.satfinite, the same
+// rounding as fp8.h's) wherever the chunk is finite.
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
@@ -20,21 +26,31 @@ namespace moekit::gpu {
 namespace {
 
 // Counts, over tokens [t0, t1), rows per slot and messages per rank. Each warp takes 32 / k tokens
-// at a time (one entry per lane); entries that fail the validity rule are skipped, and every CTA
-// applies the same rule, so all agree on positions.
+// at a time (one entry per lane), kCountRounds rounds loaded before any is classified; entries
+// that fail the validity rule are skipped, and every CTA applies the same rule, so all agree on
+// positions.
+constexpr int kCountRounds = 4;
 __device__ void count_tokens(const EpArgs& a, const int32_t* topk_idx, int t0, int t1, int* cnt_slot, int* cnt_rank) {
   for (int i = threadIdx.x; i < a.num_slots; i += blockDim.x) cnt_slot[i] = 0;
   for (int i = threadIdx.x; i < a.num_ranks; i += blockDim.x) cnt_rank[i] = 0;
   __syncthreads();
   const int k = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  const int per_warp = 32 / k, group = lane / k, j = lane % k;
-  for (int first = t0 + warp * per_warp; first < t1; first += num_warps * per_warp) {
-    const int t = first + group;
-    const bool active = group < per_warp && t < t1;
-    const int slot = active ? topk_idx[size_t(t) * k + j] : -1;
-    const EntryInfo e = classify_entry(slot, active, group, a.num_slots, a.local_experts);
-    if (e.valid) atomicAdd(&cnt_slot[slot], 1);
-    if (e.first_on_rank) atomicAdd(&cnt_rank[e.rank], 1);
+  const int per_warp = 32 / k, group = lane / k, j = lane % k, stride = num_warps * per_warp;
+  for (int first = t0 + warp * per_warp; first < t1; first += kCountRounds * stride) {
+    int slot[kCountRounds];
+#pragma unroll
+    for (int u = 0; u < kCountRounds; ++u) {
+      const int t = first + u * stride + group;
+      slot[u] = group < per_warp && t < t1 ? topk_idx[size_t(t) * k + j] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kCountRounds; ++u) {
+      const int t = first + u * stride + group;
+      const bool active = group < per_warp && t < t1;
+      const EntryInfo e = classify_entry(slot[u], active, group, a.num_slots, a.local_experts);
+      if (e.valid) atomicAdd(&cnt_slot[slot[u]], 1);
+      if (e.first_on_rank) atomicAdd(&cnt_rank[e.rank], 1);
+    }
   }
   __syncthreads();
 }
@@ -56,12 +72,13 @@ __device__ void plan_token(const EpArgs& a, const int32_t* topk_idx, const float
   const int k = a.topk, lane = threadIdx.x & 31;
   const bool active = lane < k;
   const int slot = active ? topk_idx[size_t(t) * k + lane] : -1;
+  const float weight = active ? topk_weights[size_t(t) * k + lane] : 0.0f;  // loaded with the slot: one round trip
   const EntryInfo e = classify_entry(slot, active, 0, a.num_slots, a.local_experts);
   if (e.fault) record_fault(a, EpErrorKind(e.fault), kPhaseDispatchSend, -1, step, t, lane, slot);
   int code = -1;
   float w = 0.0f;
   if (e.valid) {
-    w = topk_weights[size_t(t) * k + lane];
+    w = weight;
     if (!isfinite(w)) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, lane, 0);
     code = ((slot % a.local_experts) << 16) | cnt_slot[slot]++;
   }
@@ -77,62 +94,96 @@ __device__ void plan_token(const EpArgs& a, const int32_t* topk_idx, const float
     p.target_msg[i] = a.dispatch_outbox(parity, e.rank) + a.dispatch_header_bytes + size_t(cnt_rank[e.rank]++) * a.msg_bytes;
   }
   // The combine sums the partial results in ascending rank order: a leader's place in that
-  // order is the number of leaders with a smaller rank.
+  // order is the number of leaders with a smaller rank (one shuffle per leader, not per lane).
   int place = 0;
-  for (int i = 0; i < 32; ++i) {
-    const int other = __shfl_sync(0xFFFFFFFFu, e.rank, i);
-    place += ((leaders >> i) & 1) && other < e.rank;
-  }
+  for (unsigned m = leaders; m; m &= m - 1) place += __shfl_sync(0xFFFFFFFFu, e.rank, __ffs(m) - 1) < e.rank;
   const int num_targets = __popc(leaders);
   if (e.first_on_rank) a.route_ranks[size_t(t) * k + place] = e.rank;
   if (active && lane >= num_targets) a.route_ranks[size_t(t) * k + lane] = -1;
   if (lane == 0) p.num_targets = num_targets;
 }
 
-// All threads: 1x128 quantisation of token t (quant.h's rule: scale = max(amax, 1e-4) / 448,
-// q = fp8(x / scale) in fp32) and one 16-byte store per target per 16 elements. Eight lanes
-// hold one 128-wide group, so the amax is a three-step shuffle.
-__device__ void quantize_and_send(const EpArgs& a, const uint16_t* x, int t, unsigned step, const TokenPlan& p) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// x chunks (16 elements) of one token that each thread holds at once: a 8192-wide token in one
+// pass at 256 threads, so the whole token is in flight before the first conversion.
+constexpr int kQuantRounds = 2;
+struct XBlock {
+  uint4 u[kQuantRounds][2];
+};
+
+// Loads this thread's chunks of token t from chunk c_base on: chunk c_base + i * blockDim.x + threadIdx.x.
+__device__ __forceinline__ void load_x(const EpArgs& a, const uint16_t* x, int t, int c_base, XBlock& b) {
   const int num_chunks = a.hidden / 16;
   const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.hidden);
-  for (int c0 = warp * 32; c0 < num_chunks; c0 += blockDim.x) {
-    const int c = c0 + lane;
-    const bool active = c < num_chunks;
-    uint4 u0 = make_uint4(0, 0, 0, 0), u1 = u0;
-    if (active) {
-      u0 = xr[2 * c];
-      u1 = xr[2 * c + 1];
+#pragma unroll
+  for (int i = 0; i < kQuantRounds; ++i) {
+    const int c = c_base + i * int(blockDim.x) + int(threadIdx.x);
+    b.u[i][0] = b.u[i][1] = make_uint4(0, 0, 0, 0);
+    if (c < num_chunks) {
+      b.u[i][0] = __ldg(xr + 2 * c);
+      b.u[i][1] = __ldg(xr + 2 * c + 1);
     }
-    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+  }
+}
+
+// Four e4m3 codes of finite quotients, byte i = q[i]: the hardware conversion (round to nearest
+// even, saturating at 448, subnormals kept), which is fp8.h's float_to_fp8_e4m3 on finite input.
+__device__ __forceinline__ uint32_t cvt_e4m3x4(float q0, float q1, float q2, float q3) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(q1), "f"(q0));  // first operand: upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(q3), "f"(q2));
+  return uint32_t(lo) | uint32_t(hi) << 16;
+}
+
+// All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
+// scale) in fp32) of the chunks in b and one 16-byte store per target per 16 elements. Eight
+// lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or an
+// infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
+__device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, unsigned step,
+                                  const TokenPlan& p) {
+  const int warp = threadIdx.x >> 5;
+  const int num_chunks = a.hidden / 16;
+#pragma unroll
+  for (int i = 0; i < kQuantRounds; ++i) {
+    if (c_base + i * int(blockDim.x) + warp * 32 >= num_chunks) break;  // warp-uniform: the shuffles need all lanes
+    const int c = c_base + i * int(blockDim.x) + int(threadIdx.x);
+    const bool active = c < num_chunks;
+    const uint32_t w[8] = {b.u[i][0].x, b.u[i][0].y, b.u[i][0].z, b.u[i][0].w,
+                           b.u[i][1].x, b.u[i][1].y, b.u[i][1].z, b.u[i][1].w};
     float v[16];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[2 * i] = bf16_lo(w[i]);
-      v[2 * i + 1] = bf16_hi(w[i]);
+    for (int h = 0; h < 8; ++h) {
+      v[2 * h] = bf16_lo(w[h]);
+      v[2 * h + 1] = bf16_hi(w[h]);
     }
     float amax = 0.0f;
     bool finite = true;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      amax = fmaxf(amax, fabsf(v[i]));
-      finite = finite && isfinite(v[i]);
+    for (int h = 0; h < 16; ++h) {
+      amax = fmaxf(amax, fabsf(v[h]));
+      finite = finite && isfinite(v[h]);
     }
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
     if (!active) continue;
     if (!finite) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, c * 16, 1);
     const float scale = fmaxf(amax, kMinAmax) / kFp8Max;
-    uint32_t q[4];
+    float q[16];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      q[i] = uint32_t(float_to_fp8_e4m3(v[4 * i] / scale)) | uint32_t(float_to_fp8_e4m3(v[4 * i + 1] / scale)) << 8 |
-             uint32_t(float_to_fp8_e4m3(v[4 * i + 2] / scale)) << 16 |
-             uint32_t(float_to_fp8_e4m3(v[4 * i + 3] / scale)) << 24;
-    const uint4 packed = make_uint4(q[0], q[1], q[2], q[3]);
-    for (int i = 0; i < p.num_targets; ++i) {
-      uint8_t* msg = p.target_msg[i];
-      *reinterpret_cast<uint4*>(msg + size_t(c) * 16) = packed;
+    for (int h = 0; h < 16; ++h) q[h] = v[h] / scale;
+    uint32_t packed[4];
+    if (finite && isfinite(scale)) {
+#pragma unroll
+      for (int h = 0; h < 4; ++h) packed[h] = cvt_e4m3x4(q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 4; ++h)
+        packed[h] = uint32_t(float_to_fp8_e4m3(q[4 * h])) | uint32_t(float_to_fp8_e4m3(q[4 * h + 1])) << 8 |
+                    uint32_t(float_to_fp8_e4m3(q[4 * h + 2])) << 16 | uint32_t(float_to_fp8_e4m3(q[4 * h + 3])) << 24;
+    }
+    const uint4 out = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    for (int r = 0; r < p.num_targets; ++r) {
+      uint8_t* msg = p.target_msg[r];
+      *reinterpret_cast<uint4*>(msg + size_t(c) * 16) = out;
       if ((c & 7) == 0) *reinterpret_cast<float*>(msg + a.msg_scale_off + (c >> 3) * 4) = scale;
     }
   }
@@ -149,7 +200,11 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   const int t_begin = int(int64_t(num_tokens) * blockIdx.x / gridDim.x);
   const int t_end = int(int64_t(num_tokens) * (blockIdx.x + 1) / gridDim.x);
 
+  // The first x block of the CTA's first token is in flight while the counts are made.
+  XBlock xb;
+  if (t_begin < t_end) load_x(a, x, t_begin, 0, xb);
   count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
+  const int num_chunks = a.hidden / 16, block_chunks = kQuantRounds * int(blockDim.x);
   for (int t = t_begin; t < t_end; ++t) {
     if (threadIdx.x < 32) plan_token(a, topk_idx, topk_weights, t, parity, step, cnt_slot, cnt_rank, plan);
     __syncthreads();
@@ -164,22 +219,24 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
         wts[j] = here ? plan.entry_w[j] : 0.0f;
       }
     }
-    quantize_and_send(a, x, t, step, plan);
+    for (int c_base = 0; c_base < num_chunks; c_base += block_chunks) {
+      if (c_base > 0) load_x(a, x, t, c_base, xb);
+      quantize_and_send(a, xb, t, c_base, step, plan);
+    }
+    if (t + 1 < t_end) load_x(a, x, t + 1, 0, xb);  // the next token's first block, before the barrier
     __syncthreads();
   }
 
-  if (finish_cta(a, kPhaseDispatchSend)) {
+  if (finish_cta(a, kPhaseDispatchSend, true)) {
     count_tokens(a, topk_idx, 0, num_tokens, cnt_slot, cnt_rank);
-    for (int i = threadIdx.x; i < a.num_slots; i += blockDim.x) {
-      const int r = i / a.local_experts;
-      reinterpret_cast<int*>(a.dispatch_outbox(parity, r) + kEpFlagBytes)[i % a.local_experts] = cnt_slot[i];
+    // The thread that raises peer r's flag writes r's counts first: its release store covers them.
+    const int E = a.local_experts;
+    for (int r = threadIdx.x; r < a.num_ranks; r += blockDim.x) {
+      uint8_t* inbox = a.dispatch_outbox(parity, r);
+      int* counts = reinterpret_cast<int*>(inbox + kEpFlagBytes);
+      for (int e = 0; e < E; ++e) counts[e] = cnt_slot[r * E + e];
+      st_release_sys(reinterpret_cast<uint64_t*>(inbox), uint64_t(step) << 32 | uint32_t(cnt_rank[r]));
     }
-    __syncthreads();
-    if (threadIdx.x == 0) __threadfence_system();
-    __syncthreads();
-    for (int r = threadIdx.x; r < a.num_ranks; r += blockDim.x)
-      st_release_sys(reinterpret_cast<uint64_t*>(a.dispatch_outbox(parity, r)),
-                     uint64_t(step) << 32 | uint32_t(cnt_rank[r]));
     if (threadIdx.x == 0) {
       a.ctr->num_tokens = num_tokens;
       advance_step(a, kPhaseDispatchSend, step);

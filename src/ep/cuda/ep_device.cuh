@@ -1,5 +1,6 @@
 // Internal to src/ep/cuda: device helpers every EP kernel uses: system-scope flags, the
-// timed wait, the status word, the last-CTA step counter and the top-k entry rule.
+// timed wait, the status word, the last-CTA step counter, the top-k entry rule and small
+// warp-wide scans.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,18 +64,34 @@ __device__ __forceinline__ unsigned current_step(const EpArgs& a, int phase) {
   return *reinterpret_cast<volatile unsigned*>(&a.ctr->step[phase]) + 1;
 }
 
-// Every CTA calls this once at its end (all threads). Returns true in the last CTA to finish.
-// One system-scope fence per CTA, after the barrier, covers the whole CTA's earlier writes (the
-// barrier orders them before the fence); the last CTA fences again after it learns it is last,
-// so what it does next is ordered after every CTA's writes.
-__device__ __forceinline__ bool finish_cta(const EpArgs& a, int phase) {
+// Orders this thread's (and, through a preceding barrier, its CTA's) earlier writes before its
+// later ones for every observer in the system, peers' GPUs included. acq_rel, not sc: the EP
+// protocols are message passing (payload, then flag), which never needs the sequential
+// consistency of __threadfence_system() (MEMBAR.SC.SYS, far slower than MEMBAR.ALL.SYS).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// The CTA sign-off counter: release of this CTA's work, acquire of every earlier CTA's. GPU scope:
+// the CTAs of one kernel share the GPU, and causality is transitive, so a later system-scope
+// release (a peer's flag) still covers what the counter ordered.
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Every CTA calls this once at its end (all threads). Returns true in the last CTA to finish; its
+// threads then see every CTA's writes (the counter's acquire, spread over the CTA by the barrier).
+// `wrote_peers`: send kernels, whose payload went into peers' memory (over NVLink for `nvlink`):
+// thread 0 fences at system scope after the barrier, so the CTA's payload is visible system-wide
+// before the counter can make the last CTA raise a flag. Receive kernels wrote only this rank's
+// outputs, which the next kernel on the stream reads: the counter alone orders the CTAs' reads of
+// the step before the last CTA advances it.
+__device__ __forceinline__ bool finish_cta(const EpArgs& a, int phase, bool wrote_peers) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
-    const unsigned prev = atomicAdd(&a.ctr->done[phase], 1u);
-    last = prev == gridDim.x - 1;
-    if (last) __threadfence_system();
+    if (wrote_peers) fence_acq_rel_sys();
+    last = atom_add_acq_rel_gpu(&a.ctr->done[phase], 1u) == gridDim.x - 1;
   }
   __syncthreads();
   return last;
@@ -110,6 +127,38 @@ __device__ __forceinline__ EntryInfo classify_entry(int slot, bool active, int g
             : !e.valid            ? int(EpErrorKind::kDuplicateSlot)
                                   : 0;
   return e;
+}
+
+// Warp-wide prefix over n counts (all lanes of one warp call it): out[0] = 0, out[i + 1] =
+// count(0) + ... + count(i). One shuffle scan per 32 counts instead of one thread walking n.
+// count(i) may read out[i + 1] (the lane that reads it is the lane that overwrites it).
+template <class Count>
+__device__ __forceinline__ void warp_prefix(int* out, int n, Count count) {
+  const int lane = threadIdx.x & 31;
+  int carry = 0;
+  for (int b = 0; b < n; b += 32) {
+    const int i = b + lane;
+    int v = i < n ? count(i) : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xFFFFFFFFu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (i < n) out[i + 1] = carry + v;
+    carry += __shfl_sync(0xFFFFFFFFu, v, 31);
+  }
+  if (lane == 0) out[0] = 0;
+}
+
+// The source s of message g, given start[s] = messages of sources < s (start[P] = all): the s
+// with start[s] <= g < start[s + 1], skipping sources that sent nothing. Binary search.
+__device__ __forceinline__ int source_of(const int* start, int num_ranks, int g) {
+  int lo = 0, hi = num_ranks - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (start[mid + 1] > g) hi = mid; else lo = mid + 1;
+  }
+  return lo;
 }
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
