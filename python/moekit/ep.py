@@ -10,26 +10,38 @@ is one rank's `Buffer`, whose methods take and return what DeepEP's `Buffer` doe
     y = ...grouped GEMMs on (recv_x, recv_scales) with masked_m = recv_count...
     combined_x, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
+Normal mode (prefill) is `dispatch` / `combine`: the rows arrive in the contiguous layout of the
+contiguous grouped GEMM (each local expert's segment padded to block_m, m_indices = -1 on padding).
+
 Differences from DeepEP, each because of what moekit's protocol does:
 - topk_weights go with the dispatch (keyword `topk_weights=`): the messages carry them, so the
   receiving rank sums a token's local experts before sending one vector back;
   low_latency_combine takes them too, for the same call shape, and checks their shape.
 - topk_idx holds physical slots (EPLB's replica choice already made), int32 or int64.
 - The receive tensors are the buffer's own, allocated once with the framework of the first x
-  and overwritten by the next dispatch (DeepEP's buffers behave the same way).
-- device="cpu" (ranks are threads): run each rank on its own thread (`group.run(fn)`) or, on
-  one thread, call every rank's send (return_recv_hook=True) before any rank's hook.
-  device="cuda" (ep.h, P virtual ranks on the current GPU, low-latency mode): every call is a
-  kernel on PyTorch's current stream, so the whole step can be captured by torch.cuda.graph; on
-  one stream every rank's send must come before any rank's receive, hence
-  return_recv_hook=True is required there. `group.check()` synchronises and raises the faults a
-  kernel recorded (a timeout, a bad slot). The receive tensors are the group's device memory.
+  and overwritten by the next dispatch (DeepEP's buffers behave the same way); the CPU group's
+  normal mode allocates them per step (M_total changes with the routing).
+- device="cpu" (ranks are threads): run each rank on its own thread (`group.run(fn)`) or, in
+  low-latency mode on one thread, call every rank's send (return_recv_hook=True) before any
+  rank's hook. Normal mode exchanges the counts inside `dispatch` (every rank waits for its
+  peers'), so it needs a thread per rank.
+  device="cuda" (ep.h, P virtual ranks on the current GPU): the group serves one mode, chosen by
+  `protocol` ("low-latency" or "normal"), because ep.h sizes its receive buffers for one layout.
+  Every call is a kernel on PyTorch's current stream, so the whole step can be captured by
+  torch.cuda.graph; on one stream every rank's send must come before any rank's receive, hence
+  return_recv_hook=True is required there (normal mode too). `group.check()` synchronises and
+  raises the faults a kernel recorded (a timeout, a bad slot, a step over max_recv_rows). The
+  receive tensors are the group's device memory at fixed addresses; in normal mode they span
+  the buffers' max_recv_rows rows, of which the step fills recv_total_rows (on the device, so
+  nothing synchronises) and marks the rest with m_indices = -1, which the contiguous GEMM skips.
 """
 
 from concurrent.futures import ThreadPoolExecutor
 
 from . import _core
-from ._tensors import BF16, FP8, I32, _torch, dl, empty, empty_mn_major, shape_of, stream_of
+from ._tensors import BF16, FP8, I32, _torch, dl, empty, empty_mn_major, is_torch, shape_of, stream_of
+
+PROTOCOLS = ("low-latency", "normal")
 
 
 def run_ranks(num_ranks, fn):
@@ -42,29 +54,46 @@ def run_ranks(num_ranks, fn):
 
 class Handle:
     """What a dispatch hands to its combine: the step it belongs to, the rank's token count and
-    the source map of the received rows (recv_src: src_rank * T_max + src_token)."""
+    the source map of the received rows (recv_src: src_rank * T_max + src_token, -1 on padding).
+    Normal mode: total_m, the rows of the contiguous tensors (the step's M_total on the CPU, the
+    buffers' max_recv_rows on CUDA, where recv_total_rows [1] holds the step's M_total)."""
 
-    def __init__(self, rank, step, num_tokens, recv_src, total_m=None):
+    def __init__(self, rank, step, num_tokens, recv_src, total_m=None, recv_total_rows=None):
         self.rank, self.step, self.num_tokens, self.recv_src, self.total_m = rank, step, num_tokens, recv_src, total_m
+        self.recv_total_rows = recv_total_rows
 
 
 class LocalGroup:
-    """P in-process ranks of one expert-parallel group (ep_cpu.h).
+    """P in-process ranks of one expert-parallel group (ep_cpu.h on the CPU, ep.h on CUDA).
 
     num_experts counts physical slots (experts plus redundant replicas), a multiple of num_ranks;
-    rank r holds slots [r * E_loc, (r + 1) * E_loc). hidden is a multiple of 128."""
+    rank r holds slots [r * E_loc, (r + 1) * E_loc). hidden is a multiple of 128.
+    protocol: "low-latency" or "normal", the mode of a CUDA group's buffers (the CPU group serves
+    both). block_m: normal mode's segment padding; None is 64 on the CPU and 128 on CUDA, the
+    padding the CUDA contiguous GEMM needs. max_recv_rows (CUDA, normal mode): rows of the
+    contiguous receive buffers, rounded up to a multiple of 128 and of block_m; None sizes them
+    for the worst case (every token of every rank on min(k, E_loc) local experts)."""
 
     def __init__(self, num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk,
-                 block_m=64, timeout_s=30.0, device="cpu"):
+                 block_m=None, timeout_s=30.0, device="cpu", protocol="low-latency", max_recv_rows=None):
         self.is_cuda = str(device).startswith("cuda")
+        self.protocol = protocol.replace("_", "-") if isinstance(protocol, str) else protocol
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol = {protocol!r}: expected 'low-latency' or 'normal'")
+        if max_recv_rows is not None and not (self.is_cuda and self.protocol == "normal"):
+            raise ValueError(f"max_recv_rows = {max_recv_rows} sizes the contiguous receive buffers of a CUDA group "
+                             "made with protocol='normal'; leave it None here (low-latency mode has none, the CPU "
+                             "group sizes its tensors per step)")
         if self.is_cuda:
             if not hasattr(_core, "CudaEpGroup"):
                 raise ValueError("device='cuda': this moekit was built without CUDA")
             self.core = _core.CudaEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
-                                          timeout_s)
+                                          timeout_s, protocol=self.protocol,
+                                          block_m=128 if block_m is None else block_m,
+                                          max_recv_rows=max_recv_rows or 0)
         else:
             self.core = _core.LocalEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
-                                           block_m, timeout_s)
+                                           64 if block_m is None else block_m, timeout_s)
         self.buffers = [Buffer(self, r) for r in range(num_ranks)]
 
     def check(self):
@@ -78,6 +107,14 @@ class LocalGroup:
     @property
     def num_ranks(self):
         return self.core.num_ranks
+
+    @property
+    def max_recv_rows(self):
+        """CUDA, normal mode: the rows of every rank's contiguous receive tensors, the shape
+        [max_recv_rows, hidden] that combine's x (the contiguous GEMM's output) must have."""
+        if not (self.is_cuda and self.protocol == "normal"):
+            raise ValueError("max_recv_rows belongs to a CUDA group made with protocol='normal'")
+        return self.core.max_recv_rows
 
     def buffer(self, rank):
         return self.buffers[rank]
@@ -93,7 +130,7 @@ class Buffer:
     def __init__(self, group, rank):
         self.group, self.rank = group, rank
         self.step = 0
-        self._recv = None  # (recv_x, recv_scales, recv_count, recv_src), allocated at the first dispatch
+        self._recv = None  # the receive tensors of the buffer's mode, made at the first dispatch
 
     @property
     def num_ranks(self):
@@ -106,11 +143,22 @@ class Buffer:
                 f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank} and num_experts = "
                 f"{num_experts} must be the group's ({core.max_tokens}, {core.num_slots})")
 
+    def _expect_cuda_protocol(self, protocol, call):
+        """A CUDA group's buffers hold one mode's layout: the other mode's calls are refused before
+        any kernel is queued (a send without its receive would leave the peers a step behind)."""
+        if self.group.is_cuda and self.group.protocol != protocol:
+            raise ValueError(f"{call} is {protocol} mode; this CUDA group was made with "
+                             f"protocol='{self.group.protocol}' (make one with LocalGroup(..., device='cuda', "
+                             f"protocol='{protocol}'))")
+
     def _receive_tensors(self, like):
+        """CUDA: the group's own memory of this rank, for its mode (ep.h's outputs). CPU, low-latency
+        mode: tensors of like's framework, allocated once."""
         if self._recv is None and self.group.is_cuda:
             import torch
-            recv_x, recv_scales, recv_count, recv_src = self.group.core.outputs(self.rank)
-            self._recv = (recv_x.view(torch.float8_e4m3fn), recv_scales, recv_count, recv_src)
+            core = self.group.core
+            tensors = core.normal_outputs(self.rank) if self.group.protocol == "normal" else core.outputs(self.rank)
+            self._recv = (tensors[0].view(torch.float8_e4m3fn),) + tuple(tensors[1:])
         if self._recv is None:
             core = self.group.core
             e, m, d = core.num_local_experts, core.max_m, core.hidden
@@ -132,17 +180,13 @@ class Buffer:
         if not use_fp8:
             raise ValueError("use_fp8=False: moekit dispatches FP8 (1x128 scales) only")
         self._check_sizes(num_max_dispatch_tokens_per_rank, num_experts)
+        self._expect_cuda_protocol("low-latency", "low_latency_dispatch")
         num_tokens = shape_of(x, "x")[0]
         recv_x, recv_scales, recv_count, recv_src = self._receive_tensors(x)
         core = self.group.core
         if self.group.is_cuda:
-            if not return_recv_hook:
-                raise ValueError("device='cuda' runs every rank on one stream: pass return_recv_hook=True and call "
-                                 "the hooks after every rank has sent")
-            if topk_idx.dtype != _torch_int32():
-                topk_idx = topk_idx.to(_torch_int32())  # DeepEP's int64 indices; the kernels read int32
-            stream = stream_of(x)
-            core.dispatch_send(self.rank, x, topk_idx, topk_weights, stream)
+            _expect_hook(return_recv_hook)
+            core.dispatch_send(self.rank, x, _int32_topk_idx(topk_idx), topk_weights, stream_of(x))
 
             def hook():
                 core.dispatch_recv(self.rank, stream_of(x))
@@ -164,6 +208,7 @@ class Buffer:
         """x [E_loc, M_max, hidden] bf16 (the expert outputs in the received layout) -> (combined_x
         [T, hidden] bf16, event, hook): out[t] = add[t] + sum_j topk_weights[t, j] * y(t, j), summed in
         fp32 in a fixed order. `add` is an optional [T, hidden] bf16 term (the shared expert's output)."""
+        self._expect_cuda_protocol("low-latency", "low_latency_combine")
         self._check_handle(handle)
         shape = shape_of(topk_weights, "topk_weights")
         if tuple(shape) != (handle.num_tokens, self.group.core.topk):
@@ -173,10 +218,8 @@ class Buffer:
             out = empty(x, (handle.num_tokens, self.group.core.hidden), BF16)
         core = self.group.core
         if self.group.is_cuda:
-            if not return_recv_hook:
-                raise ValueError("device='cuda' runs every rank on one stream: pass return_recv_hook=True and call "
-                                 "the hooks after every rank has sent")
-            core.combine_send(self.rank, x, stream_of(x))
+            _expect_hook(return_recv_hook)
+            core.combine_send(self.rank, x, handle.num_tokens, add, out, stream_of(x))
 
             def hook():
                 core.combine_recv(self.rank, handle.num_tokens, add, out, stream_of(out))
@@ -193,34 +236,66 @@ class Buffer:
 
     # ---- normal mode (prefill) ----------------------------------------------------------------
 
-    def dispatch(self, x, topk_idx, topk_weights, *, async_finish=False):
+    def dispatch(self, x, topk_idx, topk_weights, *, async_finish=False, return_recv_hook=False):
         """Normal mode: counts first, then the rows in the contiguous layout of the contiguous GEMM.
-        -> ((recv_x [M_total, hidden] fp8, recv_scales [M_total, hidden/128] MN-major),
-            m_indices [M_total] int32 (local expert per row, -1 padding),
-            num_recv_tokens_per_expert_list, handle, event).
-        Every rank must call it (each waits for its peers' counts), so use group.run()."""
+        -> ((recv_x [M, hidden] fp8, recv_scales [M, hidden/128] MN-major),
+            m_indices [M] int32 (local expert per row, -1 padding), num_recv_tokens_per_expert,
+            handle, event), plus the hook when return_recv_hook (the receive waits for it).
+        CPU: M is the step's M_total, the counts a list; every rank must call it on its own
+        thread (each waits for its peers' counts), so use group.run().
+        CUDA: the buffers' own tensors, M = group.max_recv_rows at fixed addresses; the step fills
+        the first handle.recv_total_rows[0] rows and m_indices is -1 past them; the counts are
+        recv_count [E_loc] int32 on the device. return_recv_hook=True is required: call every
+        rank's dispatch, then every rank's hook."""
         core = self.group.core
         if self.group.is_cuda:
-            raise ValueError("normal mode on device='cuda' has no binding yet: use a CPU group")
+            self._expect_cuda_protocol("normal", "dispatch")
+            _expect_hook(return_recv_hook)
+            num_tokens = shape_of(x, "x")[0]
+            recv_x, recv_scales, m_indices, recv_src, recv_total_rows, recv_count = self._receive_tensors(x)
+            core.dispatch_send(self.rank, x, _int32_topk_idx(topk_idx), topk_weights, stream_of(x))
+
+            def hook():
+                core.normal_dispatch_recv(self.rank, stream_of(x))
+            self.step += 1
+            handle = Handle(self.rank, self.step, num_tokens, recv_src, core.max_recv_rows, recv_total_rows)
+            return (recv_x, recv_scales), m_indices, recv_count, handle, None, hook
+
         layout = core.normal_notify(self.rank, topk_idx)
         total_m, hidden = layout["total_m"], core.hidden
         recv_x, recv_scales = empty(x, (total_m, hidden), FP8), empty_mn_major(x, (total_m, hidden // 128))
         m_indices, recv_src = empty(x, (total_m,), I32), empty(x, (total_m,), I32)
         core.normal_dispatch_send(self.rank, layout["num_tokens"], x, topk_weights)
-        core.normal_dispatch_recv(self.rank, total_m, dl(recv_x), recv_scales, m_indices, recv_src)
+
+        def hook():
+            core.normal_dispatch_recv(self.rank, total_m, dl(recv_x), recv_scales, m_indices, recv_src)
         self.step += 1
         handle = Handle(self.rank, self.step, layout["num_tokens"], recv_src, total_m)
-        return (recv_x, recv_scales), m_indices, layout["expert_rows"], handle, None
+        result = (recv_x, recv_scales), m_indices, layout["expert_rows"], handle, None
+        return _with_hook(result, hook, return_recv_hook)
 
-    def combine(self, x, handle, *, add=None, out=None, async_finish=False):
-        """Normal mode: x [M_total, hidden] bf16 (the contiguous GEMM's output) -> (combined_x
-        [T, hidden] bf16, None, event), the same sums as low_latency_combine."""
+    def combine(self, x, handle, *, add=None, out=None, async_finish=False, return_recv_hook=False):
+        """Normal mode: x [M, hidden] bf16 (the contiguous GEMM's output, M as the dispatch's
+        m_indices; rows with m_indices = -1 are not read) -> (combined_x [T, hidden] bf16, None,
+        event), plus the hook when return_recv_hook; the same sums as low_latency_combine.
+        CUDA: return_recv_hook=True is required (every rank's combine, then every rank's hook)."""
+        self._expect_cuda_protocol("normal", "combine")
         self._check_handle(handle)
+        core = self.group.core
         if out is None:
-            out = empty(x, (handle.num_tokens, self.group.core.hidden), BF16)
-        self.group.core.normal_combine_send(self.rank, handle.total_m, x)
-        self.group.core.combine_recv(self.rank, handle.num_tokens, add, out)
-        return out, None, None
+            out = empty(x, (handle.num_tokens, core.hidden), BF16)
+        if self.group.is_cuda:
+            _expect_hook(return_recv_hook)
+            core.combine_send(self.rank, x, handle.num_tokens, add, out, stream_of(x))
+
+            def hook():
+                core.combine_recv(self.rank, handle.num_tokens, add, out, stream_of(out))
+        else:
+            core.normal_combine_send(self.rank, handle.total_m, x)
+
+            def hook():
+                core.combine_recv(self.rank, handle.num_tokens, add, out)
+        return _with_hook((out, None, None), hook, return_recv_hook)
 
     def stats(self):
         """What this rank moved in its last step (messages, bytes, distinct targets per token)."""
@@ -231,8 +306,27 @@ class Buffer:
             raise ValueError("handle must be the one returned by this rank's latest dispatch")
 
 
-def _torch_int32():
-    return _torch().int32
+def _expect_hook(return_recv_hook):
+    if not return_recv_hook:
+        raise ValueError("device='cuda' runs every rank on one stream: pass return_recv_hook=True and call "
+                         "the hooks after every rank has sent")
+
+
+def _int32_topk_idx(topk_idx):
+    """The CUDA kernels read int32 slots: DeepEP's int64 indices are narrowed by a PyTorch op on the
+    current stream (captured with the step); any other dtype reaches the binding's TypeError."""
+    torch = _torch()
+    if is_torch(topk_idx) and topk_idx.dtype == torch.int64:
+        return topk_idx.to(torch.int32)
+    return topk_idx
+
+
+def _with_hook(result, hook, return_recv_hook):
+    """Normal mode's results keep their CPU shape; return_recv_hook appends the receive's hook."""
+    if return_recv_hook:
+        return result + (hook,)
+    hook()
+    return result
 
 
 def _done():

@@ -246,3 +246,251 @@ def test_gpu_layer_bad_arguments(layer_weights):
         layer.forward_all([torch.zeros((2, 256), dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match="forward_all"):
         layer.forward(0, torch.zeros((2, 256), dtype=torch.bfloat16, device="cuda"))
+
+
+
+# ---- The contiguous grouped GEMM (prefill) on CUDA tensors ------------------------------------------
+
+def _segments(counts):
+    """m_indices of the contiguous layout: expert e's counts[e] rows, padded with -1 to a multiple of 128."""
+    return np.concatenate([np.r_[np.full(c, e), np.full(-c % 128, -1)] for e, c in enumerate(counts)]).astype(np.int32)
+
+
+def _check_contiguous(d, m_indices, aq, as_, wq, ws):
+    got, w = TorchBackend("cuda").get(d), dequantize_blocks(wq, ws)
+    for e in range(E):
+        rows = m_indices == e
+        if rows.any():
+            want = np.einsum("mk,nk->mn", dequantize_rows(aq[rows], as_[rows]), w[e])
+            assert np.linalg.norm(bf16_bits_to_float(got[rows]) - want) <= 3e-3 * np.linalg.norm(want)
+    assert np.all(got[m_indices < 0] == POISON)  # padding rows are not written
+
+
+def test_contiguous_gemm_in_place_and_in_a_graph(rng):
+    cuda = TorchBackend("cuda")
+    m_idx = _segments([5, 0, 130, 17])  # an expert with no rows, one over a block, short ones
+    total = len(m_idx)
+    aq, as_ = quantize_rows(rng.standard_normal((total, K)).astype(np.float32))
+    _, _, wq, ws = _operands(rng)
+    a = cuda.put(aq, "fp8")
+    a_scales = cuda.mn_major((total, K // 128))
+    a_scales.copy_(cuda.put(as_))
+    b = (cuda.put(wq, "fp8"), cuda.put(ws))
+    d = cuda.put(np.full((total, N), POISON, dtype=np.uint16), "bf16")
+    m_indices = cuda.put(m_idx)
+    pointers = [t.data_ptr() for t in (a, a_scales, b[0], b[1], d, m_indices)]
+
+    assert moekit.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), b, d, m_indices) is d  # eager; makes the plan
+    torch.cuda.synchronize()
+    _check_contiguous(d, m_idx, aq, as_, wq, ws)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moekit.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), b, d, m_indices)
+
+    # New rows and new segments (same M_total) in the same buffers; the replay must use them.
+    m_idx2 = _segments([128, 200, 0, 60])
+    aq2, as2 = quantize_rows(np.random.default_rng(98).standard_normal((total, K)).astype(np.float32))
+    a.view(torch.uint8).copy_(torch.from_numpy(aq2))
+    a_scales.copy_(cuda.put(as2))
+    m_indices.copy_(torch.from_numpy(m_idx2))
+    d.view(torch.int16).fill_(POISON)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_contiguous(d, m_idx2, aq2, as2, wq, ws)
+    assert [t.data_ptr() for t in (a, a_scales, b[0], b[1], d, m_indices)] == pointers
+
+
+def test_contiguous_gemm_bad_arguments(rng):
+    cuda = TorchBackend("cuda")
+    m_idx = _segments([5, 0, 0, 0])
+    a = cuda.put(np.zeros((128, K), dtype=np.uint8), "fp8")
+    a_scales = cuda.mn_major((128, K // 128))
+    _, _, wq, ws = _operands(rng)
+    b = (cuda.put(wq, "fp8"), cuda.put(ws))
+    d = cuda.put(np.zeros((128, N), dtype=np.uint16), "bf16")
+    with pytest.raises(TypeError, match="m_indices must have dtype int32"):
+        moekit.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), b, d, cuda.put(m_idx.astype(np.int64)))
+    with pytest.raises(ValueError, match=r"d must have shape \[M_total=128, N=256\]"):
+        moekit.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), b, d[:64], cuda.put(m_idx))
+    with pytest.raises(ValueError, match="a\\[1\\] \\(activation scales\\) must have strides"):
+        moekit.m_grouped_fp8_gemm_nt_contiguous((a, a_scales.contiguous()), b, d, cuda.put(m_idx))
+
+
+# ---- Normal mode (prefill) on the GPU: the contiguous layout, equal to the CPU group bit for bit ----
+
+def _normal_inputs(rng):
+    from test_ep import HIDDEN, P, T_MAX, _routing, _tokens
+    xs = [_tokens(r, T_MAX - r, rng) for r in range(P)]
+    routing = [_routing(rng, T_MAX - r) for r in range(P)]
+    adds = [moekit.float32_to_bf16(rng.integers(-4, 5, size=(T_MAX - r, HIDDEN)).astype(np.float32)) for r in range(P)]
+    return xs, routing, adds
+
+
+def _normal_cpu_step(group, xs, routing, adds, seed):
+    """The CPU group's normal step, a thread per rank. Expert outputs are small integers on the rows
+    the step filled and NaN on its padding rows, which the combine must not read."""
+    from test_ep import HIDDEN
+
+    def step(buf):
+        idx, w = routing[buf.rank]
+        (recv_x, recv_scales), m_indices, counts, handle, _ = buf.dispatch(xs[buf.rank], idx, w)
+        values = np.random.default_rng(seed + buf.rank).integers(-8, 9, size=(len(m_indices), HIDDEN))
+        y = np.where(m_indices[:, None] >= 0, moekit.float32_to_bf16(values.astype(np.float32)), np.uint16(POISON))
+        out, _, _ = buf.combine(y, handle, add=adds[buf.rank])
+        return recv_x, np.asarray(recv_scales), m_indices, counts, handle.recv_src, y, out
+
+    return group.run(step)
+
+
+def _normal_gpu_inputs(cuda, xs, routing, adds, cpu, rows):
+    """Per rank (x, topk_idx, topk_weights, y, add) on the GPU; y spans the buffers' rows, NaN past
+    the CPU step's M_total (rows the GPU step does not fill either, so must not read)."""
+    from test_ep import HIDDEN
+    inputs = []
+    for r in range(len(xs)):
+        y = np.full((rows, HIDDEN), POISON, dtype=np.uint16)
+        y[:len(cpu[r][5])] = cpu[r][5]
+        inputs.append((cuda.put(xs[r], "bf16"), cuda.put(routing[r][0]), cuda.put(routing[r][1]), cuda.put(y, "bf16"),
+                       cuda.put(adds[r], "bf16")))
+    return inputs
+
+
+def _normal_gpu_step(group, inputs, outs=None):
+    """On one stream, ep.h's order: every rank's dispatch, every hook, every combine, every hook."""
+    sent = [b.dispatch(i[0], i[1], i[2], return_recv_hook=True) for b, i in zip(group.buffers, inputs)]
+    for s in sent:
+        s[5]()
+    combined = [b.combine(i[3], s[3], add=i[4], out=None if outs is None else outs[r], return_recv_hook=True)
+                for r, (b, i, s) in enumerate(zip(group.buffers, inputs, sent))]
+    for c in combined:
+        c[3]()
+    return sent, [c[0] for c in combined]
+
+
+def _compare_normal(cpu, gpu, cuda):
+    sent, outs = gpu
+    for r, ((recv_x, recv_scales, m_indices, counts, recv_src, _, out), s) in enumerate(zip(cpu, sent)):
+        (g_x, g_scales), g_m, g_count, handle, _, _ = s
+        total = len(m_indices)
+        assert cuda.get(handle.recv_total_rows).tolist() == [total]
+        np.testing.assert_array_equal(cuda.get(g_count), counts)
+        # The step's M_total rows, padding included (zero payload and scales in both).
+        np.testing.assert_array_equal(cuda.get(g_x)[:total], recv_x)
+        np.testing.assert_array_equal(cuda.get(g_scales)[:total], recv_scales)
+        for got, want in ((cuda.get(g_m), m_indices), (cuda.get(handle.recv_src), recv_src)):
+            np.testing.assert_array_equal(got[:total], want)
+            assert np.all(got[total:] == -1)  # past M_total: skipped by the contiguous GEMM
+        assert np.all(np.isfinite(bf16_bits_to_float(out)))  # no NaN row of y was read
+        np.testing.assert_array_equal(cuda.get(outs[r]), out)
+
+
+def _receive_pointers(sent):
+    return [[t.data_ptr() for t in (s[0][0], s[0][1], s[1], s[2], s[3].recv_src, s[3].recv_total_rows)] for s in sent]
+
+
+def test_ep_normal_cuda_equals_cpu_and_replays_in_a_graph():
+    from test_ep import HIDDEN, K, P, SLOTS, T_MAX
+    cuda = TorchBackend("cuda")
+    cpu_group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, block_m=128)  # the CUDA group's default padding
+    gpu_group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda", protocol="normal")
+    rows = gpu_group.max_recv_rows
+    assert rows % 128 == 0
+
+    pointers = None
+    for seed in (1, 2):  # two eager steps with fresh routing: the same receive memory each time
+        xs, routing, adds = _normal_inputs(np.random.default_rng(seed))
+        cpu = _normal_cpu_step(cpu_group, xs, routing, adds, seed)
+        inputs = _normal_gpu_inputs(cuda, xs, routing, adds, cpu, rows)
+        gpu = _normal_gpu_step(gpu_group, inputs)
+        gpu_group.check()
+        _compare_normal(cpu, gpu, cuda)
+        assert gpu[0][0][0][0].shape == (rows, HIDDEN) and gpu[0][0][0][1].shape == (rows, HIDDEN // 128)
+        assert pointers is None or _receive_pointers(gpu[0]) == pointers
+        pointers = _receive_pointers(gpu[0])
+
+    # The whole step captured once, into fixed outputs; the replay reads new tokens, routing, expert
+    # outputs and add terms copied into the captured inputs.
+    outs = [torch.empty((T_MAX - r, HIDDEN), dtype=torch.bfloat16, device="cuda") for r in range(P)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _normal_gpu_step(gpu_group, inputs, outs)
+    xs, routing, adds = _normal_inputs(np.random.default_rng(3))
+    cpu = _normal_cpu_step(cpu_group, xs, routing, adds, 3)
+    for dst, src in zip(inputs, _normal_gpu_inputs(cuda, xs, routing, adds, cpu, rows)):
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    graph.replay()
+    gpu_group.check()
+    _compare_normal(cpu, captured, cuda)
+    assert _receive_pointers(captured[0]) == pointers
+    assert [o.data_ptr() for o in captured[1]] == [o.data_ptr() for o in outs]
+
+
+def test_ep_normal_cuda_feeds_the_contiguous_gemm():
+    """The receive tensors go to the contiguous GEMM as they are, over the buffers' rows: rows with
+    m_indices = -1 (padding, and past the step's M_total) stay untouched."""
+    from test_ep import E_LOC, HIDDEN, K, P, SLOTS, T_MAX
+    cuda = TorchBackend("cuda")
+    group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda", protocol="normal")
+    xs, routing, _ = _normal_inputs(np.random.default_rng(4))
+    sent = [b.dispatch(cuda.put(xs[r], "bf16"), cuda.put(routing[r][0]).long(), cuda.put(routing[r][1]),
+                       return_recv_hook=True) for r, b in enumerate(group.buffers)]  # int64 topk_idx, as DeepEP's
+    for s in sent:
+        s[5]()
+    (recv_x, recv_scales), m_indices, recv_count, _, _, _ = sent[0]
+    weights = np.random.default_rng(5).standard_normal((E_LOC, 128, HIDDEN)) / 16
+    wq, ws = moekit.per_block_cast_to_fp8(weights.astype(np.float32))
+    d = cuda.put(np.full((group.max_recv_rows, 128), POISON, dtype=np.uint16), "bf16")
+    moekit.m_grouped_fp8_gemm_nt_contiguous((recv_x, recv_scales), (cuda.put(wq, "fp8"), cuda.put(ws)), d, m_indices)
+    group.check()
+
+    m = cuda.get(m_indices)
+    np.testing.assert_array_equal(np.bincount(m[m >= 0], minlength=E_LOC), cuda.get(recv_count))
+    a, a_scales, got, w = cuda.get(recv_x), cuda.get(recv_scales), cuda.get(d), dequantize_blocks(wq, ws)
+    for e in range(E_LOC):
+        rows = m == e
+        if rows.any():
+            want = np.einsum("mk,nk->mn", dequantize_rows(a[rows], a_scales[rows]), w[e])
+            assert np.linalg.norm(bf16_bits_to_float(got[rows]) - want) <= 3e-3 * np.linalg.norm(want)
+    assert np.all(got[m < 0] == POISON)
+
+
+def test_ep_normal_cuda_bad_arguments():
+    from test_ep import HIDDEN, K, P, SLOTS, T_MAX
+    cuda = TorchBackend("cuda")
+    with pytest.raises(ValueError, match="protocol = 'prefill'"):
+        moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda", protocol="prefill")
+    with pytest.raises(ValueError, match="max_recv_rows = 256 sizes"):
+        moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda", max_recv_rows=256)  # low-latency has no rows
+    group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, device="cuda", protocol="normal")
+    buf = group.buffer(0)
+    x = torch.zeros((2, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device="cuda")
+    w = torch.ones((2, K), device="cuda")
+    # Each is refused before a kernel is queued, so the group's step stays whole.
+    with pytest.raises(ValueError, match="return_recv_hook=True"):
+        buf.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="protocol='normal'"):
+        buf.low_latency_dispatch(x, idx, T_MAX, SLOTS, topk_weights=w, return_recv_hook=True)
+    with pytest.raises(TypeError, match="topk_weights must have dtype float32"):
+        buf.dispatch(x, idx, w.double(), return_recv_hook=True)
+    with pytest.raises(ValueError, match="must be on cuda"):
+        buf.dispatch(x.cpu(), idx.cpu(), w.cpu(), return_recv_hook=True)
+
+    # combine's x is the contiguous GEMM's output over the buffers' rows, not the step's M_total.
+    sent = [b.dispatch(x, idx, w, return_recv_hook=True) for b in group.buffers]
+    for s in sent:
+        s[5]()
+    rows = group.max_recv_rows
+    with pytest.raises(ValueError, match=rf"x must have shape \[max_recv_rows={rows}, hidden={HIDDEN}\]"):
+        group.buffer(0).combine(torch.zeros((128, HIDDEN), dtype=torch.bfloat16, device="cuda"), sent[0][3],
+                                return_recv_hook=True)
+    y = cuda.put(np.zeros((rows, HIDDEN), dtype=np.uint16), "bf16")
+    with pytest.raises(TypeError, match="add must have dtype bfloat16"):  # checked before the send is queued
+        group.buffer(0).combine(y, sent[0][3], add=torch.zeros((2, HIDDEN), device="cuda"), return_recv_hook=True)
+    combined = [b.combine(y, s[3], return_recv_hook=True) for b, s in zip(group.buffers, sent)]
+    for c in combined:
+        c[3]()
+    group.check()
+    assert torch.all(combined[0][0] == 0)
