@@ -2,7 +2,9 @@
 // transport), against its floor measured in the same run.
 //
 //   bench_layer [--model deepseek-v3] [--ranks 8] [--batch 8,64,256,1024] [--iters 20] [--redundant 0]
-//               [--tbo] [--json FILE]
+//               [--tbo] [--quick] [--json FILE]
+//
+// --quick (scripts/gpu-check --quick): B in {8, 256} and 5 iterations unless given.
 //
 // Weights are random FP8 bytes of the real shapes made in memory (values are irrelevant to time;
 // the checkpoint generator would write GBs to disk first). Tokens are random; the model's router
@@ -18,15 +20,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "bench_common.h"
 #include "moekit/cuda_check.h"
 #include "moekit/eplb.h"
 #include "moekit/layer.h"
@@ -34,72 +33,9 @@
 #include "moekit/weights.h"
 
 using namespace moekit;
+using namespace moekit::bench;
 
 namespace {
-
-constexpr double kFp8Flops = 1272e12;  // DESIGN.md, measured on the lent H200 (2026-11-29)
-
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// Random finite e4m3 bytes of magnitude 2^-3 .. 2^2 (no NaN codes), filled on all cores.
-void fill_fp8(std::vector<uint8_t>& v, uint64_t seed) {
-  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < n; ++t)
-    pool.emplace_back([&, t] {
-      const size_t begin = v.size() * t / n, end = v.size() * (t + 1) / n;
-      for (size_t i = begin; i < end; i += 8) {
-        const uint64_t h = mix(seed ^ i);
-        for (size_t j = 0; j < 8 && i + j < end; ++j) {
-          const uint8_t b = uint8_t(h >> (8 * j));
-          v[i + j] = uint8_t((b & 0x80) | (0x30 + (b & 0x7F) % 0x28));
-        }
-      }
-    });
-  for (auto& th : pool) th.join();
-}
-
-ExpertWeights random_operand(int num_experts, int n, int k, uint64_t seed) {
-  ExpertWeights w;
-  w.layout = WeightLayout{num_experts, n, k};
-  w.w.resize(w.layout.w_elems());
-  fill_fp8(w.w, seed);
-  w.scales.assign(w.layout.scale_elems(), float(0.5 / std::sqrt(double(k))));
-  return w;
-}
-
-MoeLayerWeights random_layer(const ModelSpec& m) {
-  MoeLayerWeights w;
-  const int d = int(m.hidden_size), inter = int(m.moe_intermediate_size), E = m.num_routed_experts;
-  w.num_experts = E;
-  w.hidden_size = d;
-  w.intermediate_size = inter;
-  w.w1 = random_operand(E, 2 * inter, d, 1);
-  w.w2 = random_operand(E, d, inter, 2);
-  w.router_weight.resize(size_t(E) * d);
-  for (size_t i = 0; i < w.router_weight.size(); ++i)
-    w.router_weight[i] = float((double(mix(i + 3) >> 11) / 9007199254740992.0 - 0.5) * 3.4 / std::sqrt(double(d)));
-  if (m.router.scoring == "sigmoid") w.router_bias.assign(E, 0.0f);
-  const int shared_inter = int(m.num_shared_experts * m.shared_intermediate_size);
-  if (shared_inter > 0) {
-    w.shared_w1 = random_operand(1, 2 * shared_inter, d, 4);
-    w.shared_w2 = random_operand(1, d, shared_inter, 5);
-  }
-  return w;
-}
-
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
 
 struct Row {
   int batch = 0;
@@ -114,7 +50,7 @@ struct Row {
 int main(int argc, char** argv) try {
   std::string model_name = "deepseek-v3", batches = "8,64,256,1024", json_path;
   int P = 8, iters = 20, redundant = 0;
-  bool tbo = false;
+  bool tbo = false, quick = false, batch_given = false, iters_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -123,13 +59,16 @@ int main(int argc, char** argv) try {
     };
     if (a == "--model") model_name = next();
     else if (a == "--ranks") P = std::stoi(next());
-    else if (a == "--batch") batches = next();
-    else if (a == "--iters") iters = std::stoi(next());
+    else if (a == "--batch") batches = next(), batch_given = true;
+    else if (a == "--iters") iters = std::stoi(next()), iters_given = true;
     else if (a == "--redundant") redundant = std::stoi(next());
     else if (a == "--json") json_path = next();
     else if (a == "--tbo") tbo = true;
+    else if (a == "--quick") quick = true;
     else throw Error("unknown argument '" + a + "'");
   }
+  if (quick && !batch_given) batches = "8,256";
+  if (quick && !iters_given) iters = 5;
   const ModelSpec model = load_model_spec(model_name);
   const DeviceInfo dev = query_device();
   const int d = int(model.hidden_size), inter = int(model.moe_intermediate_size), E = model.num_routed_experts;
@@ -137,31 +76,8 @@ int main(int argc, char** argv) try {
               dev.num_sms, model.name.c_str(), P, redundant);
 
   // Copy bandwidth: a 2 GB device-to-device copy, read + write bytes over the time.
-  double copy_bw = 0;
-  {
-    const size_t bytes = size_t(1) << 31;
-    void *a = nullptr, *b = nullptr;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&a, bytes));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&b, bytes));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    MOEKIT_CUDA_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-    float best = 1e30f;
-    for (int i = 0; i < 5; ++i) {
-      cudaEventRecord(e0);
-      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
-      cudaEventRecord(e1);
-      MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      best = std::min(best, ms);
-    }
-    copy_bw = 2.0 * bytes / (best * 1e-3);
-    cudaFree(a);
-    cudaFree(b);
-    std::printf("copy bandwidth (read + write): %.2f TB/s\n", copy_bw / 1e12);
-  }
+  const double copy_bw = measure_copy_bandwidth();
+  std::printf("copy bandwidth (read + write): %.2f TB/s\n", copy_bw / 1e12);
 
   std::printf("generating random FP8 weights of one layer ...\n");
   const MoeLayerWeights weights = random_layer(model);
@@ -185,15 +101,12 @@ int main(int argc, char** argv) try {
       layers.push_back(std::make_unique<gpu::GpuMoeLayer>(model, weights, placement, 0, group.rank(r), cfg));
       MOEKIT_CUDA_CHECK(cudaMalloc(&x[r], size_t(t_max) * d * 2));
       MOEKIT_CUDA_CHECK(cudaMalloc(&out[r], size_t(t_max) * d * 2));
-      std::vector<uint16_t> h(size_t(t_max) * d);
-      for (size_t i = 0; i < h.size(); ++i) {
-        const float v = float((double(mix(i * 131 + r) >> 11) / 9007199254740992.0 - 0.5) * 3.4);
-        uint32_t bits;
-        std::memcpy(&bits, &v, 4);
-        h[i] = uint16_t(bits >> 16);
-      }
+      const std::vector<uint16_t> h = random_bf16(size_t(t_max) * d, r);
       MOEKIT_CUDA_CHECK(cudaMemcpy(x[r], h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     }
+    // The copies above and the layers' set-up ran on the legacy default stream, which `stream`
+    // (non-blocking) does not wait for, and a pageable cudaMemcpy may return before its DMA lands.
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     auto issue = [&] {
       for (int r = 0; r < P; ++r) layers[r]->dispatch(x[r], int(first(r + 1) - first(r)), first(r), stream);
       for (int r = 0; r < P; ++r) layers[r]->compute(stream);

@@ -296,6 +296,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
   MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
   for (auto& e : s.events) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+  // The copies and clears above ran on the legacy default stream, which a caller's non-blocking
+  // stream does not wait for: finish them before the first step can be issued.
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 GpuMoeLayer::~GpuMoeLayer() = default;
@@ -481,7 +484,7 @@ void GpuMoeLayer::check(cudaStream_t stream) {
   LayerStatus st{};
   MOEKIT_CUDA_CHECK(cudaMemcpy(&st, s.status, sizeof st, cudaMemcpyDeviceToHost));
   if (st.kind != 0) {
-    MOEKIT_CUDA_CHECK(cudaMemset(s.status, 0, sizeof(LayerStatus)));
+    MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.status, 0, sizeof(LayerStatus), stream));  // before the next step
     const bool logit = st.kind == int(LayerFault::kNonFiniteLogit);
     throw Error(fmtr("MoE layer rank {}: {}: token {}, {} {}, value {}", s.rank, fault_name(st.kind), st.token,
                      logit ? "expert" : "top-k entry", st.entry, st.value));
@@ -494,7 +497,7 @@ std::vector<int64_t> GpuMoeLayer::take_expert_counts(cudaStream_t stream) {
   MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<unsigned long long> raw(s.num_experts);
   MOEKIT_CUDA_CHECK(cudaMemcpy(raw.data(), s.counts, raw.size() * sizeof(raw[0]), cudaMemcpyDeviceToHost));
-  MOEKIT_CUDA_CHECK(cudaMemset(s.counts, 0, raw.size() * sizeof(raw[0])));
+  MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.counts, 0, raw.size() * sizeof(raw[0]), stream));  // before the next step
   return std::vector<int64_t>(raw.begin(), raw.end());
 }
 

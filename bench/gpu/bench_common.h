@@ -1,0 +1,161 @@
+// bench_common.h: what the GPU benchmarks (bench_layer, bench_rank) share: random FP8 weights of
+// a model's real shapes made in memory, random BF16 tokens, list parsing, and the device copy
+// bandwidth that their floors are measured against.
+//
+// Weights are random bytes, not a checkpoint: the values do not change the time of a step
+// (the GEMMs read every byte of a hit expert whatever it holds), and the checkpoint generator
+// would first write tens of GB to disk. Included by one translation unit per benchmark.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moekit/check.h"
+#include "moekit/cuda_check.h"
+#include "moekit/spec.h"
+#include "moekit/weights.h"
+
+namespace moekit::bench {
+
+// DESIGN.md: the FP8 GEMM rate measured on the lent H200 (2026-11-29); the benchmarks do not
+// measure it again, they divide FLOPs by it for the compute side of the floor.
+constexpr double kFp8Flops = 1272e12;
+
+inline uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Random finite e4m3 bytes of magnitude 2^-3 .. 2^2 (no NaN codes), filled on all cores: the
+// weights of one layer of DeepSeek-V3 are 11 GB.
+inline void fill_fp8(std::vector<uint8_t>& v, uint64_t seed) {
+  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < n; ++t)
+    pool.emplace_back([&, t] {
+      const size_t begin = v.size() * t / n / 8 * 8, end = t + 1 == n ? v.size() : v.size() * (t + 1) / n / 8 * 8;
+      for (size_t i = begin; i < end; i += 8) {
+        const uint64_t h = mix(seed ^ i);
+        for (size_t j = 0; j < 8 && i + j < end; ++j) {
+          const uint8_t b = uint8_t(h >> (8 * j));
+          v[i + j] = uint8_t((b & 0x80) | (0x30 + (b & 0x7F) % 0x28));
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+}
+
+// Reserves n bytes on transparent huge pages where the kernel allows it (THP in "madvise" mode):
+// filling 11 GB then takes 512 times fewer page faults. Advice only: if refused, nothing changes.
+inline void reserve_huge(std::vector<uint8_t>& v, size_t n) {
+  v.reserve(n);
+  const uintptr_t huge = uintptr_t(2) << 20, at = reinterpret_cast<uintptr_t>(v.data());
+  const uintptr_t begin = (at + huge - 1) & ~(huge - 1), end = (at + n) & ~(huge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+inline ExpertWeights random_operand(int num_experts, int n, int k, uint64_t seed) {
+  ExpertWeights w;
+  w.layout = WeightLayout{num_experts, n, k};
+  reserve_huge(w.w, w.layout.w_elems());
+  w.w.resize(w.layout.w_elems());
+  fill_fp8(w.w, seed);
+  w.scales.assign(w.layout.scale_elems(), float(0.5 / std::sqrt(double(k))));
+  return w;
+}
+
+// One MoE layer of `m` with all E routed experts (what GpuMoeLayer takes), the router and the
+// shared experts, random.
+inline MoeLayerWeights random_layer(const ModelSpec& m) {
+  MoeLayerWeights w;
+  const int d = int(m.hidden_size), inter = int(m.moe_intermediate_size), E = m.num_routed_experts;
+  w.num_experts = E;
+  w.hidden_size = d;
+  w.intermediate_size = inter;
+  w.w1 = random_operand(E, 2 * inter, d, 1);
+  w.w2 = random_operand(E, d, inter, 2);
+  w.router_weight.resize(size_t(E) * d);
+  for (size_t i = 0; i < w.router_weight.size(); ++i)
+    w.router_weight[i] = float((double(mix(i + 3) >> 11) / 9007199254740992.0 - 0.5) * 3.4 / std::sqrt(double(d)));
+  if (m.router.scoring == "sigmoid") w.router_bias.assign(E, 0.0f);
+  const int shared_inter = int(m.num_shared_experts * m.shared_intermediate_size);
+  if (shared_inter > 0) {
+    w.shared_w1 = random_operand(1, 2 * shared_inter, d, 4);
+    w.shared_w2 = random_operand(1, d, shared_inter, 5);
+  }
+  return w;
+}
+
+// n BF16 values (bits) uniform in about [-1.7, 1.7]: finite tokens for the router and the EP send.
+inline std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
+  std::vector<uint16_t> h(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = float((double(mix(i * 131 + seed) >> 11) / 9007199254740992.0 - 0.5) * 3.4);
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    h[i] = uint16_t(bits >> 16);
+  }
+  return h;
+}
+
+// "8,64,256" -> {8, 64, 256}; an item that is not a positive integer is an Error naming it.
+inline std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MOEKIT_CHECK(used == item.size() && !item.empty() && v > 0,
+                 "list '" + s + "': item '" + item + "' is not a positive integer");
+    out.push_back(v);
+  }
+  MOEKIT_CHECK(!out.empty(), "list '" + s + "' is empty");
+  return out;
+}
+
+// Device copy bandwidth, read + write bytes over the time: the best of 5 copies of `bytes`
+// (2 GB by default, far past the L2) on the current device.
+inline double measure_copy_bandwidth(size_t bytes = size_t(1) << 31) {
+  void *a = nullptr, *b = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  MOEKIT_CUDA_CHECK(cudaMalloc(&a, bytes));
+  MOEKIT_CUDA_CHECK(cudaMalloc(&b, bytes));
+  MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
+  MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
+  MOEKIT_CUDA_CHECK(cudaMemset(a, 0, bytes));
+  MOEKIT_CUDA_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  float best = 1e30f;
+  for (int i = 0; i < 5; ++i) {
+    MOEKIT_CUDA_CHECK(cudaEventRecord(e0));
+    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    MOEKIT_CUDA_CHECK(cudaEventRecord(e1));
+    MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, ms);
+  }
+  MOEKIT_CUDA_CHECK(cudaEventDestroy(e0));
+  MOEKIT_CUDA_CHECK(cudaEventDestroy(e1));
+  MOEKIT_CUDA_CHECK(cudaFree(a));
+  MOEKIT_CUDA_CHECK(cudaFree(b));
+  return 2.0 * double(bytes) / (double(best) * 1e-3);
+}
+
+}  // namespace moekit::bench
