@@ -2,9 +2,11 @@
 
 P in-process ranks, each with T tokens: router top-k -> EPLB replica slots -> low-latency dispatch
 (FP8, hook) -> masked grouped GEMM1 on the received buffers as they are -> SiLU(gate)*up -> FP8
--> masked GEMM2 -> combine. Tensors are PyTorch's when it is installed (else NumPy); the GEMMs
-run on the GPU when --device cuda is given and moekit was built with CUDA, the dispatch on the
-CPU `local` transport. Prints each rank's recv_count and the error against a float64 evaluation.
+-> masked GEMM2 -> combine. Tensors are PyTorch's when it is installed (else NumPy). With
+--device cuda (moekit built with CUDA) the whole step stays on the GPU: the P ranks are virtual
+ranks of one GPU (LocalGroup(device="cuda")), every call a kernel on PyTorch's current stream, and
+nothing goes through the host. Prints each rank's recv_count and the error against a float64
+evaluation (the only host copies are that check's).
 
     python3 examples/moe_layer.py [--ranks 2] [--tokens 8] [--device cpu|cuda] [--numpy]
 """
@@ -45,6 +47,15 @@ def main(argv=None):
         t = t.view(torch.bfloat16) if kind == "bf16" else t
         return t.to(device)
 
+    def silu_and_mul(gate_up, recv_count):  # SiLU(gate) * up in fp32 on the tensors' device
+        rows = np.arange(P * T)[None, :, None]
+        if torch is None:
+            g = np.where(rows < recv_count[:, None, None], moekit.bf16_to_float32(gate_up), 0)
+            return (g[..., :inter] / (1 + np.exp(-g[..., :inter])) * g[..., inter:]).astype(np.float32)
+        valid = torch.from_numpy(rows).to(gate_up.device) < recv_count[:, None, None]
+        g = torch.where(valid, gate_up.float(), 0.0)
+        return torch.nn.functional.silu(g[..., :inter]) * g[..., inter:]
+
     def host(t):
         if torch is None:
             return t
@@ -52,8 +63,8 @@ def main(argv=None):
         return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
     # Weights as an engine holds them: [E, N, K] FP8 with 128x128 block scales (DeepSeek-V3's format).
-    w1 = tensor((rng.standard_normal((E, 2 * inter, d)) / np.sqrt(d)).astype(np.float32))
-    w2 = tensor((rng.standard_normal((E, d, inter)) / np.sqrt(inter)).astype(np.float32))
+    w1 = tensor((rng.standard_normal((E, 2 * inter, d)) / np.sqrt(d)).astype(np.float32), device=dev)
+    w2 = tensor((rng.standard_normal((E, d, inter)) / np.sqrt(inter)).astype(np.float32), device=dev)
     w1q, w2q = moekit.per_block_cast_to_fp8(w1), moekit.per_block_cast_to_fp8(w2)
 
     # Router on each rank, then EPLB: loads -> placement (no redundant slots here) -> slots.
@@ -68,34 +79,32 @@ def main(argv=None):
     phy2log, log2phy, _ = moekit.rebalance(load, E, 1, 1, P)
     slot_of = {int(e): int(s) for s, e in enumerate(np.asarray(phy2log)[0])}
 
-    group = moekit.LocalGroup(P, T, d, E, k)
+    group = moekit.LocalGroup(P, T, d, E, k, device=dev)
     e_loc = E // P
     sent = []
     for r, buf in enumerate(group.buffers):  # every rank sends, then the hooks receive
-        idx = np.vectorize(slot_of.get)(routing[r][0]).astype(np.int32)
-        sent.append(buf.low_latency_dispatch(tensor(x[r], "bf16"), tensor(idx), T, E, topk_weights=tensor(routing[r][1]),
-                                             return_recv_hook=True) + (idx,))
+        idx = tensor(np.vectorize(slot_of.get)(routing[r][0]).astype(np.int32), device=dev)
+        weights = tensor(routing[r][1], device=dev)
+        sent.append(buf.low_latency_dispatch(tensor(x[r], "bf16", dev), idx, T, E, topk_weights=weights,
+                                             return_recv_hook=True) + (idx, weights))
     for s in sent:
         s[4]()
     outs = []
     for r, buf in enumerate(group.buffers):
-        (recv_x, recv_scales), recv_count, handle, _, _, idx = sent[r]
+        (recv_x, recv_scales), recv_count, handle, _, _, idx, weights = sent[r]
         experts = [int(np.asarray(phy2log)[0][r * e_loc + i]) for i in range(e_loc)]
         raw = (lambda q: q.view(torch.uint8)) if torch is not None else (lambda q: q)  # fp8 as bytes to index
         wa = [(raw(w1q[0])[experts], w1q[1][experts]), (raw(w2q[0])[experts], w2q[1][experts])]
-        on = (lambda t: t.to(dev)) if torch is not None else (lambda t: t)
-        a, a_s, m = on(recv_x), on(recv_scales), on(recv_count)
-        gate_up = moekit.empty(a, (e_loc, P * T, 2 * inter), moekit._tensors.BF16)
-        moekit.m_grouped_fp8_gemm_nt_masked((a, a_s), (on(wa[0][0]), on(wa[0][1])), gate_up, m, T)
-        valid = np.arange(P * T)[None, :, None] < host(recv_count)[:, None, None]  # rows past masked_m: garbage
-        gu = np.where(valid, moekit.bf16_to_float32(host(gate_up)), 0)
-        h = (gu[..., :inter] / (1 + np.exp(-gu[..., :inter])) * gu[..., inter:]).astype(np.float32)
-        hq = moekit.per_token_cast_to_fp8(tensor(h))
-        y = moekit.empty(a, (e_loc, P * T, d), moekit._tensors.BF16)
-        moekit.m_grouped_fp8_gemm_nt_masked((on(hq[0]), on(hq[1])), (on(wa[1][0]), on(wa[1][1])), y, m, T)
-        combined, _, hook = buf.low_latency_combine(tensor(host(y), "bf16"), tensor(idx), tensor(routing[r][1]), handle,
-                                                    return_recv_hook=True)
-        outs.append((combined, sent[r][1], hook))
+        if torch is not None:
+            wa = [(q.view(torch.float8_e4m3fn), s) for q, s in wa]
+        gate_up = moekit.empty(recv_x, (e_loc, P * T, 2 * inter), moekit._tensors.BF16)
+        moekit.m_grouped_fp8_gemm_nt_masked((recv_x, recv_scales), wa[0], gate_up, recv_count, T)
+        h = silu_and_mul(gate_up, recv_count)  # rows past recv_count are zero, not garbage
+        hq = moekit.per_token_cast_to_fp8(h)
+        y = moekit.empty(recv_x, (e_loc, P * T, d), moekit._tensors.BF16)
+        moekit.m_grouped_fp8_gemm_nt_masked(hq, wa[1], y, recv_count, T)
+        combined, _, hook = buf.low_latency_combine(y, idx, weights, handle, return_recv_hook=True)
+        outs.append((combined, recv_count, hook))
     for _, _, hook in outs:  # every rank has sent its combine: receive
         hook()
 

@@ -180,8 +180,9 @@ int main(int argc, char** argv) try {
       gpu::GpuLayerConfig half_cfg = cfg;
       half_cfg.max_tokens = t_half;
       for (int h = 0; h < 2; ++h) {
-        groups.push_back(std::make_unique<gpu::EpLocalGroup>(
-            gpu::layer_ep_config(model, placement.num_slots, P, t_half, gpu::EpMode::kLowLatency)));
+        gpu::EpConfig half_ep = gpu::layer_ep_config(model, placement.num_slots, P, t_half, gpu::EpMode::kLowLatency);
+        half_ep.num_ctas = gpu::two_batch_num_ctas();  // the two micro-batches' receives must not starve each other
+        groups.push_back(std::make_unique<gpu::EpLocalGroup>(half_ep));
         for (int r = 0; r < P; ++r)
           mb[h].push_back(std::make_unique<gpu::GpuMoeLayer>(model, weights, placement, 0, groups[h]->rank(r), half_cfg,
                                                              layers[r].get()));

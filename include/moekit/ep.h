@@ -88,7 +88,7 @@ struct EpConfig {
   int block_m = 128;        // normal mode: expert segments padded to a multiple of this
   int max_recv_rows = 0;    // normal mode: rows of the contiguous output; 0 = the worst case
   double timeout_s = 30.0;  // every wait on a peer
-  int num_ctas = 0;         // CTAs per kernel; 0 = the device's SM count
+  int num_ctas = 0;         // CTAs per kernel; 0 = the device's SM count (see two_batch_num_ctas)
 
   int slots_per_rank() const { return num_slots / num_ranks; }  // E_loc
   int max_m() const { return num_ranks * max_tokens; }          // M_max = P * T_max
@@ -102,6 +102,14 @@ struct EpConfig {
   // Throws moekit::Error naming the field, its value and what was expected.
   void validate() const;
 };
+
+// num_ctas for the EP buffers of two micro-batches in flight at once (two-batch overlap):
+// (SMs - 16) / 2. A receive kernel spins until its peers' data arrives and holds one SM per CTA;
+// with a full-GPU grid on each micro-batch, rank A's receive can occupy every SM while it waits
+// for a send of rank B that waits in turn for A's other micro-batch's send, which then never
+// finds an SM: both time out (seen on 2 H200s at 512 tokens per rank). Half the SMs each, less 16
+// for the other stream's sends and GEMMs, keeps one free SM per wait. -1: the current device.
+int two_batch_num_ctas(int device = -1);
 
 // What one rank allocates, reported before anything is allocated.
 struct EpMemory {

@@ -218,10 +218,13 @@ def test_gpu_layer_matches_oracle_and_replays_in_a_graph(layer_weights, rng):
     layer.check()
     want = layer_f64(tensors, bf16_bits_to_float(x).astype(np.float32), idx, w)
     got = bf16_bits_to_float(np.concatenate([cuda.get(o) for o in outs]))
-    assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)
+    # The GPU layer's bound (test_layer's and `moekit run --check`'s): it measures 4e-3 .. 7e-3 against
+    # the oracle, as its tensor cores' FP8 block sums keep fewer bits than the CPU's exact ones
+    # (docs/layer-gpu.md); a misrouted token or a wrong scale would be off by tens of percent.
+    assert np.linalg.norm(got - want) <= 1.5e-2 * np.linalg.norm(want)
     cpu = moekit.MoELayer(MODEL, layer_weights, num_ranks=2, max_tokens=4)
     cpu_out = bf16_bits_to_float(np.concatenate(cpu.forward_all([x[:3], x[3:]], routing=[(idx[:3], w[:3]), (idx[3:], w[3:])])))
-    assert np.linalg.norm(got - cpu_out) <= 4e-3 * np.linalg.norm(cpu_out)
+    assert np.linalg.norm(got - cpu_out) <= 1.5e-2 * np.linalg.norm(cpu_out)
 
     # The whole step (both ranks, gate included) captured once, replayed on new tokens in place.
     graph = torch.cuda.CUDAGraph()

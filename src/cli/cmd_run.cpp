@@ -122,6 +122,19 @@ StepResult run_layers_cpu(const ModelSpec& spec, const std::vector<MoeLayerWeigh
   return res;
 }
 
+// --check's bound on the relative error against the float64 oracle. The CPU layer holds
+// DESIGN.md's 3e-3; the GPU layer measures 4e-3 .. 7e-3 (the tensor cores' FP8 block sums keep
+// fewer bits than the CPU's exact ones; docs/layer-gpu.md), and test_layer bounds it at 1.5e-2.
+double oracle_tolerance(const RunOptions& o) { return o.backend == "cuda" ? 1.5e-2 : 3e-3; }
+
+void check_oracle_errors(const RunOptions& o, const std::vector<LayerFigures>& figs) {
+  for (size_t l = 0; l < figs.size(); ++l)
+    MOEKIT_CHECK(figs[l].error_vs_oracle <= oracle_tolerance(o),
+                 fmt::format("--check: layer {}: relative error {:.3e} against the float64 oracle is above the {} "
+                             "backend's bound {}",
+                             l, figs[l].error_vs_oracle, o.backend, oracle_tolerance(o)));
+}
+
 void run(const RunOptions& o) {
   const ModelSpec spec = load_model_spec(o.model);
   MOEKIT_CHECK(spec.is_moe(), fmt::format("--model {} is dense: it has no MoE layer to run", o.model));
@@ -332,6 +345,7 @@ void run(const RunOptions& o) {
     if (o.check)
       for (const auto& f : figs) j["error_vs_oracle"].push_back(f.error_vs_oracle);
     fmt::print("{}\n", j.dump(2));
+    if (o.check) check_oracle_errors(o, figs);
     return;
   }
 
@@ -368,7 +382,8 @@ void run(const RunOptions& o) {
   if (o.check) {
     fmt::print("relative error against the float64 oracle:");
     for (const auto& f : figs) fmt::print(" {:.2e}", f.error_vs_oracle);
-    fmt::print(" (DESIGN.md tolerance 3e-3)\n");
+    fmt::print(" (bound {}: {})\n", oracle_tolerance(o), o.backend == "cuda" ? "the GPU layer's, docs/layer-gpu.md" : "DESIGN.md");
+    check_oracle_errors(o, figs);
   }
 }
 

@@ -409,4 +409,6 @@ EpBuffer& EpLocalGroup::rank(int r) {
   return *ranks_[r];
 }
 
+int two_batch_num_ctas(int device) { return std::max(1, (query_device(device).num_sms - 16) / 2); }
+
 }  // namespace moekit::gpu
