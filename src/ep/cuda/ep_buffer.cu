@@ -2,8 +2,11 @@
 // private allocation, the host-side argument checks of each call, fault reporting, and the
 // `local` transport (P virtual ranks on one GPU).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
+#include <thread>
 
 #include "ep_format.h"
 #include "ep_state.cuh"
@@ -338,9 +341,33 @@ int32_t* EpBuffer::recv_src() const { return impl_->args.recv_src; }
 int32_t* EpBuffer::row_expert() const { return impl_->args.row_expert; }
 int32_t* EpBuffer::recv_total_rows() const { return impl_->args.total_rows; }
 
+// Waits for the stream. Where the exchange's kernels wait for peers without a deadline (NCCL's),
+// a dead peer would block this wait forever: once timeout_s has passed, the exchange is aborted,
+// its kernels return, and the receive kernel behind them times out on the missing inbox and
+// records which peer sent nothing, so the error below names it (after about 2 x timeout_s).
+static void wait_for_stream(EpBuffer::Impl& m, cudaStream_t stream) {
+  if (!m.exchange || !m.exchange->needs_watchdog()) {
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(m.config.timeout_s);
+  bool aborted = false;
+  cudaError_t e;
+  while ((e = cudaStreamQuery(stream)) == cudaErrorNotReady) {
+    if (!aborted && std::chrono::steady_clock::now() > deadline) {
+      std::fprintf(stderr, "moekit: EP rank %d: the stream has not finished %.1f s after check() began: aborting the "
+                   "NCCL communicator (a peer is gone or stuck)\n", m.rank, m.config.timeout_s);
+      m.exchange->abort();
+      aborted = true;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  MOEKIT_CUDA_CHECK(e);
+}
+
 void EpBuffer::check(cudaStream_t stream) {
   Impl& m = *impl_;
-  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  wait_for_stream(m, stream);
   EpStatusWord s{};
   MOEKIT_CUDA_CHECK(cudaMemcpy(&s, m.args.status, sizeof(s), cudaMemcpyDeviceToHost));
   if (s.kind == 0) return;

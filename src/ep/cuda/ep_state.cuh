@@ -111,6 +111,12 @@ class EpExchange {
   virtual ~EpExchange() = default;
   virtual void after_dispatch_send(cudaStream_t stream) = 0;
   virtual void after_combine_send(cudaStream_t stream) = 0;
+  // True when the exchange runs kernels that wait for peers without a deadline (NCCL's), so
+  // EpBuffer::check must watch the stream and call abort() once timeout_s has passed.
+  virtual bool needs_watchdog() const = 0;
+  // Ends the exchange's in-flight and future work (its waiting kernels return); the buffer is
+  // unusable afterwards, and its next receive times out naming the peer that sent nothing.
+  virtual void abort() = 0;
 };
 
 // Kernel launchers (dispatch.cu, combine.cu). Each launches one kernel on the stream.

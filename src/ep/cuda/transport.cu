@@ -46,6 +46,7 @@ struct Nccl {
   ncclResult_t (*get_unique_id)(ncclUniqueId*);
   ncclResult_t (*comm_init_rank)(ncclComm_t*, int, ncclUniqueId, int);
   ncclResult_t (*comm_destroy)(ncclComm_t);
+  ncclResult_t (*comm_abort)(ncclComm_t);
   ncclResult_t (*all_gather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
   ncclResult_t (*send)(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
@@ -71,6 +72,7 @@ const Nccl& nccl() {
     resolve(lib, "ncclGetUniqueId", n.get_unique_id);
     resolve(lib, "ncclCommInitRank", n.comm_init_rank);
     resolve(lib, "ncclCommDestroy", n.comm_destroy);
+    resolve(lib, "ncclCommAbort", n.comm_abort);
     resolve(lib, "ncclAllGather", n.all_gather);
     resolve(lib, "ncclSend", n.send);
     resolve(lib, "ncclRecv", n.recv);
@@ -146,11 +148,22 @@ class ProcessTransport : public EpExchange {
     if (kind_ == EpTransport::kNccl)
       exchange(P * sizes_.dispatch_inbox_bytes, 2 * P * sizes_.dispatch_inbox_bytes, sizes_.combine_inbox_bytes, stream);
   }
+  // NCCL's send/receive kernels wait for a dead peer forever; nvlink's waits are moekit's own,
+  // with their timeout.
+  bool needs_watchdog() const override { return kind_ == EpTransport::kNccl; }
+  void abort() override {
+    MOEKIT_CHECK(comm_ != nullptr, fmtr("EP rank {}: the NCCL communicator was already aborted", rank_));
+    ncclComm_t comm = comm_;
+    comm_ = nullptr;  // aborted communicators are not destroyed
+    nccl_check(nccl().comm_abort(comm), "ncclCommAbort");
+  }
 
  private:
   // Staged inbox for peer r at staging + staged_at + r * bytes goes to r's inbox for this rank;
   // peer r's staged inbox for this rank lands at symmetric + inbox_at + r * bytes (parity 0).
   void exchange(size_t staged_at, size_t inbox_at, size_t bytes, cudaStream_t stream) {
+    MOEKIT_CHECK(comm_ != nullptr, fmtr("EP rank {}: the NCCL communicator was aborted after a timeout (a peer was "
+                                        "gone): this buffer cannot exchange again; connect a new one", rank_));
     const Nccl& n = nccl();
     nccl_check(n.group_start(), "ncclGroupStart");
     for (int r = 0; r < num_ranks_; ++r) {
