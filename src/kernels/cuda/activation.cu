@@ -41,56 +41,70 @@ __device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
   return packed;
 }
 
-// One row: gate_up [2 inter] -> out [inter] fp8, scales at out_scales[g * scale_stride].
-__device__ void silu_mul_quant_row(const uint16_t* __restrict__ gate_up, int inter, uint8_t* __restrict__ out,
-                                   float* __restrict__ out_scales, size_t scale_stride) {
+// One 128-column group g of one row: gate_up [2 inter] -> out [inter] fp8, its scale to *scale.
+__device__ void silu_mul_quant_group(const uint16_t* __restrict__ gate_up, int inter, int g, uint8_t* __restrict__ out,
+                                     float* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
-  for (int g = 0; g < inter / kQuantBlock; ++g) {
-    const int c = g * kQuantBlock + lane * 4;
-    const uint2 gv = *reinterpret_cast<const uint2*>(gate_up + c);
-    const uint2 uv = *reinterpret_cast<const uint2*>(gate_up + inter + c);
-    const float v[4] = {silu_mul(bf16_to_float(uint16_t(gv.x)), bf16_to_float(uint16_t(uv.x))),
-                        silu_mul(bf16_to_float(uint16_t(gv.x >> 16)), bf16_to_float(uint16_t(uv.x >> 16))),
-                        silu_mul(bf16_to_float(uint16_t(gv.y)), bf16_to_float(uint16_t(uv.y))),
-                        silu_mul(bf16_to_float(uint16_t(gv.y >> 16)), bf16_to_float(uint16_t(uv.y >> 16)))};
-    float scale;
-    const uint32_t q = quantize_group(v, scale);
-    *reinterpret_cast<uint32_t*>(out + c) = q;
-    if (lane == 0) out_scales[g * scale_stride] = scale;
-  }
+  const int c = g * kQuantBlock + lane * 4;
+  const uint2 gv = *reinterpret_cast<const uint2*>(gate_up + c);
+  const uint2 uv = *reinterpret_cast<const uint2*>(gate_up + inter + c);
+  const float v[4] = {silu_mul(bf16_to_float(uint16_t(gv.x)), bf16_to_float(uint16_t(uv.x))),
+                      silu_mul(bf16_to_float(uint16_t(gv.x >> 16)), bf16_to_float(uint16_t(uv.x >> 16))),
+                      silu_mul(bf16_to_float(uint16_t(gv.y)), bf16_to_float(uint16_t(uv.y))),
+                      silu_mul(bf16_to_float(uint16_t(gv.y >> 16)), bf16_to_float(uint16_t(uv.y >> 16)))};
+  float scale;
+  const uint32_t q = quantize_group(v, scale);
+  *reinterpret_cast<uint32_t*>(out + c) = q;
+  if (lane == 0) *scale_out = scale;
 }
 
+// A CTA owns kRowsPerBlock rows and deals all (row, group) pairs of its valid rows over its warps:
+// a decode step's expert usually holds one or two rows, which one warp per row would walk group
+// by group (16 dependent rounds at inter = 2048) while the CTA's other warps idle.
 __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int max_m, int inter,
                                              const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
                                              float* __restrict__ out_scales) {
   const int e = blockIdx.y;
-  const int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
+  const int m0 = blockIdx.x * kRowsPerBlock;
   const int rows = min(max(masked_m[e], 0), max_m);
-  if (m >= rows) return;
-  // layout.h's masked offsets (its methods are host-only): row (e, m) at (e M_max + m) K, scale
-  // (e, m, kb) at (e K/128 + kb) M_max + m.
-  const size_t row = size_t(e) * max_m + m;
-  silu_mul_quant_row(gate_up + row * 2 * inter, inter, out + row * inter,
-                     out_scales + size_t(e) * (inter / kQuantBlock) * max_m + m, size_t(max_m));
+  const int n = min(kRowsPerBlock, rows - m0);
+  const int groups = inter / kQuantBlock;
+  for (int item = threadIdx.x / kWarp; item < n * groups; item += kRowsPerBlock) {
+    const int m = m0 + item / groups, g = item % groups;
+    // layout.h's masked offsets (its methods are host-only): row (e, m) at (e M_max + m) K, scale
+    // (e, m, kb) at (e K/128 + kb) M_max + m.
+    const size_t row = size_t(e) * max_m + m;
+    silu_mul_quant_group(gate_up + row * 2 * inter, inter, g, out + row * inter,
+                         out_scales + (size_t(e) * groups + g) * max_m + m);
+  }
 }
 
 __global__ void silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
                                                  const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
                                                  float* __restrict__ out_scales) {
-  const int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
-  if (m >= total_m || row_expert[m] < 0) return;
-  // layout.h's contiguous offsets: row m at m K, scale (m, kb) at kb M_total + m.
-  silu_mul_quant_row(gate_up + size_t(m) * 2 * inter, inter, out + size_t(m) * inter, out_scales + m,
-                     size_t(total_m));
+  const int m0 = blockIdx.x * kRowsPerBlock;
+  const int n = min(kRowsPerBlock, total_m - m0);
+  const int groups = inter / kQuantBlock;
+  for (int item = threadIdx.x / kWarp; item < n * groups; item += kRowsPerBlock) {
+    const int m = m0 + item / groups, g = item % groups;
+    if (row_expert[m] < 0) continue;
+    // layout.h's contiguous offsets: row m at m K, scale (m, kb) at kb M_total + m.
+    silu_mul_quant_group(gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
+                         out_scales + size_t(g) * total_m + m);
+  }
 }
 
+// The shared expert's input: x [T, d] bf16 -> FP8 1x128 as one masked expert. (row, group) pairs
+// are dealt over the CTA's warps as above: a rank's few decode tokens still use every warp.
 __global__ void quantize_tokens_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int max_m,
                                        uint8_t* __restrict__ out, float* __restrict__ out_scales, int32_t* masked_m) {
   if (blockIdx.x == 0 && threadIdx.x == 0) *masked_m = num_tokens;
-  const int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
-  if (m >= num_tokens) return;
+  const int m0 = blockIdx.x * kRowsPerBlock;
+  const int n = min(kRowsPerBlock, num_tokens - m0);
+  const int groups = hidden / kQuantBlock;
   const int lane = threadIdx.x % kWarp;
-  for (int g = 0; g < hidden / kQuantBlock; ++g) {
+  for (int item = threadIdx.x / kWarp; item < n * groups; item += kRowsPerBlock) {
+    const int m = m0 + item / groups, g = item % groups;
     const int c = g * kQuantBlock + lane * 4;
     const uint2 xv = *reinterpret_cast<const uint2*>(x + size_t(m) * hidden + c);
     const float v[4] = {bf16_to_float(uint16_t(xv.x)), bf16_to_float(uint16_t(xv.x >> 16)),
