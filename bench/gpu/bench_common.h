@@ -1,6 +1,6 @@
-// bench_common.h: what the GPU benchmarks (bench_layer, bench_rank) share: random FP8 weights of
-// a model's real shapes made in memory, random BF16 tokens, list parsing, and the device copy
-// bandwidth that their floors are measured against.
+// bench_common.h: what the GPU benchmarks share: random FP8 weights of a model's real shapes made
+// in memory, random BF16 tokens, list parsing, the device copy bandwidth that their floors are
+// measured against, and the timing of a graph's replays.
 //
 // Weights are random bytes, not a checkpoint: the values do not change the time of a step
 // (the GEMMs read every byte of a hit expert whatever it holds), and the checkpoint generator
@@ -156,6 +156,43 @@ inline double measure_copy_bandwidth(size_t bytes = size_t(1) << 31) {
   MOEKIT_CUDA_CHECK(cudaFree(a));
   MOEKIT_CUDA_CHECK(cudaFree(b));
   return 2.0 * double(bytes) / (double(best) * 1e-3);
+}
+
+double median(std::vector<double> v);
+
+// A graph's replay time in microseconds: median, min and max over the replays.
+struct Timing {
+  double median_us = 0, min_us = 0, max_us = 0;
+};
+
+// Replays `graph` n times back to back on `stream`, an event between replays; each replay's time
+// divided by `per` (the steps one replay holds).
+inline Timing time_replays(cudaGraphExec_t graph, cudaStream_t stream, int n, int per = 1) {
+  std::vector<cudaEvent_t> ev(n + 1);
+  for (auto& e : ev) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
+  MOEKIT_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int i = 0; i < n; ++i) {
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(graph, stream));
+    MOEKIT_CUDA_CHECK(cudaEventRecord(ev[i + 1], stream));
+  }
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> t(n);
+  for (int i = 0; i < n; ++i) {
+    float ms = 0;
+    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+    t[i] = ms * 1e3 / per;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  Timing r;
+  r.median_us = median(t);
+  r.min_us = *std::min_element(t.begin(), t.end());
+  r.max_us = *std::max_element(t.begin(), t.end());
+  return r;
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 }  // namespace moekit::bench

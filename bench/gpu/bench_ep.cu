@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 #include "moekit/ep.h"
@@ -78,37 +79,13 @@ __global__ void fill_bf16(uint16_t* p, size_t n, uint32_t seed) {
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using moekit::bench::median;
+using moekit::bench::Timing;
 
-// Median time of one replay (microseconds), events between consecutive replays.
-struct Timing {
-  double median_us = 0, min_us = 0, max_us = 0;
-};
+// One replay's time after 5 warm-up replays.
 Timing time_graph(cudaGraphExec_t g, cudaStream_t s, int iters) {
   for (int i = 0; i < 5; ++i) MOEKIT_CUDA_CHECK(cudaGraphLaunch(g, s));
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
-  MOEKIT_CUDA_CHECK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < iters; ++i) {
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(g, s));
-    MOEKIT_CUDA_CHECK(cudaEventRecord(ev[i + 1], s));
-  }
-  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-    t[i] = ms * 1e3;
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  Timing r;
-  r.median_us = median(t);
-  r.min_us = *std::min_element(t.begin(), t.end());
-  r.max_us = *std::max_element(t.begin(), t.end());
-  return r;
+  return moekit::bench::time_replays(g, s, iters);
 }
 
 // Device copy bandwidth, bytes read + written per second.

@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_common.h"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
@@ -119,9 +120,7 @@ Options parse(int argc, char** argv) {
 
 // ---- What the ranks share with the parent: a page mapped before the fork. ----------------------
 
-struct Timing {
-  double median_us = 0, min_us = 0, max_us = 0;
-};
+using moekit::bench::Timing;
 
 struct RankResult {
   int ok;                      // 1 when every figure below was measured
@@ -199,35 +198,6 @@ std::vector<int> targets(const EpConfig& c, const std::vector<int32_t>& idx, int
   for (int j = 0; j < c.topk; ++j) r.push_back(idx[size_t(t) * c.topk + j] / c.slots_per_rank());
   std::sort(r.begin(), r.end());
   r.erase(std::unique(r.begin(), r.end()), r.end());
-  return r;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Replays `graph` n times back to back, an event between replays; times per step (replay / steps).
-Timing time_replays(cudaGraphExec_t graph, cudaStream_t s, int n, int steps) {
-  std::vector<cudaEvent_t> ev(n + 1);
-  for (auto& e : ev) MOEKIT_CUDA_CHECK(cudaEventCreate(&e));
-  MOEKIT_CUDA_CHECK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < n; ++i) {
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(graph, s));
-    MOEKIT_CUDA_CHECK(cudaEventRecord(ev[i + 1], s));
-  }
-  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> t(n);
-  for (int i = 0; i < n; ++i) {
-    float ms = 0;
-    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-    t[i] = ms * 1e3 / steps;
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  Timing r;
-  r.median_us = median(t);
-  r.min_us = *std::min_element(t.begin(), t.end());
-  r.max_us = *std::max_element(t.begin(), t.end());
   return r;
 }
 
@@ -390,10 +360,10 @@ void measure(const EpProcessGroup& g, const LaunchArgs& a, RankResult& res) {
   const int n = std::clamp(int(budget_s / std::max(slowest, 1e-6)), 3, o.iters);
 
   barrier(*a.page, P, barrier_s);
-  res.step = time_replays(g_step, s, n, L);
+  res.step = moekit::bench::time_replays(g_step, s, n, L);
   buf->check(s);
   barrier(*a.page, P, barrier_s);
-  res.dispatch = time_replays(g_dispatch, s, n, L);
+  res.dispatch = moekit::bench::time_replays(g_dispatch, s, n, L);
   buf->check(s);
   res.replays = n;
   res.steps_per_graph = L;

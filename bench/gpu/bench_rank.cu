@@ -97,12 +97,6 @@ size_t free_device_bytes() {
   return free;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Global token index of rank r's first token: token t lives on rank floor(t P / B) (eplb.h).
 int64_t first_token(int r, int batch) { return (int64_t(r) * batch + kRanks - 1) / kRanks; }
 int rank_tokens(int r, int batch) { return int(first_token(r + 1, batch) - first_token(r, batch)); }

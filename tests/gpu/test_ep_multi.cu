@@ -399,12 +399,13 @@ void expect_timeout_record(const FaultRecord& r, int rank) {
   EXPECT_LE(r.elapsed_s, 3.0 * kFaultTimeoutS + 2.0) << "rank " << rank;
 }
 
-// nvlink: the kernels' own timeout catches the dead peer.
-TEST(EpMultiFault, NvlinkDeadRankTimesOutNamingIt) {
+// Kills rank P - 1 mid-step over `transport`: exactly it fails, every survivor reports a timeout
+// naming it and exits cleanly, and launch_ranks returns well before its limit.
+void expect_dead_rank_named(EpTransport transport) {
   const int P = ranks_or_skip();
   if (P == 0) GTEST_SKIP() << "fewer than 2 GPUs: the cross-process transports need at least 2";
   constexpr double kLimit = 60;
-  const FaultRun run = run_fault(EpTransport::kNvlink, P, kLimit);
+  const FaultRun run = run_fault(transport, P, kLimit);
   ASSERT_NE(run.page, nullptr);
   EXPECT_EQ(run.failed, 1) << "exactly the killed rank fails; the survivors exit cleanly after the timeout";
   EXPECT_LT(run.seconds, kLimit) << "launch_ranks waited for its limit: a rank hung";
@@ -413,21 +414,13 @@ TEST(EpMultiFault, NvlinkDeadRankTimesOutNamingIt) {
   munmap(run.page, sizeof(FaultPage));
 }
 
+// nvlink: the kernels' own timeout catches the dead peer.
+TEST(EpMultiFault, NvlinkDeadRankTimesOutNamingIt) { expect_dead_rank_named(EpTransport::kNvlink); }
+
 // nccl: the survivors' combine exchange waits for the dead rank inside NCCL, which has no
 // timeout; EpBuffer::check's watchdog aborts the communicator after timeout_s, and the receive
 // kernel's own timeout then names the dead rank: about 2 x timeout_s in all, within the bound
 // expect_timeout_record allows, and no survivor is left for the launcher to kill.
-TEST(EpMultiFault, NcclDeadRankTimesOutNamingIt) {
-  const int P = ranks_or_skip();
-  if (P == 0) GTEST_SKIP() << "fewer than 2 GPUs: the cross-process transports need at least 2";
-  constexpr double kLimit = 60;
-  const FaultRun run = run_fault(EpTransport::kNccl, P, kLimit);
-  ASSERT_NE(run.page, nullptr);
-  EXPECT_EQ(run.failed, 1) << "exactly the killed rank fails; the survivors exit cleanly after the timeout";
-  EXPECT_LT(run.seconds, kLimit) << "launch_ranks waited for its limit: a rank hung inside NCCL";
-  EXPECT_EQ(run.page->rank[P - 1].outcome.load(), kVictimDying);
-  for (int r = 0; r < P - 1; ++r) expect_timeout_record(run.page->rank[r], r);
-  munmap(run.page, sizeof(FaultPage));
-}
+TEST(EpMultiFault, NcclDeadRankTimesOutNamingIt) { expect_dead_rank_named(EpTransport::kNccl); }
 
 }  // namespace
