@@ -78,9 +78,10 @@ void run_case(const Case& c, double sigma, bool mild = false) {
     // every layer within 1% of its fresh figure.
     EXPECT_DOUBLE_EQ(m.fresh_worst_balancedness, fresh_r.worst_balancedness_after);
     EXPECT_GE(ours_r.worst_balancedness_after, 0.99 * fresh_r.worst_balancedness_after - 1e-12);
-    if (per_layer)
+    if (per_layer) {
       for (int l = 0; l < L; ++l)
         EXPECT_GE(ours_r.balancedness_after[l], 0.99 * fresh_r.balancedness_after[l] - 1e-12) << "layer " << l;
+    }
     // Moves as counted by hand, for both.
     EXPECT_EQ(m.replicas_moved, moves_by_hand(current, m.placement));
     EXPECT_EQ(m.fresh_replicas_moved, moves_by_hand(current, fresh));
