@@ -4,7 +4,10 @@
 // including communication".
 //
 //   bench_layer_multi [--model deepseek-v3] [--batch 8,64,256,1024] [--layers 4] [--iters 30]
-//                     [--ranks P] [--gpu h200] [--no-tbo] [--quick] [--json FILE]
+//                     [--ranks P] [--gpu h200] [--pipeline staged|fused] [--no-tbo] [--quick] [--json FILE]
+//
+// --pipeline: the per-batch layers' decode pipeline (GpuLayerConfig::pipeline); run the bench once
+// per pipeline in one call to compare them on the same GPUs.
 //
 // Weights are random FP8 bytes of the real shapes (bench_common.h, as bench_layer makes them), made
 // in memory once by this process, which never touches CUDA, and shared by the rank processes that
@@ -144,6 +147,7 @@ struct Options {
   std::vector<int> batches = {8, 64, 256, 1024};
   int layers = 4, iters = 30, ranks = 0;
   bool tbo = true, quick = false;
+  gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged;
 };
 
 struct Args {
@@ -320,9 +324,12 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
     ec.num_ctas = num_ctas;
     return gpu::connect_ep(ec, group_for_buffer(g, sh, next_id++), gpu::EpTransport::kNvlink);
   };
-  auto layer_config = [](int t_max) {
+  // Two micro-batches stay staged: their EP kernels on two streams must not hold SMs waiting
+  // (EpBuffer::set_overlap), so the tbo rows compare with staged single batches only.
+  auto layer_config = [&](int t_max, bool tbo = false) {
     gpu::GpuLayerConfig c;
     c.max_tokens = t_max;
+    c.pipeline = tbo ? gpu::GpuPipeline::kStaged : opt.pipeline;
     return c;
   };
 
@@ -454,7 +461,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
         mb_ep[h] = connect(t_half, gpu::two_batch_num_ctas());
         for (int l = 0; l < L; ++l)
           mb[h].push_back(std::make_unique<gpu::GpuMoeLayer>(model, *a.weights, placement, 0, *mb_ep[h],
-                                                             layer_config(t_half), owners[l].get()));
+                                                             layer_config(t_half, true), owners[l].get()));
       }
       cudaStream_t streams[2] = {stream.s, stream2.s};
       cudaEvent_t fork, join;
@@ -638,7 +645,8 @@ void write_json(const std::string& path, const Args& a, int P, const std::vector
     os << "]";
     return os.str();
   };
-  js << "{\"bench\": \"layer_multi\", \"device\": \"" << sh.info[0].device << "\", \"model\": \"" << a.model.name
+  js << "{\"bench\": \"layer_multi\", \"pipeline\": \"" << gpu::gpu_pipeline_name(a.opt.pipeline)
+     << "\", \"device\": \"" << sh.info[0].device << "\", \"model\": \"" << a.model.name
      << "\", \"ranks\": " << P << ", \"transport\": \"nvlink\", \"layers\": " << a.opt.layers
      << ", \"slots\": " << a.placement.num_slots << ", \"iters\": " << a.opt.iters
      << ", \"copy_bw\": " << per_rank([&](int r) { return sh.info[r].copy_bw; })
@@ -738,6 +746,11 @@ int main(int argc, char** argv) try {
     else if (arg == "--iters") opt.iters = std::stoi(next()), iters_given = true;
     else if (arg == "--ranks") opt.ranks = std::stoi(next());
     else if (arg == "--no-tbo") opt.tbo = false;
+    else if (arg == "--pipeline") {
+      const std::string v = next();
+      MOEKIT_CHECK(v == "staged" || v == "fused", "--pipeline '" + v + "': expected staged or fused");
+      opt.pipeline = v == "fused" ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;
+    }
     else if (arg == "--quick") opt.quick = true;
     else if (arg == "--json") opt.json = next();
     else throw Error("unknown argument '" + arg + "'");

@@ -6,7 +6,15 @@
 // recv_count it would receive in a real EP8 system, and only rank 0's own time is reported.
 //
 //   bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--batch 8,64,256,1024,2048] [--layers N]
-//              [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--quick] [--json FILE]
+//              [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]
+//              [--timeline] [--quick] [--json FILE]
+//
+// --pipeline: the decode pipelines to measure (GpuLayerConfig::pipeline), each with its own
+// layers over the same weights, routing and floor; staged is the baseline of every ratio.
+// --timeline: for the uniform case, one more replay of a graph captured with the layers' stage
+// clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
+// the middle layer of the first segment, and the share of rank 0's step during which a GEMM
+// (routed or shared) was streaming weights; written into the JSON's "timelines".
 //
 // Cases per model and global batch B (B/8 tokens per rank): uniform routing and skewed routing
 // on the identity placement (EPLB off, E slots), and the same skewed routing on an EPLB placement
@@ -253,7 +261,7 @@ std::vector<double> skew_counts(const Shape& s, const Routing& skew) {
 }
 
 struct Result {
-  std::string model, routing;
+  std::string model, routing, pipeline;
   bool eplb = false;
   int slots = 0, local_slots = 0, batch = 0, layers = 0, model_layers = 0, segments = 0;
   std::vector<double> step_ms;   // [iters]: rank 0's time summed over the layers (segments added)
@@ -266,6 +274,8 @@ struct Result {
   double max_over_mean = 0, rank0_over_mean = 0;             // mean over layers
   double events_ratio_min = 1e30, events_ratio_max = 0;      // first replays: intervals added / replay time
   bool events_ok = true;
+  int timeline_layer = -1;                  // --timeline: the layer whose stage clock is kept
+  std::vector<gpu::GpuStageClock> timeline;  // by GpuStage
 
   double step() const { return median(step_ms); }
   double scaled_step() const { return step() * model_layers / layers; }
@@ -285,7 +295,33 @@ struct Options {
   int redundant = -1;  // -1: E/8
   bool uniform_only = false;
   std::string json_path;
+  std::vector<gpu::GpuPipeline> pipelines = {gpu::GpuPipeline::kStaged, gpu::GpuPipeline::kFused};
+  bool timeline = false;
 };
+
+// The share of [first start, last end] of a layer's stages during which at least one GEMM stage
+// (routed or shared, both GEMMs) was running: when HBM was streaming weights.
+double weight_stream_share(const std::vector<gpu::GpuStageClock>& c) {
+  uint64_t lo = ~0ull, hi = 0;
+  for (const auto& st : c)
+    if (st.ran()) lo = std::min(lo, st.start_ns), hi = std::max(hi, st.end_ns);
+  std::vector<std::pair<uint64_t, uint64_t>> gemm;
+  for (gpu::GpuStage g : {gpu::GpuStage::kGemm1, gpu::GpuStage::kGemm2, gpu::GpuStage::kSharedGemm1,
+                          gpu::GpuStage::kSharedGemm2})
+    if (c[int(g)].ran()) gemm.emplace_back(c[int(g)].start_ns, c[int(g)].end_ns);
+  std::sort(gemm.begin(), gemm.end());
+  uint64_t covered = 0, cur_lo = 0, cur_hi = 0;
+  for (auto [a, b] : gemm) {
+    if (a > cur_hi) {
+      covered += cur_hi - cur_lo;
+      cur_lo = a, cur_hi = b;
+    } else {
+      cur_hi = std::max(cur_hi, b);
+    }
+  }
+  covered += cur_hi - cur_lo;
+  return hi > lo ? double(covered) / double(hi - lo) : 0.0;
+}
 
 // Rank 0's weights of every layer of one placement: one GpuMoeLayer per layer on a tiny EP
 // buffer (T_max = 1), whose weights the per-batch layers share.
@@ -363,8 +399,8 @@ Holders build_holders(const ModelSpec& model, const Shape& s, const MoeLayerWeig
 // Every case of one placement at one batch size: the per-batch layers in segments, each segment
 // captured once and replayed for every case (the routing arrays' contents change, not the graph).
 void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& weights, const Placement& placement,
-               bool eplb, const std::vector<Case>& cases, const Holders& holders, int batch, const Options& opt,
-               double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
+               bool eplb, const std::vector<Case>& cases, const Holders& holders, int batch, gpu::GpuPipeline pipeline,
+               const Options& opt, double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
   const int t_max = (batch + kRanks - 1) / kRanks;
   const gpu::EpConfig ec = batch_ep_config(model, placement, batch);
@@ -394,6 +430,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
     Result& r = res[c];
     r.model = model.name;
     r.routing = cases[c].routing_name;
+    r.pipeline = gpu::gpu_pipeline_name(pipeline);
     r.eplb = eplb;
     r.slots = placement.num_slots;
     r.local_slots = e_loc;
@@ -422,6 +459,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   gpu::GpuLayerConfig cfg;
   cfg.max_tokens = t_max;
   cfg.replica_seed = kReplicaSeed;
+  cfg.pipeline = pipeline;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -562,12 +600,30 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
     }
     MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+    if (opt.timeline && first == 0) {
+      // The stage clock from its own graph, so its resets and atomics stay out of the figures above.
+      for (auto& layer : seg) layer->set_timeline(true);
+      MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      issue(true);
+      MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(routing.as<void>(), routings[0].image.data(), routings[0].image.size() * 4,
+                                        cudaMemcpyHostToDevice, stream));
+      for (int i = 0; i < 2; ++i) MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // the second one is kept
+      check_all();
+      res[0].timeline_layer = n / 2;
+      res[0].timeline = seg[n / 2]->last_timeline(stream);
+      MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
+      for (auto& layer : seg) layer->set_timeline(false);
+    }
     first += n;
   }
   for (Result& r : res) {
-    std::printf("  B = %4d %-10s %-4s %3d slots: layer %8.1f us, step %8.3f ms%s, %9.0f tok/s, floor %7.3f ms, "
+    std::printf("  %-6s B = %4d %-10s %-4s %3d slots: layer %8.1f us, step %8.3f ms%s, %9.0f tok/s, floor %7.3f ms, "
                 "ratio %5.2f, recv %7.0f rows/layer, max/mean %.2f (rank 0 %.2f), graph/eager %.3f, %d segment%s\n",
-                r.batch, r.routing.c_str(), r.eplb ? "eplb" : "", r.slots, 1e3 * median(r.layer_ms), r.step(),
+                r.pipeline.c_str(), r.batch, r.routing.c_str(), r.eplb ? "eplb" : "", r.slots, 1e3 * median(r.layer_ms),
+                r.step(),
                 r.layers < r.model_layers ? fmtr(" ({} layers)", r.layers).c_str() : "", r.tokens_per_s(),
                 r.floor_ms, r.step() / r.floor_ms, double(r.recv_rows) / r.layers, r.max_over_mean,
                 r.rank0_over_mean, r.step() / r.stage_sum(), r.segments, r.segments > 1 ? "s" : "");
@@ -592,7 +648,8 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
     const Result& r = results[i];
     const gpu::GpuStageTimes& t = r.stages;
     const double per = 1e3 / r.layers;  // ms summed over layers -> us per layer
-    js << (i ? ",\n  " : "\n  ") << "{\"model\": \"" << r.model << "\", \"batch\": " << r.batch << ", \"routing\": \""
+    js << (i ? ",\n  " : "\n  ") << "{\"model\": \"" << r.model << "\", \"pipeline\": \"" << r.pipeline
+       << "\", \"batch\": " << r.batch << ", \"routing\": \""
        << r.routing << "\", \"eplb\": " << (r.eplb ? "true" : "false") << ", \"slots\": " << r.slots
        << ", \"local_slots\": " << r.local_slots << ", \"layers\": " << r.layers
        << ", \"model_layers\": " << r.model_layers << ", \"segments\": " << r.segments
@@ -613,17 +670,40 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
        << ", \"events_ok\": " << (r.events_ok ? "true" : "false") << ", \"events_ratio_min\": " << r.events_ratio_min
        << ", \"events_ratio_max\": " << r.events_ratio_max << "}";
   }
+  js << "\n], \"timelines\": [";
+  bool first = true;
+  for (const Result& r : results) {
+    if (r.timeline.empty()) continue;
+    uint64_t t0 = ~0ull, t1 = 0;
+    for (const auto& c : r.timeline)
+      if (c.ran()) t0 = std::min(t0, c.start_ns), t1 = std::max(t1, c.end_ns);
+    js << (first ? "\n  " : ",\n  ") << "{\"model\": \"" << r.model << "\", \"pipeline\": \"" << r.pipeline
+       << "\", \"batch\": " << r.batch << ", \"routing\": \"" << r.routing << "\", \"layer\": " << r.timeline_layer
+       << ", \"span_us\": " << (t1 - t0) * 1e-3 << ", \"weight_stream_share\": " << weight_stream_share(r.timeline)
+       << ", \"stages\": [";
+    first = false;
+    bool first_stage = true;
+    for (int st = 0; st < int(gpu::GpuStage::kCount); ++st) {
+      const auto& c = r.timeline[st];
+      if (!c.ran()) continue;
+      js << (first_stage ? "" : ", ") << "{\"stage\": \"" << gpu::gpu_stage_name(gpu::GpuStage(st))
+         << "\", \"start_us\": " << (c.start_ns - t0) * 1e-3 << ", \"end_us\": " << (c.end_ns - t0) * 1e-3 << "}";
+      first_stage = false;
+    }
+    js << "]}";
+  }
   js << "\n]}\n";
 }
 
 void print_tables(const std::vector<Result>& results) {
   std::printf("\nrank 0 of EP8, MoE layers only (CUDA Graph replay, rank 0's kernels timed by events inside it):\n");
-  std::printf("%-18s %5s %-10s %-4s %5s %9s %10s %10s %9s %6s %9s %8s %8s %8s\n", "model", "B", "routing", "eplb",
-              "slots", "layer us", "step ms", "tok/s", "floor ms", "ratio", "recv/lay", "hit/lay", "max/mean",
+  std::printf("%-18s %-6s %5s %-10s %-4s %5s %9s %10s %10s %9s %6s %9s %8s %8s %8s\n", "model", "pipe", "B", "routing",
+              "eplb", "slots", "layer us", "step ms", "tok/s", "floor ms", "ratio", "recv/lay", "hit/lay", "max/mean",
               "r0/mean");
   for (const Result& r : results)
-    std::printf("%-18s %5d %-10s %-4s %5d %9.1f %10.3f %10.0f %9.3f %6.2f %9.0f %8.1f %8.2f %8.2f\n", r.model.c_str(),
-                r.batch, r.routing.c_str(), r.eplb ? "on" : "off", r.slots, 1e3 * median(r.layer_ms), r.step(),
+    std::printf("%-18s %-6s %5d %-10s %-4s %5d %9.1f %10.3f %10.0f %9.3f %6.2f %9.0f %8.1f %8.2f %8.2f\n",
+                r.model.c_str(), r.pipeline.c_str(), r.batch, r.routing.c_str(), r.eplb ? "on" : "off", r.slots,
+                1e3 * median(r.layer_ms), r.step(),
                 r.tokens_per_s(), r.floor_ms, r.step() / r.floor_ms, double(r.recv_rows) / r.layers,
                 double(r.hit_slots) / r.layers, r.max_over_mean, r.rank0_over_mean);
   for (const Result& r : results)
@@ -634,14 +714,14 @@ void print_tables(const std::vector<Result>& results) {
     }
   std::printf("\nrank 0's stages per layer, eager (GpuMoeLayer events; c.recv = rank 0's combine), us; "
               "graph/eager = graph step over the eager sum:\n");
-  std::printf("%-18s %5s %-10s %-4s %7s %7s %7s %7s %7s %7s %7s %7s %10s %10s %7s %12s\n", "model", "B", "routing",
-              "eplb", "gate", "send", "recv", "gemm1", "act", "gemm2", "c.send", "c.recv", "eager ms", "graph ms",
+  std::printf("%-18s %-6s %5s %-10s %-4s %7s %7s %7s %7s %7s %7s %7s %7s %10s %10s %7s %12s\n", "model", "pipe", "B",
+              "routing", "eplb", "gate", "send", "recv", "gemm1", "act", "gemm2", "c.send", "c.recv", "eager ms", "graph ms",
               "g/e", "all ranks ms");
   for (const Result& r : results) {
     const gpu::GpuStageTimes& t = r.stages;
     const double per = 1e3 / r.layers;
-    std::printf("%-18s %5d %-10s %-4s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %10.3f %10.3f %7.3f %12.3f\n",
-                r.model.c_str(), r.batch, r.routing.c_str(), r.eplb ? "on" : "off", per * t.gate,
+    std::printf("%-18s %-6s %5d %-10s %-4s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %10.3f %10.3f %7.3f %12.3f\n",
+                r.model.c_str(), r.pipeline.c_str(), r.batch, r.routing.c_str(), r.eplb ? "on" : "off", per * t.gate,
                 per * t.dispatch_send, per * t.dispatch_recv, per * t.gemm1, per * t.activation, per * t.gemm2,
                 per * t.combine_send, per * t.combine_recv, r.stage_sum(), r.step(), r.step() / r.stage_sum(),
                 median(r.graph_ms));
@@ -653,6 +733,33 @@ void print_tables(const std::vector<Result>& results) {
     lo = std::min(lo, r.events_ratio_min);
     hi = std::max(hi, r.events_ratio_max);
   }
+  // Fused against staged on the same case: the step, and each against its floor.
+  bool fused_header = false;
+  for (const Result& f : results) {
+    if (f.pipeline != "fused") continue;
+    for (const Result& st : results)
+      if (st.pipeline == "staged" && st.model == f.model && st.batch == f.batch && st.routing == f.routing &&
+          st.eplb == f.eplb) {
+        if (!fused_header) std::printf("\nfused against staged (rank 0's step; ratio to the same floor):\n");
+        fused_header = true;
+        std::printf("  %-18s B = %4d %-10s %-4s staged %8.3f ms (%.2fx) -> fused %8.3f ms (%.2fx): %.3f\n",
+                    f.model.c_str(), f.batch, f.routing.c_str(), f.eplb ? "eplb" : "", st.step(), st.step() / st.floor_ms,
+                    f.step(), f.step() / f.floor_ms, f.step() / st.step());
+      }
+  }
+  for (const Result& r : results)
+    if (!r.timeline.empty()) {
+      std::printf("\ntimeline %s %s B = %d layer %d (us from the layer's first stage start; weights streaming %.0f%% "
+                  "of the span):\n",
+                  r.model.c_str(), r.pipeline.c_str(), r.batch, r.timeline_layer, 100.0 * weight_stream_share(r.timeline));
+      uint64_t t0 = ~0ull;
+      for (const auto& c : r.timeline)
+        if (c.ran()) t0 = std::min(t0, c.start_ns);
+      for (int st = 0; st < int(gpu::GpuStage::kCount); ++st)
+        if (r.timeline[st].ran())
+          std::printf("  %-18s %8.1f %8.1f\n", gpu::gpu_stage_name(gpu::GpuStage(st)),
+                      (r.timeline[st].start_ns - t0) * 1e-3, (r.timeline[st].end_ns - t0) * 1e-3);
+    }
   std::printf("graph events (first replay of every segment): intervals added / replay time in [%.4f, %.4f]: %s\n", lo,
               hi, all_ok ? "they partition the replay" : "NOT SANE, see the warnings above");
   // EPLB: the same skewed routing without and with the rebalanced placement.
@@ -660,13 +767,14 @@ void print_tables(const std::vector<Result>& results) {
   for (const Result& on : results) {
     if (!on.eplb) continue;
     for (const Result& off : results)
-      if (!off.eplb && off.model == on.model && off.batch == on.batch && off.routing == on.routing) {
+      if (!off.eplb && off.model == on.model && off.batch == on.batch && off.routing == on.routing &&
+          off.pipeline == on.pipeline) {
         if (!header)
           std::printf("\nEPLB: max/mean per-GPU rows over the 8 ranks (mean over layers; target <= 1.10 where "
                       "replicas allow, small B is sampling noise):\n");
         header = true;
-        std::printf("  %-18s B = %4d %-10s %.2f (%d slots) -> %.2f (%d slots); rank 0's step %.3f -> %.3f ms\n",
-                    on.model.c_str(), on.batch, on.routing.c_str(), off.max_over_mean, off.slots, on.max_over_mean,
+        std::printf("  %-18s %-6s B = %4d %-10s %.2f (%d slots) -> %.2f (%d slots); rank 0's step %.3f -> %.3f ms\n",
+                    on.model.c_str(), on.pipeline.c_str(), on.batch, on.routing.c_str(), off.max_over_mean, off.slots, on.max_over_mean,
                     on.slots, off.step(), on.step());
       }
   }
@@ -716,11 +824,20 @@ int main(int argc, char** argv) try {
       opt.redundant = next_int(0);
     } else if (a == "--json") {
       opt.json_path = next();
+    } else if (a == "--pipeline") {
+      opt.pipelines.clear();
+      std::stringstream ss(next());
+      for (std::string p; std::getline(ss, p, ',');) {
+        MOEKIT_CHECK(p == "staged" || p == "fused", fmtr("--pipeline '{}': expected staged, fused or both", p));
+        opt.pipelines.push_back(p == "fused" ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged);
+      }
+    } else if (a == "--timeline") {
+      opt.timeline = true;
     } else if (a == "--quick") {
       quick = true;
     } else {
       throw Error("unknown argument '" + a + "' (expected --model, --batch, --layers, --iters, --skew, --redundant, "
-                  "--quick, --json)");
+                  "--pipeline, --timeline, --quick, --json)");
     }
   }
   if (quick) {
@@ -795,7 +912,9 @@ int main(int argc, char** argv) try {
       const Holders holders = build_holders(model, s, weights, ph.placement, opt, layers);
       for (int b : opt.batches) {
         t0 = Clock::now();
-        run_batch(model, s, weights, ph.placement, ph.eplb, ph.cases, holders, b, opt, copy_bw, stream, results);
+        for (gpu::GpuPipeline pipeline : opt.pipelines)
+          run_batch(model, s, weights, ph.placement, ph.eplb, ph.cases, holders, b, pipeline, opt, copy_bw, stream,
+                    results);
         std::printf("  (B = %d done in %.1f s, %.0f s since the start)\n", b, seconds_since(t0),
                     seconds_since(t_start));
       }

@@ -180,6 +180,20 @@ class EpBuffer {
   // fault (a timeout names this rank, the peer and the step). The record is cleared first.
   void check(cudaStream_t stream);
 
+  // Programmatic dependent launch of this buffer's kernels from the next call on (off by
+  // default): each kernel may be scheduled while the previous kernel on the stream finishes, and
+  // waits for it (griddepcontrol.wait) before reading anything, so results do not change; the
+  // launch and ramp-up of each kernel hide under the tail of the one before (the fused decode
+  // pipeline, layer.h). Keep it off where a receive of another EP group on another stream of the
+  // same GPU must find free SMs while this buffer's kernels wait (two micro-batches on one GPU):
+  // a kernel scheduled early holds its SM while it waits.
+  void set_overlap(bool on);
+  // Stage clock: the next kernels write, per phase (dispatch send, dispatch receive, combine
+  // send, combine receive), the %globaltimer nanoseconds of their first CTA's start and last
+  // CTA's end into stamps[2·phase] (atomicMin) and stamps[2·phase + 1] (atomicMax), a device
+  // array of 8 the caller resets. Null (the default) records nothing.
+  void set_timeline(unsigned long long* stamps);
+
   struct Impl;
 
  private:

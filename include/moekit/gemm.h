@@ -21,6 +21,13 @@
 //             to [0, M_max]. Experts with masked_m = 0 read no weights.
 //   out       [E_loc, M_max, N] bf16 bits (moekit/bf16.h); rows at or past masked_m[e] are not
 //             written.
+// Masked with the SiLU·up + FP8 epilogue (problem.epilogue = kSiluMulFp8, the MoE layer's GEMM1):
+//   w holds each expert's [gate; up] rows (N = 2·inter), and instead of `out` the GEMM writes
+//   act [E_loc, M_max, inter] fp8 e4m3 = SiLU(gate)·up with its 1x128 scales act_scales
+//   [E_loc, inter/128, M_max] fp32: the same bits as running the activation kernel on the BF16
+//   output of the same accumulation (gate and up are rounded to BF16 first), without the BF16
+//   round trip through HBM and the activation's own launch. Needs inter a multiple of 128;
+//   tiles are swap-AB with at most 64 tokens (an expert with more rows takes more token blocks).
 // Contiguous (prefill):
 //   a [M_total, K] fp8, a_scales [K/128, M_total] fp32, row_expert [M_total] int32 (-1: padding,
 //   its output row is not written), out [M_total, N] bf16 bits. Each expert's rows are together
@@ -69,12 +76,15 @@ struct GemmConfig {
 
 enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights };
 
+enum class GemmEpilogue { kBf16, kSiluMulFp8 };
+
 struct MaskedGemmProblem {
   int num_experts = 0;  // E_loc
   int n = 0;
   int k = 0;
   int max_m = 0;        // M_max
   int expected_m = 0;   // typical rows per expert with tokens; 0: unknown (assume M_max)
+  GemmEpilogue epilogue = GemmEpilogue::kBf16;
 };
 
 struct ContiguousGemmProblem {
@@ -94,7 +104,9 @@ struct MaskedGemmBuffers {
   const uint8_t* w = nullptr;
   const float* w_scales = nullptr;
   const int32_t* masked_m = nullptr;
-  uint16_t* out = nullptr;
+  uint16_t* out = nullptr;          // kBf16
+  uint8_t* act = nullptr;           // kSiluMulFp8
+  float* act_scales = nullptr;      // kSiluMulFp8
 };
 
 struct ContiguousGemmBuffers {
@@ -118,6 +130,10 @@ class MaskedGemm {
   void run(cudaStream_t stream) const;  // graph-safe
   const GemmConfig& config() const;
   void set_overlap(Overlap overlap);
+  // Stage clock (a timeline of a step): every later run writes the %globaltimer nanoseconds of
+  // its first CTA's start to stamp[0] (atomicMin) and its last CTA's end to stamp[1]
+  // (atomicMax); the caller resets the pair. Null (the default) records nothing.
+  void set_timeline(unsigned long long* stamp);
 
  private:
   struct Impl;
@@ -135,6 +151,7 @@ class ContiguousGemm {
   void run(cudaStream_t stream) const;  // graph-safe
   const GemmConfig& config() const;
   void set_overlap(Overlap overlap);  // kNone or kPreviousKernel
+  void set_timeline(unsigned long long* stamp);  // as MaskedGemm's
 
  private:
   struct Impl;

@@ -63,11 +63,28 @@ class LoadRecorder;      // eplb.h
 
 namespace moekit::gpu {
 
+// How a decode step's kernels follow each other (prefill always runs staged).
+//   kStaged: one kernel per stage, each starting when the one before has drained the GPU: the
+//            reference, bit for bit the pipeline every figure before the fused one was taken with.
+//   kFused:  the same data flow in fewer kernels that overlap their neighbours:
+//            - the gate's top-k selection and the replica choice are one kernel;
+//            - SiLU·up + FP8 happens in GEMM1's epilogue (gemm.h kSiluMulFp8, routed and shared
+//              experts), so GEMM1 writes the FP8 activations and the activation kernel is gone;
+//            - every kernel of the chain is a programmatic dependent launch: it is scheduled
+//              under the tail of the one before and waits for it on the device, and GEMM2 streams
+//              its first weight tiles before GEMM1 has finished (the EpBuffer's kernels too:
+//              EpBuffer::set_overlap).
+//            The outputs equal the staged pipeline's within the GEMM library's bound (the same
+//            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
+enum class GpuPipeline { kStaged, kFused };
+const char* gpu_pipeline_name(GpuPipeline pipeline);
+
 struct GpuLayerConfig {
   int max_tokens = 0;          // T_max per rank; must equal the EpBuffer's
   uint64_t replica_seed = 0;   // choose_replicas' hash seed (the CPU layer's replica_seed)
   int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: a guess
   bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
+  GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
 };
 
 // The EP configuration a layer of `model` needs for P ranks holding num_slots physical experts.
@@ -80,6 +97,22 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
 struct GpuStageTimes {
   float gate = 0, dispatch_send = 0, dispatch_recv = 0, gemm1 = 0, activation = 0, gemm2 = 0, combine_send = 0,
         combine_recv = 0;
+};
+
+// The stage clock of one step (set_timeline): the stages a timeline shows, in the order of the
+// layer's stamp pairs (the four EP phases last, as EpBuffer::set_timeline takes them).
+enum class GpuStage {
+  kSharedQuant, kSharedGemm1, kSharedActivation, kSharedGemm2,  // the shared expert, side stream
+  kGate, kGemm1, kActivation, kGemm2,                              // the routed experts
+  kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv,        // EP
+  kCount
+};
+const char* gpu_stage_name(GpuStage stage);
+// When a stage's first kernel's first CTA started and its last kernel's last CTA ended, in the
+// GPU's %globaltimer nanoseconds (one clock for every stream); both 0 when it did not run.
+struct GpuStageClock {
+  uint64_t start_ns = 0, end_ns = 0;
+  bool ran() const { return end_ns != 0; }
 };
 
 class GpuMoeLayer {
@@ -142,6 +175,16 @@ class GpuMoeLayer {
   void set_timing(bool on);
   GpuStageTimes last_times() const;  // synchronises on the step's last event
 
+  // Stage clock of the steps issued from now on (also inside a captured graph: a step issued
+  // with it on resets and fills the layer's stamp pairs, one per GpuStage): every kernel stamps
+  // its CTAs' start and end with the GPU's global timer, so a timeline shows what overlapped
+  // (events cannot: they order themselves on one stream). Costs two atomics per CTA. (Each
+  // dispatch also sets the EpBuffer's launch mode and stage clock to this layer's: EpBuffer::
+  // set_overlap and set_timeline.)
+  void set_timeline(bool on);
+  // The stamps of the last step issued with the timeline on (synchronises `stream`), by GpuStage.
+  std::vector<GpuStageClock> last_timeline(cudaStream_t stream) const;
+
   int num_local_experts() const;
   int num_tokens() const;  // of the last dispatch
   const GpuLayerConfig& config() const;
@@ -157,7 +200,7 @@ class GpuMoeLayer {
   // The routed experts' intermediate buffers of the last step (device), in the EpBuffer's layout:
   // masked [E_loc, M_max, ...] (decode) or contiguous [rows, ...] (prefill; row_expert says which).
   struct ExpertBuffers {
-    const uint16_t* gate_up = nullptr;  // GEMM1 output, 2 inter columns
+    const uint16_t* gate_up = nullptr;  // GEMM1 output, 2 inter columns (null: fused decode)
     const uint8_t* act = nullptr;       // SiLU·up in FP8, inter columns
     const float* act_scales = nullptr;  // [E_loc, inter/128, M_max] or [inter/128, rows]
     const uint16_t* y = nullptr;        // GEMM2 output, d columns

@@ -41,6 +41,7 @@ struct RunOptions {
   std::string save_weights;
   std::string routing;  // empty: the model's router
   std::string protocol = "low-latency";
+  std::string pipeline = "staged";  // --backend cuda, decode: staged | fused (layer.h GpuPipeline)
   int redundant = 0;
   uint64_t seed = 1;
   bool check = false;
@@ -226,6 +227,7 @@ void run(const RunOptions& o) {
     in.x = &x0;
     in.forced_idx = routing ? &forced_idx : nullptr;
     in.forced_weights = routing ? &forced_w : nullptr;
+    in.fused = o.pipeline == "fused";
     CudaRunResult cr = run_layers_cuda(in);
     res.steps = std::move(cr.steps);
     res.x = std::move(cr.x);
@@ -403,11 +405,17 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R instead of the router (synthetic skew)");
   cmd->add_option("--protocol", o.protocol, "low-latency (decode, masked) | normal (prefill, contiguous)")->capture_default_str();
   cmd->add_option("--redundant", o.redundant, "redundant experts placed by EPLB")->capture_default_str();
+  cmd->add_option("--pipeline", o.pipeline, "staged | fused: the CUDA decode step's kernels (docs/layer-gpu.md)")
+      ->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->capture_default_str();
   cmd->add_flag("--check", o.check, "compare the output with the float64 oracle (slow on large models)");
   cmd->add_flag("--json", o.json, "print JSON instead of the tables");
   cmd->callback([] {
     MOEKIT_CHECK(o.backend == "cpu" || o.backend == "cuda", fmt::format("--backend '{}': expected cpu or cuda", o.backend));
+    MOEKIT_CHECK(o.pipeline == "staged" || o.pipeline == "fused",
+                 fmt::format("--pipeline '{}': expected staged or fused", o.pipeline));
+    MOEKIT_CHECK(o.pipeline == "staged" || o.backend == "cuda",
+                 fmt::format("--pipeline {}: only the cuda backend has a fused pipeline (use --backend cuda)", o.pipeline));
 #ifndef MOEKIT_WITH_CUDA
     if (o.backend == "cuda")
       throw Error("--backend cuda: this moekit binary was built without CUDA (MOEKIT_WITH_CUDA=OFF or no nvcc); "

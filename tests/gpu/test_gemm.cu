@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_buffer.h"
+#include "kernels/cuda/activation.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
@@ -428,6 +429,195 @@ TEST(GemmMasked, BadArgumentsRejected) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("K = 100"), std::string::npos) << e.what();
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Masked with the SiLU·up + FP8 epilogue (the fused decode pipeline's GEMM1)
+
+// The gated plan's act must be the activation kernel's output on the plain plan's BF16 gate_up,
+// byte for byte, when both split K alike (the same accumulation); rows past masked_m untouched.
+struct GatedCheck {
+  long differ = 0, scales_differ = 0, unwritten = 0, clobbered = 0, rows = 0;
+};
+
+GatedCheck run_gated_against_staged(MaskedCase& c, const std::vector<int32_t>& masked_m, const GemmConfig& cfg,
+                                    cudaStream_t stream = nullptr, int replays = 1) {
+  const MaskedGemmProblem& p = c.problem;
+  const int inter = p.n / 2, groups = inter / 128;
+  c.d_m.upload(masked_m);
+  // Staged: the plain GEMM's BF16 gate_up, then the activation kernel.
+  DeviceBuffer<uint8_t> ref_act(size_t(p.num_experts) * p.max_m * inter);
+  DeviceBuffer<float> ref_scales(size_t(p.num_experts) * groups * p.max_m);
+  c.poison();
+  MaskedGemm plain(p, c.buffers(), &cfg);
+  plain.run(stream);
+  gpu::launch_silu_mul_quant_masked(c.d_out.ptr, p.num_experts, p.max_m, inter, c.d_m.ptr, ref_act.ptr,
+                                    ref_scales.ptr, stream);
+  // Fused: one gated GEMM.
+  MaskedGemmProblem gp = p;
+  gp.epilogue = GemmEpilogue::kSiluMulFp8;
+  DeviceBuffer<uint8_t> act(ref_act.count);
+  DeviceBuffer<float> scales(ref_scales.count);
+  MaskedGemmBuffers b = c.buffers();
+  b.out = nullptr;
+  b.act = act.ptr;
+  b.act_scales = scales.ptr;
+  MaskedGemm gated(gp, b, &cfg);
+  act.poison(0xFF);  // 0xFF is an e4m3 NaN: the quantisation never writes it
+  scales.poison(0xFF);
+  for (int i = 0; i < replays; ++i) gated.run(stream);
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> got = act.download(), want = ref_act.download();
+  const std::vector<float> got_s = scales.download(), want_s = ref_scales.download();
+  GatedCheck r;
+  for (int e = 0; e < p.num_experts; ++e)
+    for (int m = 0; m < p.max_m; ++m) {
+      const bool real = m < masked_m[e];
+      r.rows += real;
+      for (int j = 0; j < inter; ++j) {
+        const uint8_t g = got[(size_t(e) * p.max_m + m) * inter + j];
+        if (!real) {
+          r.clobbered += g != 0xFF;
+          continue;
+        }
+        r.unwritten += g == 0xFF;
+        r.differ += g != want[(size_t(e) * p.max_m + m) * inter + j];
+      }
+      for (int gi = 0; gi < groups; ++gi) {
+        const size_t i = (size_t(e) * groups + gi) * p.max_m + m;
+        uint32_t bits;
+        std::memcpy(&bits, &got_s[i], 4);
+        if (!real) {
+          r.clobbered += bits != 0xFFFFFFFFu;
+          continue;
+        }
+        r.scales_differ += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
+      }
+    }
+  return r;
+}
+
+void expect_same_as_staged(const GatedCheck& r, const std::string& what) {
+  EXPECT_GT(r.rows, 0) << what;
+  EXPECT_EQ(r.unwritten, 0) << what;
+  EXPECT_EQ(r.clobbered, 0) << what;
+  EXPECT_EQ(r.differ, 0) << what;
+  EXPECT_EQ(r.scales_differ, 0) << what;
+}
+
+TEST(GemmGated, EveryTilePathEqualsStaged) {
+  std::mt19937 rng(4321);
+  // inter = 384 (three act groups), M_max not a multiple of any block, ragged experts.
+  MaskedCase c({6, 768, 1024, 132, 0}, rng);
+  const std::vector<int32_t> masked_m = {0, 1, 17, 132, 70, 129};
+  for (int block_m : {16, 32, 64})
+    for (int splits : {1, 3}) {
+      const GemmConfig cfg = forced(true, block_m, splits);
+      expect_same_as_staged(run_gated_against_staged(c, masked_m, cfg), "gated " + cfg.to_string());
+      c.new_activations(rng);
+    }
+}
+
+TEST(GemmGated, HeuristicAndK7168) {
+  std::mt19937 rng(77);
+  MaskedCase c({4, 512, 7168, 64, 0}, rng);
+  const std::vector<int32_t> masked_m = {5, 64, 0, 33};
+  for (int expected : {1, 20, 64, 200}) {
+    MaskedGemmProblem gp = c.problem;
+    gp.expected_m = expected;
+    gp.epilogue = GemmEpilogue::kSiluMulFp8;
+    const GemmConfig cfg = choose_masked_config(gp, query_device().num_sms);
+    EXPECT_TRUE(cfg.swap_ab && cfg.block_m <= 64) << cfg.to_string();
+    expect_same_as_staged(run_gated_against_staged(c, masked_m, cfg), "heuristic " + cfg.to_string());
+  }
+}
+
+// Split-K counters reset by the last split, so repeated runs (as in a replayed graph) stay right.
+TEST(GemmGated, SplitKRepeatedRuns) {
+  std::mt19937 rng(88);
+  MaskedCase c({2, 256, 2048, 16, 8}, rng);
+  expect_same_as_staged(run_gated_against_staged(c, {9, 16}, forced(true, 16, 4), nullptr, 3), "split-K x3");
+}
+
+TEST(GemmGated, GraphReplayWithNewMaskedMAndData) {
+  std::mt19937 rng(55);
+  MaskedCase c({5, 512, 1024, 40, 8}, rng);
+  const MaskedGemmProblem& p = c.problem;
+  const int inter = p.n / 2;
+  MaskedGemmProblem gp = p;
+  gp.epilogue = GemmEpilogue::kSiluMulFp8;
+  DeviceBuffer<uint8_t> act(size_t(p.num_experts) * p.max_m * inter), ref_act(act.count);
+  DeviceBuffer<float> scales(size_t(p.num_experts) * (inter / 128) * p.max_m), ref_scales(scales.count);
+  MaskedGemmBuffers b = c.buffers();
+  b.out = nullptr, b.act = act.ptr, b.act_scales = scales.ptr;
+  MaskedGemm gated(gp, b);
+  gated.set_overlap(Overlap::kPreviousKernel);
+  MaskedGemm plain(p, c.buffers(), &gated.config());
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  gated.run(stream);
+  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::uniform_int_distribution<int> d(0, 40);
+  std::vector<int32_t> masked_m(p.num_experts);
+  for (int replay = 0; replay < 3; ++replay) {
+    for (auto& m : masked_m) m = d(rng);
+    masked_m[replay] = 0;
+    c.new_activations(rng);
+    c.d_m.upload(masked_m);
+    act.poison(0xFF);
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    plain.run(stream);
+    gpu::launch_silu_mul_quant_masked(c.d_out.ptr, p.num_experts, p.max_m, inter, c.d_m.ptr, ref_act.ptr,
+                                      ref_scales.ptr, stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<uint8_t> got = act.download(), want = ref_act.download();
+    long differ = 0, unwritten = 0;
+    for (int e = 0; e < p.num_experts; ++e)
+      for (int m = 0; m < masked_m[e]; ++m)
+        for (int j = 0; j < inter; ++j) {
+          const size_t i = (size_t(e) * p.max_m + m) * inter + j;
+          differ += got[i] != want[i];
+          unwritten += got[i] == 0xFF;
+        }
+    EXPECT_EQ(differ, 0) << "replay " << replay;
+    EXPECT_EQ(unwritten, 0) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GemmGated, BadArgumentsRejected) {
+  std::mt19937 rng(6);
+  MaskedCase c({2, 384, 256, 16, 8}, rng);
+  DeviceBuffer<uint8_t> act(size_t(2) * 16 * 192);
+  DeviceBuffer<float> scales(64);
+  MaskedGemmBuffers b = c.buffers();
+  b.act = act.ptr, b.act_scales = scales.ptr;
+  MaskedGemmProblem p = c.problem;
+  p.epilogue = GemmEpilogue::kSiluMulFp8;
+  auto message = [&](MaskedGemmProblem q, MaskedGemmBuffers bb, const GemmConfig* cfg) -> std::string {
+    try {
+      MaskedGemm g(q, bb, cfg);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // N = 384 is 2 x 192: inter is not a multiple of 128.
+  EXPECT_NE(message(p, b, nullptr).find("N = 384"), std::string::npos);
+  p.n = 512;
+  MaskedGemmBuffers no_act = b;
+  no_act.act = nullptr;
+  EXPECT_NE(message(p, no_act, nullptr).find("act is null"), std::string::npos);
+  const GemmConfig wide = forced(true, 128, 1);
+  EXPECT_NE(message(p, b, &wide).find("block_m in {16, 32, 64}"), std::string::npos);
+  const GemmConfig normal = forced(false, 64, 1);
+  EXPECT_NE(message(p, b, &normal).find("swap-AB"), std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -75,11 +75,12 @@ struct MultiCase {
   bool decode;
   bool redundant;
   bool graph;  // after two eager steps, four steps replayed from CUDA Graphs
+  bool fused = false;  // GpuPipeline::kFused (decode), for the layer and its local twin
 };
 
 std::string case_name(const MultiCase& c) {
   return std::string(c.transport == gpu::EpTransport::kNvlink ? "Nvlink" : "Nccl") + (c.decode ? "Decode" : "Prefill") +
-         (c.redundant ? "Redundant" : "") + (c.graph ? "Graph" : "");
+         (c.redundant ? "Redundant" : "") + (c.graph ? "Graph" : "") + (c.fused ? "Fused" : "");
 }
 
 struct RankArgs {
@@ -146,8 +147,10 @@ int run_rank(const gpu::EpProcessGroup& g, const MultiCase& c, RankSync& sync) {
   gpu::GpuLayerConfig cfg;
   cfg.max_tokens = t_max;
   cfg.replica_seed = seed;
+  const gpu::GpuPipeline pipeline = c.fused ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;
+  cfg.pipeline = pipeline;
   gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, *ep, cfg);
-  GpuRig local(P, mode, placement, seed);  // the same layer as P virtual ranks on this GPU
+  GpuRig local(P, mode, placement, seed, nullptr, pipeline);  // the same layer as P virtual ranks on this GPU
   const int e_loc = layer.num_local_experts();
   DeviceArray<uint16_t> x(size_t(t_max) * d), out(size_t(t_max) * d);
   DeviceArray<int32_t> idx(size_t(t_max) * k);
@@ -283,7 +286,10 @@ INSTANTIATE_TEST_SUITE_P(Transports, GpuLayerMulti,
                                            MultiCase{EpTransport::kNccl, true, false, false},
                                            MultiCase{EpTransport::kNccl, false, false, false},
                                            MultiCase{EpTransport::kNvlink, true, true, true},
-                                           MultiCase{EpTransport::kNccl, false, true, false}),
+                                           MultiCase{EpTransport::kNccl, false, true, false},
+                                           MultiCase{EpTransport::kNvlink, true, false, false, true},
+                                           MultiCase{EpTransport::kNccl, true, false, false, true},
+                                           MultiCase{EpTransport::kNvlink, true, true, true, true}),
                          [](const ::testing::TestParamInfo<MultiCase>& info) { return case_name(info.param); });
 
 }  // namespace

@@ -183,7 +183,9 @@ struct GpuRig {
   cudaStream_t stream{};
 
   // share: a rig of the same P and placement whose layers' weights these layers use.
-  GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr)
+  // pipeline: GpuLayerConfig::pipeline (decode).
+  GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
+         gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged)
       : P(num_ranks), mode(m) {
     const Fixture& f = fixture();
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
@@ -191,6 +193,7 @@ struct GpuRig {
     gpu::GpuLayerConfig cfg;
     cfg.max_tokens = t_max;
     cfg.replica_seed = seed;
+    cfg.pipeline = pipeline;
     for (int r = 0; r < P; ++r) {
       layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg,
                                                            share ? share->layers[r].get() : nullptr));

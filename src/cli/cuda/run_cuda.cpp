@@ -81,6 +81,7 @@ CudaRunResult run_layers_cuda(const CudaRunInput& in) {
   gpu::GpuLayerConfig cfg;
   cfg.max_tokens = t_max;
   cfg.replica_seed = in.replica_seed;
+  cfg.pipeline = in.fused ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;
   std::vector<std::vector<std::unique_ptr<gpu::GpuMoeLayer>>> layers(L);  // [L][P]
   for (int l = 0; l < L; ++l)
     for (int r = 0; r < P; ++r)

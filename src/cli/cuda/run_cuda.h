@@ -28,6 +28,7 @@ struct CudaRunInput {
   const std::vector<uint16_t>* x = nullptr;              // [B, d] bf16, the first layer's input
   const std::vector<std::vector<int32_t>>* forced_idx = nullptr;  // [L][B, k] or null: the router
   const std::vector<float>* forced_weights = nullptr;    // [B, k] with forced_idx
+  bool fused = false;                                    // GpuPipeline::kFused for decode (--pipeline fused)
 };
 
 struct CudaRunResult {

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 
@@ -49,6 +50,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
   int* src_start = smem;  // [P + 1]
   const int P = a.num_ranks, k = a.topk;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  begin_ep_kernel(a, kPhaseCombineSend);
   const unsigned step = current_step(a, kPhaseCombineSend);
   const int parity = int(step) & a.parity_mask;
   if (warp == 0) warp_prefix(src_start, P, [&](int s) { return a.recv_msgs[s]; });
@@ -137,6 +139,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   __shared__ int ranks[kEpMaxTopk];
   __shared__ int token_ranks;
   const int P = a.num_ranks, k = a.topk;
+  begin_ep_kernel(a, kPhaseCombineRecv);
   const unsigned step = current_step(a, kPhaseCombineRecv);
   const int parity = int(step) & a.parity_mask;
   if (threadIdx.x == 0) ok = 1;
@@ -208,13 +211,12 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 }  // namespace
 
 void launch_combine_send(const EpArgs& args, const uint16_t* y, int num_ctas, cudaStream_t stream) {
-  combine_send_kernel<<<num_ctas, kEpThreads, sizeof(int) * (args.num_ranks + 1), stream>>>(args, y);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(combine_send_kernel, dim3(num_ctas), dim3(kEpThreads), sizeof(int) * (args.num_ranks + 1), stream,
+                   args.pdl != 0, args, y);
 }
 
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, cudaStream_t stream) {
-  combine_recv_kernel<<<num_ctas, kEpThreads, 0, stream>>>(args, add, out);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(combine_recv_kernel, dim3(num_ctas), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out);
 }
 
 }  // namespace moekit::gpu

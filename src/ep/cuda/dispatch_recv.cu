@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "moekit/cuda_check.h"
 
 namespace moekit::gpu {
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   int* pad_start = expert_rows + E; // [E + 1]: contiguous: prefix of padding rows per segment
   __shared__ int ok;
 
+  begin_ep_kernel(a, kPhaseDispatchRecv);
   const unsigned step = current_step(a, kPhaseDispatchRecv);
   const int parity = int(step) & a.parity_mask;
   if (threadIdx.x == 0) ok = 1;
@@ -232,11 +234,8 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream) {
   const int E = args.local_experts, P = args.num_ranks;
   const size_t smem = sizeof(int) * (size_t(E) * P + P + 1 + E + 1 + E + E + 1);
-  if (contiguous)
-    dispatch_recv_kernel<true><<<num_ctas, kEpThreads, smem, stream>>>(args);
-  else
-    dispatch_recv_kernel<false><<<num_ctas, kEpThreads, smem, stream>>>(args);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(contiguous ? dispatch_recv_kernel<true> : dispatch_recv_kernel<false>, dim3(num_ctas),
+                   dim3(kEpThreads), smem, stream, args.pdl != 0, args);
 }
 
 }  // namespace moekit::gpu

@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
 #include "moekit/quant.h"
@@ -195,6 +196,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   int* cnt_slot = smem;               // [num_slots]
   int* cnt_rank = smem + a.num_slots;  // [P]
   __shared__ TokenPlan plan;
+  begin_ep_kernel(a, kPhaseDispatchSend);
   const unsigned step = current_step(a, kPhaseDispatchSend);
   const int parity = int(step) & a.parity_mask;
   const int t_begin = int(int64_t(num_tokens) * blockIdx.x / gridDim.x);
@@ -250,8 +252,8 @@ void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* 
                           int num_tokens, int num_ctas, cudaStream_t stream) {
   const int grid = num_tokens < 1 ? 1 : (num_tokens < num_ctas ? num_tokens : num_ctas);
   const size_t smem = sizeof(int) * size_t(args.num_slots + args.num_ranks);
-  dispatch_send_kernel<<<grid, kEpThreads, smem, stream>>>(args, x, topk_idx, topk_weights, num_tokens);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(dispatch_send_kernel, dim3(grid), dim3(kEpThreads), smem, stream, args.pdl != 0, args, x, topk_idx,
+                   topk_weights, num_tokens);
 }
 
 }  // namespace moekit::gpu

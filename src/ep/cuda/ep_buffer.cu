@@ -327,6 +327,10 @@ void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t str
   launch_combine_recv(m.args, add, out, std::min(m.num_ctas, m.config.max_tokens), stream);
 }
 
+void EpBuffer::set_overlap(bool on) { impl_->args.pdl = on ? 1 : 0; }
+
+void EpBuffer::set_timeline(unsigned long long* stamps) { impl_->args.stamps = stamps; }
+
 MaskedLayout EpBuffer::masked_layout() const {
   const EpConfig& c = impl_->config;
   return MaskedLayout{c.slots_per_rank(), c.max_m(), c.hidden};

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "ep_state.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "moekit/ep.h"
 
 namespace moekit::gpu {
@@ -58,6 +59,15 @@ __device__ __forceinline__ uint64_t wait_flag(const EpArgs& a, const uint64_t* f
   }
 }
 
+// Every EP kernel's first call: under a programmatic dependent launch (EpBuffer::set_overlap)
+// the kernel may have been scheduled while the previous kernel on the stream still runs, so it
+// waits for that kernel (and everything before it) before it reads any state, then lets the next
+// kernel on the stream be scheduled. Without the launch attribute both are no-ops. Thread 0 of
+// each CTA stamps the stage clock when the CTA starts its work.
+__device__ __forceinline__ void begin_ep_kernel(const EpArgs& a, int phase) {
+  begin_kernel(a.stamps ? a.stamps + 2 * phase : nullptr);
+}
+
 // The step this kernel runs: one past the last completed step of its phase. Read by every CTA
 // before it signs off in finish_cta(), so the last CTA may advance it.
 __device__ __forceinline__ unsigned current_step(const EpArgs& a, int phase) {
@@ -92,6 +102,7 @@ __device__ __forceinline__ bool finish_cta(const EpArgs& a, int phase, bool wrot
   if (threadIdx.x == 0) {
     if (wrote_peers) fence_acq_rel_sys();
     last = atom_add_acq_rel_gpu(&a.ctr->done[phase], 1u) == gridDim.x - 1;
+    if (a.stamps) stamp_end(a.stamps + 2 * phase);
   }
   __syncthreads();
   return last;

@@ -58,6 +58,8 @@ struct EpArgs {
   size_t dispatch_inbox_bytes, combine_inbox_bytes;
   int parity_mask;  // 1: double buffered, 0: single
   long long timeout_cycles;
+  int pdl;                      // launched as programmatic dependent launches (EpBuffer::set_overlap)
+  unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
 
   uint8_t* symmetric;
   uint8_t* const* peer_dispatch;  // [P]

@@ -8,6 +8,8 @@
 
 #include "ep/cuda/ep_format.h"
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/silu_fp8.cuh"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
@@ -22,22 +24,15 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = 8;  // one warp per row
 
-__device__ float silu_mul(float g, float u) {
-  // The reference calls glibc's expf; fp64 exp rounded to fp32 is the correctly rounded expf,
-  // which glibc's (0.502 ulp) equals except in rare halfway cases (docs/layer-gpu.md).
-  const float e = float(exp(double(-g)));
-  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
-}
-
 // Quantises the warp's 4 values per lane of one 128-column group: returns the packed fp8 bytes
 // and, through `scale`, the group's scale.
 __device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = kWarp / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  scale = __fdiv_rn(fmaxf(amax, kMinAmax), kFp8Max);
+  scale = fp8_group_scale(amax);
   uint32_t packed = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) packed |= uint32_t(float_to_fp8_e4m3(__fdiv_rn(v[i], scale))) << (8 * i);
+  for (int i = 0; i < 4; ++i) packed |= uint32_t(fp8_quantize(v[i], scale)) << (8 * i);
   return packed;
 }
 
@@ -63,7 +58,8 @@ __device__ void silu_mul_quant_group(const uint16_t* __restrict__ gate_up, int i
 // by group (16 dependent rounds at inter = 2048) while the CTA's other warps idle.
 __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int max_m, int inter,
                                              const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
-                                             float* __restrict__ out_scales) {
+                                             float* __restrict__ out_scales, unsigned long long* stamp) {
+  begin_kernel(stamp);
   const int e = blockIdx.y;
   const int m0 = blockIdx.x * kRowsPerBlock;
   const int rows = min(max(masked_m[e], 0), max_m);
@@ -77,11 +73,13 @@ __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_u
     silu_mul_quant_group(gate_up + row * 2 * inter, inter, g, out + row * inter,
                          out_scales + (size_t(e) * groups + g) * max_m + m);
   }
+  end_kernel(stamp);
 }
 
 __global__ void silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
                                                  const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
-                                                 float* __restrict__ out_scales) {
+                                                 float* __restrict__ out_scales, unsigned long long* stamp) {
+  begin_kernel(stamp);
   const int m0 = blockIdx.x * kRowsPerBlock;
   const int n = min(kRowsPerBlock, total_m - m0);
   const int groups = inter / kQuantBlock;
@@ -92,12 +90,15 @@ __global__ void silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ ga
     silu_mul_quant_group(gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
                          out_scales + size_t(g) * total_m + m);
   }
+  end_kernel(stamp);
 }
 
 // The shared expert's input: x [T, d] bf16 -> FP8 1x128 as one masked expert. (row, group) pairs
 // are dealt over the CTA's warps as above: a rank's few decode tokens still use every warp.
 __global__ void quantize_tokens_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int max_m,
-                                       uint8_t* __restrict__ out, float* __restrict__ out_scales, int32_t* masked_m) {
+                                       uint8_t* __restrict__ out, float* __restrict__ out_scales, int32_t* masked_m,
+                                       unsigned long long* stamp) {
+  begin_kernel(stamp);
   if (blockIdx.x == 0 && threadIdx.x == 0) *masked_m = num_tokens;
   const int m0 = blockIdx.x * kRowsPerBlock;
   const int n = min(kRowsPerBlock, num_tokens - m0);
@@ -114,6 +115,7 @@ __global__ void quantize_tokens_kernel(const uint16_t* __restrict__ x, int num_t
     *reinterpret_cast<uint32_t*>(out + size_t(m) * hidden + c) = q;  // masked, one expert
     if (lane == 0) out_scales[size_t(g) * max_m + m] = scale;
   }
+  end_kernel(stamp);
 }
 
 // Four consecutive inputs as fp32: bf16 widened exactly, fp32 as it is.
@@ -259,28 +261,27 @@ void quantize_blocks_fp8(const float* w, int64_t batches, int n, int k, uint8_t*
 }
 
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
-                                  const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream) {
+                                  const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
+                                  const LaunchOptions& opt) {
   if (num_experts == 0 || max_m == 0) return;
   const dim3 grid((max_m + kRowsPerBlock - 1) / kRowsPerBlock, num_experts);
-  silu_mul_quant_masked_kernel<<<grid, kRowsPerBlock * kWarp, 0, stream>>>(gate_up, max_m, inter, masked_m, out,
-                                                                           out_scales);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(silu_mul_quant_masked_kernel, grid, dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, max_m,
+                   inter, masked_m, out, out_scales, opt.stamp);
 }
 
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
-                                      uint8_t* out, float* out_scales, cudaStream_t stream) {
+                                      uint8_t* out, float* out_scales, cudaStream_t stream, const LaunchOptions& opt) {
   if (total_m == 0) return;
-  silu_mul_quant_contiguous_kernel<<<(total_m + kRowsPerBlock - 1) / kRowsPerBlock, kRowsPerBlock * kWarp, 0,
-                                     stream>>>(gate_up, total_m, inter, row_expert, out, out_scales);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3((total_m + kRowsPerBlock - 1) / kRowsPerBlock),
+                   dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter, row_expert, out,
+                   out_scales, opt.stamp);
 }
 
 void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int max_m, uint8_t* out, float* out_scales,
-                            int32_t* masked_m, cudaStream_t stream) {
+                            int32_t* masked_m, cudaStream_t stream, const LaunchOptions& opt) {
   const int blocks = std::max(1, (num_tokens + kRowsPerBlock - 1) / kRowsPerBlock);
-  quantize_tokens_kernel<<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(x, num_tokens, hidden, max_m, out, out_scales,
-                                                                       masked_m);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(quantize_tokens_kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, x,
+                   num_tokens, hidden, max_m, out, out_scales, masked_m, opt.stamp);
 }
 
 }  // namespace moekit::gpu

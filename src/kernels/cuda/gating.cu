@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cuda/gating.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 
@@ -41,7 +42,9 @@ __device__ void warp_argmax(double& v, int& i) {
 }
 
 __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden,
-                                     const float* __restrict__ w, int num_experts, float* __restrict__ logits) {
+                                     const float* __restrict__ w, int num_experts, float* __restrict__ logits,
+                                     unsigned long long* stamp) {
+  begin_kernel(stamp);
   const int lane = threadIdx.x % kWarp;
   const int e = blockIdx.x * kLogitWarps + threadIdx.x / kWarp;
   const int t0 = blockIdx.y * kLogitTokens;
@@ -68,12 +71,40 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
     const double s = warp_sum(acc[tt]);
     if (lane == 0) logits[size_t(t0 + tt) * num_experts + e] = float(s);
   }
+  end_kernel(stamp);
 }
 
-// One warp per token; shared memory holds the token's score and sel [E] in fp64.
-__global__ void select_experts_kernel(const float* __restrict__ logits, int num_tokens, int num_experts, int k,
-                                      RouterParams router, const float* __restrict__ bias, int32_t* __restrict__ topk_idx,
-                                      float* __restrict__ topk_weights, LayerStatus* status) {
+__device__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// The physical slot of entry (token t, logical expert e in [0, E)), eplb_detail::pick_replica's
+// rule: a replica on the token's own rank first, else splitmix64 of (seed, global token, expert)
+// mod the replica count. Counts the entry for EPLB.
+__device__ int32_t replica_slot(const ReplicaMap& m, int t, int32_t e) {
+  atomicAdd(m.counts + e, 1ull);
+  const ReplicaTable& table = m.table;
+  const int32_t* replicas = table.log2phy + size_t(e) * table.max_replicas;
+  const int n = table.replica_count[e];
+  if (n == 1) return replicas[0];
+  const uint64_t h =
+      splitmix64(splitmix64(m.seed ^ splitmix64(uint64_t(m.first_token + t))) ^ uint64_t(uint32_t(e)));
+  int own = 0;
+  for (int r = 0; r < n; ++r) own += replicas[r] / table.slots_per_gpu == m.rank;
+  if (own == 0) return replicas[h % uint64_t(n)];
+  int pick = int(h % uint64_t(own));
+  for (int r = 0; r < n; ++r)
+    if (replicas[r] / table.slots_per_gpu == m.rank && pick-- == 0) return replicas[r];
+  return -1;  // not reached: `own` replicas are on this rank
+}
+
+// One token of select_experts (one warp): gating.h's rule; see the kernel below.
+__device__ void select_token(const float* __restrict__ logits, int num_tokens, int num_experts, int k,
+                             const RouterParams& router, const float* __restrict__ bias, int32_t* __restrict__ topk_idx,
+                             float* __restrict__ topk_weights, LayerStatus* status, const ReplicaMap& map) {
   extern __shared__ double smem[];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int t = blockIdx.x * (blockDim.x / kWarp) + warp;
@@ -94,6 +125,7 @@ __global__ void select_experts_kernel(const float* __restrict__ logits, int num_
     for (int j = lane; j < k; j += kWarp) {
       topk_idx[size_t(t) * k + j] = -1;
       topk_weights[size_t(t) * k + j] = 0.0f;
+      if (map.topk_slot) map.topk_slot[size_t(t) * k + j] = -1;
     }
     return;
   }
@@ -169,90 +201,69 @@ __global__ void select_experts_kernel(const float* __restrict__ logits, int num_
     const double norm = router.normalize ? 1.0 / (sum + 1e-20) : 1.0;
     topk_idx[size_t(t) * k + lane] = chosen;
     topk_weights[size_t(t) * k + lane] = float(score[chosen] * norm * router.scaling);
+    if (map.topk_slot) map.topk_slot[size_t(t) * k + lane] = replica_slot(map, t, chosen);
   }
 }
 
-__device__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
+// One warp per token; shared memory holds the token's score and sel [E] in fp64. With `map`
+// (map.topk_slot non-null) each chosen entry also gets its physical slot here, so the gate and
+// the replica choice are one kernel.
+__global__ void select_experts_kernel(const float* __restrict__ logits, int num_tokens, int num_experts, int k,
+                                      RouterParams router, const float* __restrict__ bias, int32_t* __restrict__ topk_idx,
+                                      float* __restrict__ topk_weights, LayerStatus* status, ReplicaMap map,
+                                      unsigned long long* stamp) {
+  begin_kernel(stamp);
+  select_token(logits, num_tokens, num_experts, k, router, bias, topk_idx, topk_weights, status, map);
+  end_kernel(stamp);
 }
 
-__global__ void map_replicas_kernel(ReplicaTable table, int rank, int64_t first_token, uint64_t seed, int num_tokens,
-                                    int k, const int32_t* __restrict__ routing_idx,
+__global__ void map_replicas_kernel(ReplicaMap map, int num_tokens, int k, const int32_t* __restrict__ routing_idx,
                                     const float* __restrict__ routing_weights, int32_t* __restrict__ topk_idx,
-                                    float* __restrict__ topk_weights, int32_t* __restrict__ topk_slot,
-                                    unsigned long long* counts, LayerStatus* status) {
+                                    float* __restrict__ topk_weights, LayerStatus* status, unsigned long long* stamp) {
+  begin_kernel(stamp);
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= num_tokens * k) return;
-  const int t = i / k, j = i % k;
-  int32_t e = routing_idx ? routing_idx[i] : topk_idx[i];
-  if (routing_idx) topk_weights[i] = routing_weights[i];
-  if (e < -1 || e >= table.num_experts) {
-    record_fault(status, LayerFault::kBadExpert, t, j, float(e));
-    e = -1;
-  }
-  topk_idx[i] = e;
-  if (e == -1) {
-    topk_slot[i] = -1;
-    return;
-  }
-  atomicAdd(counts + e, 1ull);
-  const int32_t* replicas = table.log2phy + size_t(e) * table.max_replicas;
-  const int n = table.replica_count[e];
-  if (n == 1) {
-    topk_slot[i] = replicas[0];
-    return;
-  }
-  // eplb_detail::pick_replica: a replica on the token's own rank first, else hash mod n.
-  const uint64_t h = splitmix64(splitmix64(seed ^ splitmix64(uint64_t(first_token + t))) ^ uint64_t(uint32_t(e)));
-  int own = 0;
-  for (int r = 0; r < n; ++r) own += replicas[r] / table.slots_per_gpu == rank;
-  if (own == 0) {
-    topk_slot[i] = replicas[h % uint64_t(n)];
-    return;
-  }
-  int pick = int(h % uint64_t(own));
-  for (int r = 0; r < n; ++r)
-    if (replicas[r] / table.slots_per_gpu == rank && pick-- == 0) {
-      topk_slot[i] = replicas[r];
-      return;
+  if (i < num_tokens * k) {
+    const int t = i / k, j = i % k;
+    int32_t e = routing_idx ? routing_idx[i] : topk_idx[i];
+    if (routing_idx) topk_weights[i] = routing_weights[i];
+    if (e < -1 || e >= map.table.num_experts) {
+      record_fault(status, LayerFault::kBadExpert, t, j, float(e));
+      e = -1;
     }
+    topk_idx[i] = e;
+    map.topk_slot[i] = e == -1 ? -1 : replica_slot(map, t, e);
+  }
+  end_kernel(stamp);
 }
 
 }  // namespace
 
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
-                          float* logits, cudaStream_t stream) {
+                          float* logits, cudaStream_t stream, const LaunchOptions& opt) {
   if (num_tokens == 0) return;
   const dim3 grid((num_experts + kLogitWarps - 1) / kLogitWarps, (num_tokens + kLogitTokens - 1) / kLogitTokens);
-  router_logits_kernel<<<grid, kLogitWarps * kWarp, 0, stream>>>(x, num_tokens, hidden, router_weight, num_experts,
-                                                                  logits);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(router_logits_kernel, grid, dim3(kLogitWarps * kWarp), 0, stream, opt.pdl, x, num_tokens, hidden,
+                   router_weight, num_experts, logits, opt.stamp);
 }
 
 void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,
                            const float* bias, int32_t* topk_idx, float* topk_weights, LayerStatus* status,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const ReplicaMap* map, const LaunchOptions& opt) {
   if (num_tokens == 0) return;
   const int warps = std::max(1, std::min(8, 48 * 1024 / (16 * num_experts)));
   const size_t smem = size_t(warps) * 16 * num_experts;
-  select_experts_kernel<<<(num_tokens + warps - 1) / warps, warps * kWarp, smem, stream>>>(
-      logits, num_tokens, num_experts, k, router, bias, topk_idx, topk_weights, status);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(select_experts_kernel, dim3((num_tokens + warps - 1) / warps), dim3(warps * kWarp), smem, stream,
+                   opt.pdl, logits, num_tokens, num_experts, k, router, bias, topk_idx, topk_weights, status,
+                   map ? *map : ReplicaMap{}, opt.stamp);
 }
 
-void launch_map_replicas(const ReplicaTable& table, int rank, int64_t first_token, uint64_t seed, int num_tokens, int k,
-                         const int32_t* routing_idx, const float* routing_weights, int32_t* topk_idx,
-                         float* topk_weights, int32_t* topk_slot, unsigned long long* counts, LayerStatus* status,
-                         cudaStream_t stream) {
+void launch_map_replicas(const ReplicaMap& map, int num_tokens, int k, const int32_t* routing_idx,
+                         const float* routing_weights, int32_t* topk_idx, float* topk_weights, LayerStatus* status,
+                         cudaStream_t stream, const LaunchOptions& opt) {
   const int n = num_tokens * k;
   if (n == 0) return;
-  map_replicas_kernel<<<(n + 255) / 256, 256, 0, stream>>>(table, rank, first_token, seed, num_tokens, k, routing_idx,
-                                                           routing_weights, topk_idx, topk_weights, topk_slot, counts,
-                                                           status);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  launch_kernel_ex(map_replicas_kernel, dim3((n + 255) / 256), dim3(256), 0, stream, opt.pdl, map, num_tokens, k,
+                   routing_idx, routing_weights, topk_idx, topk_weights, status, opt.stamp);
 }
 
 }  // namespace moekit::gpu

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/launch.cuh"
+
 namespace moekit::gpu {
 
 // A device-side fault of the layer's kernels: the first one is kept (kind set by atomicCAS).
@@ -30,19 +32,10 @@ struct RouterParams {
 // rounded once to fp32 (the products are exact in fp64; only the summation order differs from
 // gating.h's, see docs/layer-gpu.md).
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
-                          float* logits, cudaStream_t stream);
-
-// gating.h select_experts on the device, one warp per token. E <= kMaxGateExperts. A token with
-// a non-finite logit gets topk_idx -1 (no expert), weights 0, and a kNonFiniteLogit record.
-constexpr int kMaxGateExperts = 1024;
-void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,
-                           const float* bias, int32_t* topk_idx, float* topk_weights, LayerStatus* status,
-                           cudaStream_t stream);
+                          float* logits, cudaStream_t stream, const LaunchOptions& opt = {});
 
 // The replica map of eplb.h choose_replicas_for_rank, per (token, entry): logical expert ->
-// physical slot. routing_idx/routing_weights (the caller's, or null: then topk_idx/topk_weights
-// already hold the gate's) are copied into topk_idx/topk_weights first. -1 stays -1; an id outside
-// [-1, E) becomes -1 with a kBadExpert record. counts[e] += 1 for every valid entry.
+// physical slot, and counts[e] += 1 for every valid entry (EPLB statistics).
 struct ReplicaTable {
   const int32_t* log2phy = nullptr;        // [E, max_replicas]
   const int32_t* replica_count = nullptr;  // [E]
@@ -50,9 +43,29 @@ struct ReplicaTable {
   int slots_per_gpu = 1;
   int num_experts = 0;
 };
-void launch_map_replicas(const ReplicaTable& table, int rank, int64_t first_token, uint64_t seed, int num_tokens, int k,
-                         const int32_t* routing_idx, const float* routing_weights, int32_t* topk_idx,
-                         float* topk_weights, int32_t* topk_slot, unsigned long long* counts, LayerStatus* status,
-                         cudaStream_t stream);
+struct ReplicaMap {
+  ReplicaTable table;
+  int rank = 0;
+  int64_t first_token = 0;  // global index of the rank's token 0 (the hash uses global ids)
+  uint64_t seed = 0;
+  int32_t* topk_slot = nullptr;  // [T, k] out
+  unsigned long long* counts = nullptr;  // [E]
+};
+
+// gating.h select_experts on the device, one warp per token. E <= kMaxGateExperts. A token with
+// a non-finite logit gets topk_idx -1 (no expert), weights 0, and a kNonFiniteLogit record.
+// With `map`, the same kernel also writes each entry's physical slot (the fused pipeline's one
+// gate kernel); without, launch_map_replicas does it.
+constexpr int kMaxGateExperts = 1024;
+void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,
+                           const float* bias, int32_t* topk_idx, float* topk_weights, LayerStatus* status,
+                           cudaStream_t stream, const ReplicaMap* map = nullptr, const LaunchOptions& opt = {});
+
+// The replica map alone: routing_idx/routing_weights (the caller's, or null: then topk_idx/
+// topk_weights already hold the gate's) are copied into topk_idx/topk_weights first. -1 stays -1;
+// an id outside [-1, E) becomes -1 with a kBadExpert record.
+void launch_map_replicas(const ReplicaMap& map, int num_tokens, int k, const int32_t* routing_idx,
+                         const float* routing_weights, int32_t* topk_idx, float* topk_weights, LayerStatus* status,
+                         cudaStream_t stream, const LaunchOptions& opt = {});
 
 }  // namespace moekit::gpu

@@ -71,6 +71,8 @@ const GemmConfig& ContiguousGemm::config() const { return impl_->cfg; }
 
 void ContiguousGemm::run(cudaStream_t stream) const { impl_->run(stream); }
 
+void ContiguousGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
+
 void ContiguousGemm::set_overlap(Overlap overlap) {
   MOEKIT_CHECK(overlap != Overlap::kPreviousKernelStaticWeights,
                "contiguous GEMM: kPreviousKernelStaticWeights needs the masked layout (the schedule of "

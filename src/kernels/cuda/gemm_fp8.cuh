@@ -14,6 +14,12 @@
 // Two-level accumulation: the four k32 wgmmas of one 128-deep K block go into a fresh partial
 // sum, which the CUDA cores scale by a_scale(token) · w_scale(block) and add into fp32.
 //
+// Gated (SiLU·up + FP8) tiles, masked swap-AB only: W1 = [gate; up] (N = 2·inter rows). A tile
+//   loads the matching 128-row blocks of gate and up (rows w0.. and inter + w0..), each math
+//   warpgroup multiplies 64 rows of each, and the epilogue (gemm_epilogue.cuh) writes
+//   SiLU(gate)·up as FP8 with its 1x128 scale straight from the registers: the activation
+//   never goes through HBM in BF16 and needs no kernel of its own.
+//
 // Masked schedule: every CTA reads masked_m, computes the tiles of each expert (none for an
 // expert without tokens: its weights are never read) and a prefix sum of them, and walks the
 // tile indices blockIdx.x, blockIdx.x + gridDim.x, ...; producer and consumers walk the same
@@ -27,127 +33,29 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/gemm_epilogue.cuh"
+#include "kernels/cuda/gemm_schedule.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/stamp.cuh"
 #include "moekit/bf16.h"
 
 namespace moekit::gemm_detail {
 
-constexpr int kBlockK = 128;        // one quantisation block of K per pipeline stage
-constexpr int kRasterGroup = 8;     // contiguous: token blocks that share the weight stream in L2
-
-struct KernelArgs {
-  int num_experts = 0;
-  int n = 0;
-  int k = 0;
-  int rows = 0;                   // masked: M_max; contiguous: M_total
-  const int* masked_m = nullptr;  // masked only
-  const int* row_expert = nullptr;  // contiguous only
-  const float* w_scales = nullptr;
-  uint16_t* out = nullptr;
-  float* partials = nullptr;  // split-K workspace: slots x splits x tile floats
-  int* counters = nullptr;    // one per slot, zero between launches
-  int num_splits = 1;
-  int num_stages = 0;
-  int flags = 0;  // kFlag* below
-};
-
-// Programmatic dependent launch: this kernel may start while the previous kernel on the stream
-// is still running. Everything the previous kernel may write (activations, their scales,
-// masked_m, row_expert, the output) is touched only after `griddepcontrol.wait`.
-constexpr int kFlagPdl = 1;
-// With kFlagPdl: masked_m and the weights are not written by the previous kernel, so the
-// schedule is computed and the first ring of weight tiles is loaded before the wait: the
-// weight stream starts during the previous kernel's tail (GEMM2 after the activation kernel).
-constexpr int kFlagEarlyWeights = 2;
-
-// Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
-// A-scale rows, full and empty barriers, then (masked) the tile prefix sums [E+1] and the
-// clamped masked_m [E].
-template <int kBlockT, int kBlockW>
-struct SmemLayout {
-  static constexpr int kWTile = kBlockW * kBlockK;
-  static constexpr int kATile = kBlockT * kBlockK;
-  static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;  // 128-byte aligned rows
-  static constexpr int kStageBytes = kWTile + kATile + kSaFloats * 4 + 16;  // + two barriers
-  static constexpr uint32_t kTxBytes = (kBlockW + kBlockT) * kBlockK + kBlockT * 4;
-  static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
-};
-
-struct TileInfo {
-  int e;          // local expert (-1: nothing to do, contiguous padding block)
-  int w0;         // first weight row (output column) within the expert
-  int t0;         // first token row: within the expert (masked) or global (contiguous)
-  int m_valid;    // masked: rows of the expert that are real
-  int kb_begin, kb_end;
-  int split;
-  int slot;       // split-K workspace slot of (expert, weight block, token block)
-};
-
-template <bool kMasked, int kBlockT, int kBlockW>
-__device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args, const int* prefix, const int* m_of,
-                                                int lane) {
-  const int num_w_blocks = args.n / kBlockW;
-  const int k_blocks = args.k / kBlockK;
-  const int splits = args.num_splits;
-  TileInfo t{};
-  int rest = tile / splits;
-  t.split = tile - rest * splits;
-  t.kb_begin = t.split * k_blocks / splits;
-  t.kb_end = (t.split + 1) * k_blocks / splits;
-  int tb, wb;
-  if constexpr (kMasked) {
-    // Largest e with prefix[e] <= tile (experts without tiles have prefix[e] == prefix[e+1]).
-    int lo = 0, hi = args.num_experts - 1;
-    while (lo < hi) {
-      int mid = (lo + hi + 1) / 2;
-      if (prefix[mid] <= tile) lo = mid; else hi = mid - 1;
-    }
-    t.e = lo;
-    t.m_valid = m_of[lo];
-    rest = (tile - prefix[lo]) / splits;
-    int t_blocks = (t.m_valid + kBlockT - 1) / kBlockT;
-    tb = rest % t_blocks;
-    wb = rest / t_blocks;
-    int max_t_blocks = (args.rows + kBlockT - 1) / kBlockT;
-    t.slot = (t.e * num_w_blocks + wb) * max_t_blocks + tb;
-  } else {
-    // Grouped raster: kRasterGroup token blocks walk the weight blocks together.
-    int t_blocks = args.rows / kBlockT;
-    int group = rest / (kRasterGroup * num_w_blocks);
-    int first = group * kRasterGroup;
-    int size = min(kRasterGroup, t_blocks - first);
-    int in = rest - group * kRasterGroup * num_w_blocks;
-    tb = first + in % size;
-    wb = in / size;
-    t.slot = tb * num_w_blocks + wb;
-    t.m_valid = 0;
-    // The block's expert: the largest row_expert of its rows (padding rows are -1).
-    int e = -1;
-    for (int r = lane; r < kBlockT; r += 32) e = max(e, __ldg(args.row_expert + tb * kBlockT + r));
-    for (int o = 16; o > 0; o /= 2) e = max(e, __shfl_xor_sync(0xFFFFFFFFu, e, o));
-    t.e = e;
-  }
-  t.t0 = tb * kBlockT;
-  t.w0 = wb * kBlockW;
-  return t;
-}
-
-template <int kMathThreads>
-__device__ __forceinline__ void math_barrier() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kMathThreads) : "memory");
-}
-
-template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW>
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated = false>
 __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                         const __grid_constant__ CUtensorMap tma_sa, const KernelArgs args) {
   static_assert(kSwapAB ? kBlockW == 64 * kMathWGs : kBlockT == 64 * kMathWGs, "one 64-row MMA slab per warpgroup");
   static_assert(kBlockW % 64 == 0 && kBlockW <= 128, "a tile's weight rows share one 128-row scale block");
+  static_assert(!kGated || (kSwapAB && kMasked && kBlockW == 128 && kBlockT <= 64),
+                "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
+  constexpr int kSlabs = kGated ? 2 : 1;  // weight slabs per warpgroup: gate (and up)
   constexpr int kMathThreads = kMathWGs * 128;
   constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW;
   using Mma = ptx::Wgmma<kMmaN>;
   constexpr int kRegs = Mma::kRegs;
-  using Layout = SmemLayout<kBlockT, kBlockW>;
+  constexpr int kAccRegs = kSlabs * kRegs;  // slab sl's registers at [sl * kRegs, (sl + 1) * kRegs)
+  using Layout = SmemLayout<kBlockT, kSlabs * kBlockW>;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -162,14 +70,23 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int num_w_blocks = args.n / kBlockW;
+  const int num_w_blocks = (kGated ? args.n / 2 : args.n) / kBlockW;
   const int k_blocks = args.k / kBlockK;
 
-  // Let the next kernel's CTAs take SMs as ours leave (it waits for our results itself).
-  ptx::launch_dependents();
+  // PDL: wait for the previous kernel, then let the next kernel's CTAs take SMs as ours leave
+  // (it waits for our results itself). The trigger (once per CTA, by any thread) always follows
+  // this kernel's own wait, so a kernel launched on it finds every kernel before this one
+  // complete: what a dependent reads before its wait (the early weights' masked_m) can only be
+  // written by this kernel. With early weights only the producer warp waits, after its first
+  // loads; the consumers touch nothing the previous kernel writes except through the producer's
+  // loads, and write nothing it reads.
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  if ((args.flags & kFlagPdl) && !early_weights) ptx::grid_dependency_wait();
+  if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
+    ptx::grid_dependency_wait();
+    ptx::launch_dependents();
+  }
   if (threadIdx.x == 0) {
+    stamp_start(args.stamp);
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
     ptx::prefetch_tensormap(&tma_sa);
@@ -217,26 +134,34 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     if (warp != 0) return;
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
+    // A stage's weight rows: one box of kBlockW rows, or (gated) the gate box and the up box
+    // inter rows further down.
+    auto load_w = [&](int stage, int kb, int w_row) {
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl)
+        ptx::tma_load_2d(w_tiles + stage * Layout::kWTile + sl * kBlockW * kBlockK, &tma_w, &full[stage],
+                         kb * kBlockK, w_row + sl * (args.n / 2), policy_w);
+    };
     // Early weights: the first ring of stages gets its weight tile (and the expect-tx of the
     // whole stage) before the wait; the activation loads of those stages follow it.
     int prefetched = 0;
     if (early_weights) {
       for (int tile = blockIdx.x; tile < num_tiles && prefetched < stages; tile += gridDim.x) {
-        TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
+        TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
         for (int kb = t.kb_begin; kb < t.kb_end && prefetched < stages; ++kb, ++prefetched) {
           if (lane == 0) {
             ptx::mbar_arrive_expect_tx(&full[prefetched], Layout::kTxBytes);
-            ptx::tma_load_2d(w_tiles + prefetched * Layout::kWTile, &tma_w, &full[prefetched], kb * kBlockK,
-                             t.e * args.n + t.w0, policy_w);
+            load_w(prefetched, kb, t.e * args.n + t.w0);
           }
         }
       }
       ptx::grid_dependency_wait();
+      ptx::launch_dependents();
     }
     int iter = 0, s = 0;
     uint32_t phase = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
+      TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
       if (t.e < 0) continue;
       const int w_row = t.e * args.n + t.w0;
       const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
@@ -246,7 +171,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
           if (iter >= prefetched) {
             ptx::mbar_wait(&empty[s], phase ^ 1);
             ptx::mbar_arrive_expect_tx(&full[s], Layout::kTxBytes);
-            ptx::tma_load_2d(w_tiles + s * Layout::kWTile, &tma_w, &full[s], kb * kBlockK, w_row, policy_w);
+            load_w(s, kb, w_row);
           }
           ptx::tma_load_2d(a_tiles + s * Layout::kATile, &tma_a, &full[s], kb * kBlockK, a_row, policy_a);
           ptx::tma_load_2d(sa_tiles + s * Layout::kSaFloats, &tma_sa, &full[s], t.t0, sa_row + kb, policy_a);
@@ -273,72 +198,93 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // The weight scales of a tile, one K block per lane in two registers (64 blocks, K = 8192, per
   // load), read by shuffle. A per-stage load was the consumers' main stall (ncu, run 3); the
   // next tile's scales are loaded while the current tile runs, so no tile waits for them.
-  auto load_ws = [&](const TileInfo& t, int base, float& lo, float& hi) {
-    const float* row = args.w_scales + (size_t(t.e) * (args.n / kBlockK) + t.w0 / kBlockK) * k_blocks;
-    lo = base + lane < t.kb_end ? __ldg(row + base + lane) : 0.0f;
-    hi = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
+  // Slab sl of a gated tile is the up block, inter rows further down.
+  struct WScales {
+    float lo[kSlabs], hi[kSlabs];
+  };
+  auto load_ws = [&](const TileInfo& t, int base, WScales& ws) {
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl) {
+      const int w_block = (t.w0 + sl * (args.n / 2)) / kBlockK;
+      const float* row = args.w_scales + (size_t(t.e) * (args.n / kBlockK) + w_block) * k_blocks;
+      ws.lo[sl] = base + lane < t.kb_end ? __ldg(row + base + lane) : 0.0f;
+      ws.hi[sl] = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
+    }
   };
   auto next_tile = [&](int tile, TileInfo& t) {  // the first tile at or after `tile` with work
     for (; tile < num_tiles; tile += gridDim.x) {
-      t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, prefix, m_of, lane);
+      t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
       if (t.e >= 0) break;
     }
     return tile;
   };
   TileInfo t{};
   int tile = next_tile(blockIdx.x, t);
-  float ws_lo = 0.0f, ws_hi = 0.0f;
-  if (tile < num_tiles) load_ws(t, t.kb_begin, ws_lo, ws_hi);
+  WScales ws{};
+  if (tile < num_tiles) load_ws(t, t.kb_begin, ws);
   while (tile < num_tiles) {
     TileInfo t_next{};
     const int tile_next = next_tile(tile + gridDim.x, t_next);
-    float next_lo = 0.0f, next_hi = 0.0f;
-    if (tile_next < num_tiles) load_ws(t_next, t_next.kb_begin, next_lo, next_hi);
-    float acc[kRegs];
+    WScales ws_next{};
+    if (tile_next < num_tiles) load_ws(t_next, t_next.kb_begin, ws_next);
+    float acc[kAccRegs];
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
-    float part[kRegs];
+    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+    float part[kAccRegs];
     int ws_base = t.kb_begin;
     for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
       if (kb - ws_base == 64) {
         ws_base = kb;
-        load_ws(t, ws_base, ws_lo, ws_hi);
+        load_ws(t, ws_base, ws);
       }
       const int j = kb - ws_base;
-      const float ws = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws_lo : ws_hi, j & 31);
+      float wsc[kSlabs];
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl) wsc[sl] = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws.lo[sl] : ws.hi[sl], j & 31);
       ptx::mbar_wait(&full[s], phase);
       const float* sa = sa_tiles + s * Layout::kSaFloats;
       // Per-register combined scale: a_scale of the register's token times the block's w_scale.
-      float scale_a[kSwapAB ? kBlockT / 8 : 2][2];
-      if constexpr (kSwapAB) {
+      float scale_a[kSlabs][kSwapAB ? kBlockT / 8 : 2][2];
 #pragma unroll
-        for (int j = 0; j < kBlockT / 8; ++j) {
-          float2 v = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
-          scale_a[j][0] = v.x * ws;
-          scale_a[j][1] = v.y * ws;
+      for (int sl = 0; sl < kSlabs; ++sl) {
+        if constexpr (kSwapAB) {
+#pragma unroll
+          for (int j = 0; j < kBlockT / 8; ++j) {
+            float2 v = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
+            scale_a[sl][j][0] = v.x * wsc[sl];
+            scale_a[sl][j][1] = v.y * wsc[sl];
+          }
+        } else {
+          scale_a[sl][0][0] = sa[frag_row] * wsc[sl];
+          scale_a[sl][1][0] = sa[frag_row + 8] * wsc[sl];
         }
-      } else {
-        scale_a[0][0] = sa[frag_row] * ws;
-        scale_a[1][0] = sa[frag_row + 8] * ws;
       }
-      const uint8_t* m_side = kSwapAB ? w_tiles + s * Layout::kWTile : a_tiles + s * Layout::kATile;
-      const uint8_t* n_side = kSwapAB ? a_tiles + s * Layout::kATile : w_tiles + s * Layout::kWTile;
-      const uint64_t desc_m = ptx::make_smem_desc_sw128(m_side + wg * 64 * kBlockK);
-      const uint64_t desc_n = ptx::make_smem_desc_sw128(n_side);
+      const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
+      const uint8_t* a_stage = a_tiles + s * Layout::kATile;
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+      for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part, desc_m + 2 * k, desc_n + 2 * k, k > 0);
+      for (int sl = 0; sl < kSlabs; ++sl) {
+        const uint8_t* m_side = kSwapAB ? w_stage + (sl * kBlockW + wg * 64) * kBlockK : a_stage + wg * 64 * kBlockK;
+        const uint8_t* n_side = kSwapAB ? a_stage : w_stage;
+        const uint64_t desc_m = ptx::make_smem_desc_sw128(m_side);
+        const uint64_t desc_n = ptx::make_smem_desc_sw128(n_side);
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part + sl * kRegs, desc_m + 2 * k, desc_n + 2 * k, k > 0);
+      }
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+      for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
       if (lane == 0) ptx::mbar_arrive(&empty[s]);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const float sc = kSwapAB ? scale_a[i / 4][i % 2] : scale_a[(i / 2) % 2][0];
-        acc[i] = fmaf(part[i], sc, acc[i]);
+      for (int sl = 0; sl < kSlabs; ++sl) {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) {
+          const float sc = kSwapAB ? scale_a[sl][i / 4][i % 2] : scale_a[sl][(i / 2) % 2][0];
+          acc[sl * kRegs + i] = fmaf(part[sl * kRegs + i], sc, acc[sl * kRegs + i]);
+        }
       }
       if (++s == stages) s = 0, phase ^= 1;
     }
@@ -347,9 +293,9 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     bool store = true;  // false: another split of this tile writes it
     if (args.num_splits > 1) {
       const int splits = args.num_splits;
-      float* my = args.partials + (size_t(t.slot) * splits + t.split) * kRegs * kMathThreads;
+      float* my = args.partials + (size_t(t.slot) * splits + t.split) * kAccRegs * kMathThreads;
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) __stcg(my + i * kMathThreads + mtid, acc[i]);
+      for (int i = 0; i < kAccRegs; ++i) __stcg(my + i * kMathThreads + mtid, acc[i]);
       __threadfence();
       math_barrier<kMathThreads>();
       if (mtid == 0) last_flag = atomicAdd(args.counters + t.slot, 1) == splits - 1;
@@ -359,60 +305,40 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         __threadfence();
         if (mtid == 0) args.counters[t.slot] = 0;  // every split has arrived: ready for the next launch
         // Sum in split order (deterministic). The loads of one split are independent, so all
-        // kRegs of them are in flight together: one L2 round trip per split, not per register
+        // kAccRegs of them are in flight together: one L2 round trip per split, not per register
         // (the per-register chain cost ~5 us per tile, run 1).
-        const float* base = args.partials + size_t(t.slot) * splits * kRegs * kMathThreads;
-        float sum[kRegs];
+        const float* base = args.partials + size_t(t.slot) * splits * kAccRegs * kMathThreads;
+        float sum[kAccRegs];
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) sum[i] = 0.0f;
+        for (int i = 0; i < kAccRegs; ++i) sum[i] = 0.0f;
         for (int sp = 0; sp < splits; ++sp) {
-          const float* part_sp = base + size_t(sp) * kRegs * kMathThreads + mtid;
-          float v[kRegs];
+          const float* part_sp = base + size_t(sp) * kAccRegs * kMathThreads + mtid;
+          float v[kAccRegs];
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) v[i] = sp == t.split ? acc[i] : __ldcg(part_sp + i * kMathThreads);
+          for (int i = 0; i < kAccRegs; ++i) v[i] = sp == t.split ? acc[i] : __ldcg(part_sp + i * kMathThreads);
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) sum[i] += v[i];
+          for (int i = 0; i < kAccRegs; ++i) sum[i] += v[i];
         }
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) acc[i] = sum[i];
+        for (int i = 0; i < kAccRegs; ++i) acc[i] = sum[i];
       }
     }
 
-    // ---------------- epilogue: BF16 straight from the registers ----------------
+    // ---------------- epilogue, straight from the registers ----------------
+    const Fragment f{frag_row, frag_col, mtid, warp - 4};
     if (!store) {
+    } else if constexpr (kGated) {
+      store_silu_mul_fp8<kBlockT, kRegs, kMathThreads>(args, t, acc, acc + kRegs, f);
     } else if constexpr (kSwapAB) {
-      // Accumulator rows are weight rows n, columns are tokens: out[e, t0 + col, w0 + row].
-      uint16_t* out = args.out + (size_t(t.e) * args.rows + t.t0) * args.n + t.w0;
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const int col = (i / 4) * 8 + frag_col + i % 2;
-        const int row = frag_row + ((i / 2) % 2) * 8;
-        if (t.t0 + col < t.m_valid) out[size_t(col) * args.n + row] = float_to_bf16(acc[i]);
-      }
+      store_bf16_transposed<kBlockT, kRegs>(args, t, acc, f);
     } else {
-      bool row_ok[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = t.t0 + frag_row + h * 8;
-        row_ok[h] = kMasked ? m < t.m_valid : __ldg(args.row_expert + m) >= 0;
-      }
-      const size_t row_base = kMasked ? size_t(t.e) * args.rows + t.t0 : size_t(t.t0);
-      uint16_t* out = args.out + row_base * args.n + t.w0;
-#pragma unroll
-      for (int i = 0; i < kRegs; i += 2) {
-        const int h = (i / 2) % 2;
-        if (!row_ok[h]) continue;
-        const int col = (i / 4) * 8 + frag_col;
-        const int row = frag_row + h * 8;
-        const uint32_t packed = uint32_t(float_to_bf16(acc[i])) | (uint32_t(float_to_bf16(acc[i + 1])) << 16);
-        *reinterpret_cast<uint32_t*>(out + size_t(row) * args.n + col) = packed;
-      }
+      store_bf16<kMasked, kRegs>(args, t, acc, f);
     }
     t = t_next;
     tile = tile_next;
-    ws_lo = next_lo;
-    ws_hi = next_hi;
+    ws = ws_next;
   }
+  if (mtid == 0) stamp_end(args.stamp);
 }
 
 }  // namespace moekit::gemm_detail

@@ -6,6 +6,8 @@
 // weight tile is streamed once. Callers should pass an upper-typical count (the bench passes
 // mean + 2·sqrt(mean) for uniform routing): an expert above it costs a second token block.
 // Above 128, tokens on the M side in blocks of 64 or 128, whichever pads less.
+// Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
+// (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64.
 #include <algorithm>
 
@@ -29,7 +31,10 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   GemmConfig cfg;
   const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
   cfg.block_n = 128;
-  if (m <= 128) {
+  if (p.epilogue == GemmEpilogue::kSiluMulFp8) {
+    cfg.swap_ab = true;
+    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : 64;
+  } else if (m <= 128) {
     cfg.swap_ab = true;
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
   } else {
@@ -37,7 +42,8 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     cfg.swap_ab = false;
     cfg.block_m = (m + 63) / 64 * 64 < (m + 127) / 128 * 128 ? 64 : 128;
   }
-  long tiles = long(p.num_experts) * (p.n / cfg.block_n) * ((m + cfg.block_m - 1) / cfg.block_m);
+  const int cols = p.epilogue == GemmEpilogue::kSiluMulFp8 ? p.n / 2 : p.n;  // output columns
+  long tiles = long(p.num_experts) * (cols / cfg.block_n) * ((m + cfg.block_m - 1) / cfg.block_m);
   // block_n = 64 (swap-AB, 16 tokens) fills the last wave better but measured slower once the
   // GEMMs overlap (docs/gemm.md, run 7): not chosen here, available as a forced config.
   cfg.num_splits = gemm_detail::choose_splits(tiles, num_sms, p.k / 128);

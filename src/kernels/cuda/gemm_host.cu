@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "kernels/cuda/gemm_host.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace moekit {
 
@@ -85,21 +86,12 @@ int num_sms() {
 
 void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMap& tma_a, const CUtensorMap& tma_w,
                    const CUtensorMap& tma_sa, const KernelArgs& args, cudaStream_t stream) {
-  cudaLaunchConfig_t lc{};
-  lc.gridDim = dim3(cfg.num_ctas);
-  lc.blockDim = dim3(launch.threads);
-  lc.dynamicSmemBytes = cfg.smem_bytes;
-  lc.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  lc.attrs = attr;
-  lc.numAttrs = (args.flags & kFlagPdl) ? 1 : 0;
-  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&lc, launch.kernel, tma_a, tma_w, tma_sa, args));
+  launch_kernel_ex(launch.kernel, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream,
+                   (args.flags & kFlagPdl) != 0, tma_a, tma_w, tma_sa, args);
 }
 
 void PlanCore::bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out,
-                    size_t split_slots) {
+                    size_t split_slots, int slabs) {
   args.num_experts = num_experts;
   args.n = n;
   args.k = k;
@@ -109,7 +101,7 @@ void PlanCore::bind(int num_experts, int n, int k, int rows, const float* w_scal
   args.num_splits = cfg.num_splits;
   args.num_stages = cfg.num_stages;
   if (cfg.num_splits > 1) {
-    workspace.allocate(split_slots, cfg.num_splits, cfg.block_m * cfg.block_n);
+    workspace.allocate(split_slots, cfg.num_splits, cfg.block_m * cfg.block_n * slabs);
     args.partials = workspace.partials;
     args.counters = workspace.counters;
   }

@@ -26,22 +26,24 @@ void maybe_print_config(const char* kind, const std::string& problem, const Gemm
 int max_smem_per_block();
 int num_sms();
 
-// Stages that fit next to the fixed part, capped where deeper buys nothing.
-template <int kBlockT, int kBlockW>
-int stages_that_fit(int num_experts) {
-  int per = SmemLayout<kBlockT, kBlockW>::kStageBytes;
-  int fixed = SmemLayout<kBlockT, kBlockW>::bytes(0, num_experts) + 2048;  // + static shared and slack
+// Stages that fit next to the fixed part, capped where deeper buys nothing. kWRows: weight rows
+// per stage; extra_static: static shared memory beyond the kernel's own few words (the gated
+// epilogue's amax exchange).
+template <int kBlockT, int kWRows>
+int stages_that_fit(int num_experts, int extra_static) {
+  int per = SmemLayout<kBlockT, kWRows>::kStageBytes;
+  int fixed = SmemLayout<kBlockT, kWRows>::bytes(0, num_experts) + 2048 + extra_static;  // + static shared and slack
   int s = (max_smem_per_block() - fixed) / per;
   return s > 16 ? 16 : s;
 }
 
-// Fills num_stages, smem_bytes and num_ctas of cfg for the instance <kBlockT, kBlockW>.
-template <int kBlockT, int kBlockW>
-void finish_config(GemmConfig& cfg, int num_experts) {
-  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<kBlockT, kBlockW>(num_experts);
+// Fills num_stages, smem_bytes and num_ctas of cfg for the instance <kBlockT, kWRows>.
+template <int kBlockT, int kWRows>
+void finish_config(GemmConfig& cfg, int num_experts, int extra_static) {
+  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<kBlockT, kWRows>(num_experts, extra_static);
   MOEKIT_CHECK(cfg.num_stages >= 2, "GEMM config: " + std::to_string(cfg.num_stages) +
                                         " pipeline stages do not fit in shared memory; expected at least 2");
-  cfg.smem_bytes = SmemLayout<kBlockT, kBlockW>::bytes(cfg.num_stages, num_experts);
+  cfg.smem_bytes = SmemLayout<kBlockT, kWRows>::bytes(cfg.num_stages, num_experts);
   MOEKIT_CHECK(cfg.smem_bytes <= max_smem_per_block(),
                "GEMM config needs " + std::to_string(cfg.smem_bytes) + " bytes of shared memory; the device has " +
                    std::to_string(max_smem_per_block()));
@@ -53,9 +55,9 @@ struct Launch {
   int threads = 0;
 };
 
-template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW>
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated>
 Launch get_launch(int smem_bytes) {
-  auto kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW>;
+  auto kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>;
   // The limit belongs to the kernel function, not to a plan: raise it to the device's opt-in
   // maximum, so a later plan of the same kernel with a smaller ring never lowers it below what
   // an earlier plan launches with.
@@ -96,8 +98,9 @@ struct PlanCore {
   Launch launch;
   SplitWorkspace workspace;
   // The arguments common to both layouts; allocates the split-K workspace of `split_slots`
-  // tiles when cfg splits K.
-  void bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out, size_t split_slots);
+  // tiles (of `slabs` accumulators each: 2 for gated tiles) when cfg splits K.
+  void bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out, size_t split_slots,
+            int slabs = 1);
   void run(cudaStream_t stream) const;
   void set_overlap(Overlap overlap);
 };
@@ -106,17 +109,21 @@ struct PlanCore {
 
 namespace moekit::gemm_detail {
 
-// One compiled kernel instance, as a type the plans dispatch on.
-template <bool kSwapAB_, bool kMasked_, int kMathWGs_, int kBlockT_, int kBlockW_>
+// One compiled kernel instance, as a type the plans dispatch on. kGated: the SiLU·up + FP8
+// epilogue (a tile holds kBlockW gate rows and kBlockW up rows).
+template <bool kSwapAB_, bool kMasked_, int kMathWGs_, int kBlockT_, int kBlockW_, bool kGated_ = false>
 struct Instance {
   static constexpr bool kSwapAB = kSwapAB_;
   static constexpr bool kMasked = kMasked_;
   static constexpr int kMathWGs = kMathWGs_;
   static constexpr int kBlockT = kBlockT_;
   static constexpr int kBlockW = kBlockW_;
+  static constexpr bool kGated = kGated_;
   static Launch launch(GemmConfig& cfg, int num_experts) {
-    finish_config<kBlockT, kBlockW>(cfg, num_experts);
-    return get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW>(cfg.smem_bytes);
+    constexpr int kWRows = kGated ? 2 * kBlockW : kBlockW;
+    constexpr int kExtraStatic = kGated ? kMathWGs * 4 * kBlockT * 4 : 0;  // gemm_epilogue.cuh's warp_amax
+    finish_config<kBlockT, kWRows>(cfg, num_experts, kExtraStatic);
+    return get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>(cfg.smem_bytes);
   }
 };
 

@@ -15,8 +15,17 @@ namespace {
 
 // The instances compiled for the masked layout.
 template <class F>
-void with_masked_instance(const GemmConfig& cfg, F&& f) {
+void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
   const std::string bad = "masked GEMM config " + cfg.to_string() + " is not compiled; expected ";
+  if (epilogue == GemmEpilogue::kSiluMulFp8) {
+    MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128 for the SiLU·up epilogue");
+    switch (cfg.block_m) {
+      case 16: return f(Instance<true, true, 2, 16, 128, true>{});
+      case 32: return f(Instance<true, true, 2, 32, 128, true>{});
+      case 64: return f(Instance<true, true, 2, 64, 128, true>{});
+    }
+    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64} for the SiLU·up epilogue");
+  }
   if (cfg.swap_ab && cfg.block_n == 64) {
     // One math warpgroup, 64 weight rows per tile: twice the tiles, for a fuller last wave.
     MOEKIT_CHECK(cfg.block_m == 16, bad + "block_m = 16 with block_n = 64");
@@ -41,7 +50,8 @@ void with_masked_instance(const GemmConfig& cfg, F&& f) {
 
 std::string describe(const MaskedGemmProblem& p) {
   return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
-         " M_max=" + std::to_string(p.max_m) + " expected_m=" + std::to_string(p.expected_m);
+         " M_max=" + std::to_string(p.max_m) + " expected_m=" + std::to_string(p.expected_m) +
+         (p.epilogue == GemmEpilogue::kSiluMulFp8 ? " epilogue=silu-mul-fp8" : "");
 }
 
 }  // namespace
@@ -59,7 +69,15 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   check_pointer(b.w, "w");
   check_pointer(b.w_scales, "w_scales");
   check_pointer(b.masked_m, "masked_m");
-  check_pointer(b.out, "out");
+  const bool gated = p.epilogue == GemmEpilogue::kSiluMulFp8;
+  if (gated) {
+    MOEKIT_CHECK(p.n % (2 * kBlockK) == 0, "masked GEMM with the SiLU·up epilogue: N = " + std::to_string(p.n) +
+                                               " must be 2·inter with inter a multiple of 128");
+    check_pointer(b.act, "act");
+    check_pointer(b.act_scales, "act_scales");
+  } else {
+    check_pointer(b.out, "out");
+  }
   const int k_blocks = p.k / kBlockK;
 
   Impl& im = *impl_;
@@ -68,16 +86,20 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
-  with_masked_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });
+  with_masked_instance(im.cfg, p.epilogue,
+                       [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });
 
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
   im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm, kBlockK, true);
   im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
 
-  const size_t split_slots = size_t(p.num_experts) * (p.n / bn) * ((p.max_m + bm - 1) / bm);
-  im.bind(p.num_experts, p.n, p.k, p.max_m, b.w_scales, b.out, split_slots);
+  const int cols = gated ? p.n / 2 : p.n;  // output columns
+  const size_t split_slots = size_t(p.num_experts) * (cols / bn) * ((p.max_m + bm - 1) / bm);
+  im.bind(p.num_experts, p.n, p.k, p.max_m, b.w_scales, b.out, split_slots, gated ? 2 : 1);
   im.args.masked_m = b.masked_m;
+  im.args.act = b.act;
+  im.args.act_scales = b.act_scales;
   maybe_print_config("masked", describe(p), im.cfg);
 }
 
@@ -88,5 +110,7 @@ const GemmConfig& MaskedGemm::config() const { return impl_->cfg; }
 void MaskedGemm::run(cudaStream_t stream) const { impl_->run(stream); }
 
 void MaskedGemm::set_overlap(Overlap overlap) { impl_->set_overlap(overlap); }
+
+void MaskedGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 
 }  // namespace moekit

@@ -30,7 +30,31 @@ const char* fault_name(int kind) {
 
 int round_up(int v, int unit) { return (v + unit - 1) / unit * unit; }
 
+constexpr int kNumClocks = int(GpuStage::kCount);
+
 }  // namespace
+
+const char* gpu_pipeline_name(GpuPipeline pipeline) {
+  return pipeline == GpuPipeline::kFused ? "fused" : "staged";
+}
+
+const char* gpu_stage_name(GpuStage stage) {
+  switch (stage) {
+    case GpuStage::kSharedQuant: return "shared quant";
+    case GpuStage::kSharedGemm1: return "shared GEMM1";
+    case GpuStage::kSharedActivation: return "shared activation";
+    case GpuStage::kSharedGemm2: return "shared GEMM2";
+    case GpuStage::kGate: return "gate";
+    case GpuStage::kGemm1: return "GEMM1";
+    case GpuStage::kActivation: return "activation";
+    case GpuStage::kGemm2: return "GEMM2";
+    case GpuStage::kDispatchSend: return "dispatch send";
+    case GpuStage::kDispatchRecv: return "dispatch receive";
+    case GpuStage::kCombineSend: return "combine send";
+    case GpuStage::kCombineRecv: return "combine receive";
+    default: return "?";
+  }
+}
 
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode) {
   MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
@@ -54,6 +78,7 @@ struct GpuMoeLayer::Impl {
   EpBuffer* ep = nullptr;
   EpConfig ec;
   bool decode = true;
+  bool fused = false;  // decode with GpuPipeline::kFused
   int rank = 0, d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0, m_max = 0;
   int rows = 0, t_pad = 0;
   RouterParams router;
@@ -87,6 +112,9 @@ struct GpuMoeLayer::Impl {
   cudaEvent_t fork = nullptr, join = nullptr;
   bool timing = false, timed_step = false;
   cudaEvent_t events[kNumStages] = {};
+  // Stage clock: [GpuStage][start, end] and the reset image the step starts by copying in.
+  bool timeline = false;
+  unsigned long long *clocks = nullptr, *clocks_reset = nullptr;
   int num_tokens = 0;
   enum class Phase { kIdle, kDispatched, kComputed } phase = Phase::kIdle;
 
@@ -112,6 +140,11 @@ struct GpuMoeLayer::Impl {
     if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
   }
   void run_shared(const uint16_t* x, cudaStream_t stream);
+  // The launch options of a stage's kernels: PDL in the fused pipeline, the stage's stamp pair.
+  LaunchOptions launch(GpuStage stage) const {
+    return {fused, timeline ? clocks + 2 * int(stage) : nullptr};
+  }
+  void set_clocks(bool on);
   // Writes the placement's log2phy (at the fixed stride) and replica_count, on `stream` (or
   // synchronously when null).
   void upload_table(const Placement& placement, int layer, cudaStream_t stream);
@@ -240,7 +273,8 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
 
   // Routed experts: gate_up [rows, 2 inter], act [rows, inter] + scales, y [rows, d].
   const size_t total_rows = s.decode ? size_t(s.e_loc) * s.m_max : size_t(s.rows);
-  s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);
+  s.fused = s.decode && config.pipeline == GpuPipeline::kFused;
+  if (!s.fused) s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);  // fused: GEMM1 writes act itself
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
   s.y = s.alloc<uint16_t>(total_rows * s.d);
@@ -260,21 +294,25 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.sx = s.alloc<uint8_t>(size_t(s.t_pad) * s.d);
     s.sx_scales = s.alloc<float>(size_t(s.t_pad) * (s.d / kQuantBlock));
     s.s_m = s.alloc<int32_t>(1);
-    s.s_gate_up = s.alloc<uint16_t>(size_t(s.t_pad) * 2 * s.shared_inter);
+    if (!s.fused) s.s_gate_up = s.alloc<uint16_t>(size_t(s.t_pad) * 2 * s.shared_inter);
     s.s_act = s.alloc<uint8_t>(size_t(s.t_pad) * s.shared_inter);
     s.s_act_scales = s.alloc<float>(size_t(s.t_pad) * (s.shared_inter / kQuantBlock));
     s.s_out = s.alloc<uint16_t>(size_t(s.t_pad) * s.d);
     MOEKIT_CUDA_CHECK(cudaMemset(s.s_m, 0, sizeof(int32_t)));
   }
-  const MaskedGemmProblem p1{s.e_loc, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max)};
+  // GEMM1 writes gate_up (staged) or, with the SiLU·up epilogue, the FP8 activations (fused).
+  const GemmEpilogue epilogue1 = s.fused ? GemmEpilogue::kSiluMulFp8 : GemmEpilogue::kBf16;
+  const MaskedGemmProblem p1{s.e_loc, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1};
   const MaskedGemmProblem p2{s.e_loc, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max)};
-  const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up};
+  const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
+                             s.act_scales};
   const MaskedGemmBuffers b2{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y};
   if (s.decode) {
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
     // GEMM1 starts under the receive kernel's tail; GEMM2's weights (static) start streaming
-    // under the activation kernel (docs/gemm.md: the decode-step overlap).
+    // under the activation kernel, or under GEMM1 itself in the fused pipeline (docs/gemm.md: the
+    // decode-step overlap).
     s.gemm1->set_overlap(Overlap::kPreviousKernel);
     s.gemm2->set_overlap(Overlap::kPreviousKernelStaticWeights);
   } else {
@@ -287,10 +325,23 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   }
   if (s.shared_inter > 0) {
     // The shared expert is a masked GEMM with one "expert" of every token.
-    const MaskedGemmProblem q1{1, 2 * s.shared_inter, s.d, s.t_pad, s.t_max};
+    const MaskedGemmProblem q1{1, 2 * s.shared_inter, s.d, s.t_pad, s.t_max, epilogue1};
     const MaskedGemmProblem q2{1, s.d, s.shared_inter, s.t_pad, s.t_max};
-    s.shared1 = std::make_unique<MaskedGemm>(q1, MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up});
+    s.shared1 = std::make_unique<MaskedGemm>(
+        q1, MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up, s.s_act, s.s_act_scales});
     s.shared2 = std::make_unique<MaskedGemm>(q2, MaskedGemmBuffers{s.s_act, s.s_act_scales, s.sw2, s.sw2s, s.s_m, s.s_out});
+    if (s.fused) {
+      s.shared1->set_overlap(Overlap::kPreviousKernel);
+      s.shared2->set_overlap(Overlap::kPreviousKernelStaticWeights);
+    }
+  }
+  s.clocks = s.alloc<unsigned long long>(2 * kNumClocks);
+  s.clocks_reset = s.alloc<unsigned long long>(2 * kNumClocks);
+  {
+    std::vector<unsigned long long> reset(2 * kNumClocks);
+    for (int i = 0; i < kNumClocks; ++i) reset[2 * i] = ~0ull, reset[2 * i + 1] = 0;
+    MOEKIT_CUDA_CHECK(cudaMemcpy(s.clocks_reset, reset.data(), reset.size() * sizeof(reset[0]), cudaMemcpyHostToDevice));
+    MOEKIT_CUDA_CHECK(cudaMemcpy(s.clocks, reset.data(), reset.size() * sizeof(reset[0]), cudaMemcpyHostToDevice));
   }
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
   MOEKIT_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
@@ -379,10 +430,24 @@ int GpuMoeLayer::set_placement(const Placement& placement, int placement_layer, 
 }
 
 void GpuMoeLayer::Impl::run_shared(const uint16_t* x, cudaStream_t stream) {
-  launch_quantize_tokens(x, num_tokens, d, t_pad, sx, sx_scales, s_m, stream);
+  launch_quantize_tokens(x, num_tokens, d, t_pad, sx, sx_scales, s_m, stream, launch(GpuStage::kSharedQuant));
   shared1->run(stream);
-  launch_silu_mul_quant_masked(s_gate_up, 1, t_pad, shared_inter, s_m, s_act, s_act_scales, stream);
+  if (!fused)
+    launch_silu_mul_quant_masked(s_gate_up, 1, t_pad, shared_inter, s_m, s_act, s_act_scales, stream,
+                                 launch(GpuStage::kSharedActivation));
   shared2->run(stream);
+}
+
+// Points every kernel of the layer at its stamp pair (on) or at none (off).
+void GpuMoeLayer::Impl::set_clocks(bool on) {
+  timeline = on;
+  auto pair = [&](GpuStage st) { return on ? clocks + 2 * int(st) : nullptr; };
+  if (gemm1) gemm1->set_timeline(pair(GpuStage::kGemm1));
+  if (gemm2) gemm2->set_timeline(pair(GpuStage::kGemm2));
+  if (cgemm1) cgemm1->set_timeline(pair(GpuStage::kGemm1));
+  if (cgemm2) cgemm2->set_timeline(pair(GpuStage::kGemm2));
+  if (shared1) shared1->set_timeline(pair(GpuStage::kSharedGemm1));
+  if (shared2) shared2->set_timeline(pair(GpuStage::kSharedGemm2));
 }
 
 void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_token, cudaStream_t stream,
@@ -398,6 +463,13 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
   MOEKIT_CHECK(x != nullptr || num_tokens == 0, fmtr("rank {}: x is null with {} tokens", s.rank, num_tokens));
   s.num_tokens = num_tokens;
   s.timed_step = s.timing;
+  // The EP buffer may serve other layers (one EP group per batch shape): point its launch mode and
+  // stage clock at this layer's for the kernels of this step.
+  s.ep->set_overlap(s.fused);
+  s.ep->set_timeline(s.timeline ? s.clocks + 2 * int(GpuStage::kDispatchSend) : nullptr);  // the 4 EP phases in order
+  if (s.timeline)
+    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(s.clocks, s.clocks_reset, 2 * kNumClocks * sizeof(unsigned long long),
+                                      cudaMemcpyDeviceToDevice, stream));
   s.mark(kStart, stream);
   // The shared expert needs only x: fork it first so that it runs under everything up to combine.
   if (s.shared_inter > 0) {
@@ -410,13 +482,17 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
       s.run_shared(x, stream);
     }
   }
+  const ReplicaMap map{s.replicas, s.rank, first_token, s.cfg.replica_seed, s.topk_slot, s.counts};
+  const LaunchOptions gate = s.launch(GpuStage::kGate);
   if (!routing_idx) {
-    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream);
+    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream, gate);
+    // Fused: the replica choice happens in the selection kernel itself.
     launch_select_experts(s.logits, num_tokens, s.num_experts, s.k, s.router, s.router_bias, s.topk_idx, s.topk_w,
-                          s.status, stream);
+                          s.status, stream, s.fused ? &map : nullptr, gate);
   }
-  launch_map_replicas(s.replicas, s.rank, first_token, s.cfg.replica_seed, num_tokens, s.k, routing_idx,
-                      routing_weights, s.topk_idx, s.topk_w, s.topk_slot, s.counts, s.status, stream);
+  if (routing_idx || !s.fused)
+    launch_map_replicas(map, num_tokens, s.k, routing_idx, routing_weights, s.topk_idx, s.topk_w, s.status, stream,
+                        gate);
   s.mark(kGate, stream);
   s.ep->dispatch_send(x, s.topk_slot, s.topk_w, num_tokens, stream);
   s.mark(kSend, stream);
@@ -431,8 +507,9 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
     s.mark(kRecv, stream);
     s.gemm1->run(stream);
     s.mark(kGemm1, stream);
-    launch_silu_mul_quant_masked(s.gate_up, s.e_loc, s.m_max, s.inter, s.ep->recv_count(), s.act, s.act_scales,
-                                 stream);
+    if (!s.fused)
+      launch_silu_mul_quant_masked(s.gate_up, s.e_loc, s.m_max, s.inter, s.ep->recv_count(), s.act, s.act_scales,
+                                   stream, s.launch(GpuStage::kActivation));
     s.mark(kAct, stream);
     s.gemm2->run(stream);
   } else {
@@ -440,7 +517,8 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
     s.mark(kRecv, stream);
     s.cgemm1->run(stream);
     s.mark(kGemm1, stream);
-    launch_silu_mul_quant_contiguous(s.gate_up, s.rows, s.inter, s.ep->row_expert(), s.act, s.act_scales, stream);
+    launch_silu_mul_quant_contiguous(s.gate_up, s.rows, s.inter, s.ep->row_expert(), s.act, s.act_scales, stream,
+                                     s.launch(GpuStage::kActivation));
     s.mark(kAct, stream);
     s.cgemm2->run(stream);
   }
@@ -510,6 +588,23 @@ void GpuMoeLayer::record_load(LoadRecorder& recorder, int layer, cudaStream_t st
 }
 
 void GpuMoeLayer::set_timing(bool on) { impl_->timing = on; }
+
+void GpuMoeLayer::set_timeline(bool on) {
+  MOEKIT_CHECK(impl_->phase == Impl::Phase::kIdle, "set_timeline during a step");
+  impl_->set_clocks(on);
+}
+
+std::vector<GpuStageClock> GpuMoeLayer::last_timeline(cudaStream_t stream) const {
+  const Impl& s = *impl_;
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s.side));
+  std::vector<unsigned long long> raw(2 * kNumClocks);
+  MOEKIT_CUDA_CHECK(cudaMemcpy(raw.data(), s.clocks, raw.size() * sizeof(raw[0]), cudaMemcpyDeviceToHost));
+  std::vector<GpuStageClock> out(kNumClocks);
+  for (int i = 0; i < kNumClocks; ++i)
+    if (raw[2 * i + 1] != 0) out[i] = {raw[2 * i], raw[2 * i + 1]};
+  return out;
+}
 
 void GpuMoeLayer::set_shared_overlap(bool on) {
   MOEKIT_CHECK(impl_->phase == Impl::Phase::kIdle, "set_shared_overlap during a step");

@@ -1,0 +1,127 @@
+// gemm_epilogue.cuh: the FP8 grouped GEMM's stores, straight from the accumulator registers:
+// BF16 (both orientations) and the gated tile's SiLU(gate)·up in FP8 with its 1x128 scales.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/gemm_schedule.cuh"
+#include "kernels/cuda/silu_fp8.cuh"
+#include "moekit/bf16.h"
+
+namespace moekit::gemm_detail {
+
+// Where a consumer thread's accumulator registers sit in the tile. m64nN fragment: register i
+// holds MMA row row + ((i/2) % 2)·8 and MMA column col + (i/4)·8 + i%2.
+struct Fragment {
+  int row;        // wg·64 + warp_in_wg·16 + lane/4
+  int col;        // (lane % 4)·2
+  int mtid;       // 0 .. math threads - 1
+  int math_warp;  // 0 .. math warps - 1
+};
+
+// swap-AB: accumulator rows are weight rows n, columns are tokens: out[e, t0 + col, w0 + row].
+template <int kBlockT, int kRegs>
+__device__ __forceinline__ void store_bf16_transposed(const KernelArgs& args, const TileInfo& t, const float* acc,
+                                                      const Fragment& f) {
+  uint16_t* out = args.out + (size_t(t.e) * args.rows + t.t0) * args.n + t.w0;
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) {
+    const int col = (i / 4) * 8 + f.col + i % 2;
+    const int row = f.row + ((i / 2) % 2) * 8;
+    if (t.t0 + col < t.m_valid) out[size_t(col) * args.n + row] = float_to_bf16(acc[i]);
+  }
+}
+
+// Normal orientation: accumulator rows are tokens, columns weight rows; two columns per store.
+template <bool kMasked, int kRegs>
+__device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInfo& t, const float* acc,
+                                           const Fragment& f) {
+  bool row_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = t.t0 + f.row + h * 8;
+    row_ok[h] = kMasked ? m < t.m_valid : __ldg(args.row_expert + m) >= 0;
+  }
+  const size_t row_base = kMasked ? size_t(t.e) * args.rows + t.t0 : size_t(t.t0);
+  uint16_t* out = args.out + row_base * args.n + t.w0;
+#pragma unroll
+  for (int i = 0; i < kRegs; i += 2) {
+    const int h = (i / 2) % 2;
+    if (!row_ok[h]) continue;
+    const int col = (i / 4) * 8 + f.col;
+    const int row = f.row + h * 8;
+    const uint32_t packed = uint32_t(float_to_bf16(acc[i])) | (uint32_t(float_to_bf16(acc[i + 1])) << 16);
+    *reinterpret_cast<uint32_t*>(out + size_t(row) * args.n + col) = packed;
+  }
+}
+
+// Gated swap-AB tile: register i of `gate` and of `up` are the same (act column, token), act
+// column = w0 + f.row + ((i/2) % 2)·8, so SiLU(gate)·up needs no data movement. Each value is
+// first rounded to BF16, as the staged path's GEMM output is, and then goes through the
+// activation kernel's exact operations (silu_fp8.cuh): the FP8 codes and scales are the staged
+// path's bits whenever the accumulators are. The tile's 128 act columns are one quantisation
+// group, so a token's amax is a reduction over the 8 math warps: 16 rows per warp by shuffle,
+// then through shared memory.
+template <int kBlockT, int kRegs, int kMathThreads>
+__device__ __forceinline__ void store_silu_mul_fp8(const KernelArgs& args, const TileInfo& t, const float* gate,
+                                                   const float* up, const Fragment& f) {
+  constexpr int kMathWarps = kMathThreads / 32;
+  constexpr int kCols = kBlockT / 8;  // token column groups a thread holds, two columns each
+  __shared__ float warp_amax[kMathWarps][kBlockT];
+  const int lane = f.mtid % 32;
+  float v[kRegs];
+  float amax[kCols][2];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) amax[j][0] = amax[j][1] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) {
+    v[i] = silu_mul(bf16_to_float(float_to_bf16(gate[i])), bf16_to_float(float_to_bf16(up[i])));
+    amax[i / 4][i % 2] = fmaxf(amax[i / 4][i % 2], fabsf(v[i]));
+  }
+  // Lanes with the same lane % 4 hold the same token columns: reduce over lane / 4.
+#pragma unroll
+  for (int j = 0; j < kCols; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) amax[j][c] = fmaxf(amax[j][c], __shfl_xor_sync(0xFFFFFFFFu, amax[j][c], o));
+  if (lane < 4) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      warp_amax[f.math_warp][j * 8 + f.col] = amax[j][0];
+      warp_amax[f.math_warp][j * 8 + f.col + 1] = amax[j][1];
+    }
+  }
+  math_barrier<kMathThreads>();
+  float scale[kCols][2];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float a = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kMathWarps; ++w) a = fmaxf(a, warp_amax[w][j * 8 + f.col + c]);
+      scale[j][c] = fp8_group_scale(a);
+    }
+  math_barrier<kMathThreads>();  // warp_amax is free for the next tile
+  const int inter = args.n / 2;
+  uint8_t* out = args.act + (size_t(t.e) * args.rows + t.t0) * inter + t.w0;
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) {
+    const int col = (i / 4) * 8 + f.col + i % 2;
+    const int row = f.row + ((i / 2) % 2) * 8;
+    if (t.t0 + col < t.m_valid) out[size_t(col) * inter + row] = fp8_quantize(v[i], scale[i / 4][i % 2]);
+  }
+  if (f.mtid < 4) {  // one thread per pair of token columns writes their scales
+    float* sc = args.act_scales + (size_t(t.e) * (inter / kBlockK) + t.w0 / kBlockK) * args.rows + t.t0;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        if (t.t0 + j * 8 + f.col + c < t.m_valid) sc[j * 8 + f.col + c] = scale[j][c];
+  }
+}
+
+}  // namespace moekit::gemm_detail

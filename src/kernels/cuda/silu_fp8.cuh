@@ -1,0 +1,27 @@
+// silu_fp8.cuh: the activation's arithmetic on one value and the 1x128 scale of one group, shared
+// by the activation kernels (activation.cu) and the GEMM's fused SiLU·up epilogue
+// (gemm_epilogue.cuh), so both give the reference's bits (reference.h: silu_mul_quant_*).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "moekit/fp8.h"
+#include "moekit/quant.h"
+
+namespace moekit {
+
+// SiLU(g)·u in the reference's order: g / (1 + exp(-g)) * u, in fp32. The reference calls glibc's
+// expf; fp64 exp rounded to fp32 is the correctly rounded expf, which glibc's (0.502 ulp) equals
+// except in rare halfway cases (docs/layer-gpu.md).
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  const float e = float(exp(double(-g)));
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
+}
+
+// quant.h's scale of a group whose largest magnitude is amax.
+__device__ __forceinline__ float fp8_group_scale(float amax) { return __fdiv_rn(fmaxf(amax, kMinAmax), kFp8Max); }
+
+// One value's e4m3 code under that scale (fp8.h's rounding, IEEE division).
+__device__ __forceinline__ uint8_t fp8_quantize(float v, float scale) { return float_to_fp8_e4m3(__fdiv_rn(v, scale)); }
+
+}  // namespace moekit
