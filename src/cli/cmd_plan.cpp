@@ -76,8 +76,8 @@ void print_decode_table(const PlanResult& r) {
              r.accept_length, in.mtp);
   fmt::print("{:>8} | {:>9} {:>10} {:>11} | {:>9} {:>10} {:>11} | {:>7}\n", "batch B", "TPOT", "tok/s", "tok/s",
              "TPOT", "tok/s", "tok/s", "speedup");
-  fmt::print("{:>8} | {:>9} {:>10} {:>11} | {:>9} {:>10} {:>11} | {:>7}\n", "(seqs)", "(ms)", "per seq", "total",
-             "(ms)", "per seq", "total", "");
+  fmt::print("{:>8} | {:>9} {:>10} {:>11} | {:>9} {:>10} {:>11} |\n", "(seqs)", "(ms)", "per seq", "total", "(ms)",
+             "per seq", "total");
   fmt::print("{:>8} | {:^32} | {:^32} |\n", "", fmt::format("with MTP-{}", in.mtp), "without MTP");
   for (size_t i = 0; i < r.rows.size(); ++i) {
     const PlanRow& row = r.rows[i];
