@@ -335,10 +335,10 @@ PlanResult plan(const PlanInput& in) {
     res.rows_no_mtp.push_back(plan_row(no_mtp, b));
   }
 
-  // MISSION.md §2: knee B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
+  // The knee B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
   // same sharding); a sequence verifies N + 1 of them, so the knee in sequences is that / (N + 1).
   res.knee_batch = res.ridge * m.total_params * bpp / (2.0 * m.active_params) / double(tokens_per_sequence(in));
-  // MISSION.md §2: the TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
+  // The TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
   if (in.tpot_sla_ms) res.batch_sla = batch_sla(in, *in.tpot_sla_ms);
   // MISSION.md §2 (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
   // weights, over the KV bytes of one sequence of `context` tokens. The N drafted tokens of a
