@@ -9,14 +9,26 @@
 // the constraint that binds, the critical block size BM* and the padding waste of the expert
 // GEMM. Every formula lives in src/plan/plan.cpp next to the MISSION.md section it comes from.
 //
-// Units: bytes, milliseconds, FLOP/s, B/s. B is the global batch of one decode step in
-// tokens, spread evenly over P GPUs (B/P may be fractional: it is an average).
+// Units: bytes, milliseconds, FLOP/s, B/s. B is the global batch of one decode step: B
+// sequences, each verifying N + 1 tokens per step, so the step carries T = B·(N + 1) tokens,
+// spread evenly over P GPUs (T/P may be fractional: it is an average). Without speculative
+// decoding (N = 0, the default) a sequence is one token per step and T = B.
+//
+// Speculative decoding (multi-token prediction, or any draft-and-verify scheme): each step
+// verifies N drafted tokens plus one per sequence, and a sequence advances by the mean
+// accepted length L (1 <= L <= N + 1; by default N + 1, the bound where every draft is
+// accepted). The step's figures (coverage, rows per expert, weight traffic, compute,
+// all-to-all bytes, floor) are those of T tokens; the time per output token is floor / L.
+// The TPOT SLA applies to that TPOT, the knee is counted in sequences (the weight GEMMs' knee
+// in tokens over N + 1), and the memory cap counts the KV cache of B sequences. The draft
+// module's own weights and compute are not counted.
 //
 // Dense models (num_routed_experts == 0) have coverage 1 (every weight is read every step)
 // and no expert-parallel all-to-all: the MoE-only figures are std::nullopt (null in JSON).
 //
 // Bad input (P < 1, P not dividing E, no batches, a batch < 1, mem_fraction outside (0, 1],
-// context < 1, a non-positive SLA) throws moekit::Error naming the value.
+// context < 1, a non-positive SLA, N outside [0, kMaxMtp], L outside [1, N + 1], B·(N + 1)
+// beyond int64) throws moekit::Error naming the value.
 #pragma once
 
 #include <cstdint>
@@ -47,17 +59,27 @@ struct PlanInput {
   ModelSpec model;
   GpuSpec gpu;
   int ep = 1;                          // P: expert-parallel ranks (GPUs)
-  std::vector<int64_t> batches;        // global decode batches B (tokens per step)
+  std::vector<int64_t> batches;        // global decode batches B (sequences per step)
   std::optional<double> tpot_sla_ms;   // --tpot-sla; B_SLA is computed only when set
   int64_t context = 4096;              // tokens of KV cache held per sequence
   double mem_fraction = 0.85;          // share of HBM for weights + KV (MISSION.md §3 serves with 0.85)
   ComputeDtype dtype = ComputeDtype::fp8;  // picks F: gpu.fp8_flops or gpu.bf16_flops
+  int mtp = 0;                         // --mtp N: tokens drafted per sequence and step (0: plain decode)
+  std::optional<double> accept_length; // --accept L: mean tokens a sequence advances per step; unset: N + 1
 };
+
+// The largest N accepted: draft-and-verify schemes verify a few tokens per sequence (tree
+// drafts a few dozen); a larger N is a typo, and the cap keeps B·(N + 1) far from overflow.
+inline constexpr int kMaxMtp = 64;
+
+// L as the plan uses it: input.accept_length, or N + 1 when unset.
+double accept_length(const PlanInput& input);
 
 // One decode step at one batch. std::nullopt marks figures a dense model does not have.
 struct PlanRow {
-  int64_t batch = 0;                    // B
-  double tokens_per_gpu = 0;            // B/P
+  int64_t batch = 0;                    // B, sequences
+  int64_t tokens_per_step = 0;          // T = B·(N + 1), the tokens the step verifies (B without MTP)
+  double tokens_per_gpu = 0;            // T/P
   double coverage = 1;                  // share of routed experts hit in the step (1 for dense)
   double step_weight_bytes_per_gpu = 0;
   double weight_read_ms = 0;
@@ -65,13 +87,16 @@ struct PlanRow {
   double floor_ms = 0;                  // max(weight_read_ms, compute_ms)
   std::optional<double> comm_ms;        // dispatch + combine of all MoE layers (not in the floor)
   std::string dominant;                 // "weights" | "compute" | "communication": the largest term
-  std::optional<double> expected_rows_per_expert;  // M_e = B·k/E
+  std::optional<double> expected_rows_per_expert;  // M_e = T·k/E
   std::optional<double> dedup_targets;             // distinct target ranks per token
   std::optional<double> dispatch_bytes_per_gpu;    // per MoE layer, FP8 payload
   std::optional<double> combine_bytes_per_gpu;     // per MoE layer, BF16, one message per expert
   std::optional<double> combine_bytes_prereduced_per_gpu;  // per MoE layer, BF16, one per target rank
   std::optional<double> cv_expert;                 // CV_e of one expert's load
   std::optional<double> imbalance_stat;            // S₀ from statistical fluctuation alone
+  double tpot_ms = 0;                   // floor_ms / L: time per output token of one sequence
+  double tokens_per_s_per_seq = 0;      // 1000 / tpot_ms
+  double tokens_per_s = 0;              // B · tokens_per_s_per_seq, the whole deployment
 };
 
 // Padding waste of the expert GEMM for one block size BM (MISSION.md §5).
@@ -94,14 +119,18 @@ struct PlanResult {
   std::string comm_link;       // "nvlink" (P <= gpus_per_node) or "network"
   double comm_bandwidth = 0;   // B/s per GPU, one direction
   double comm_latency_us = 0;
-  double knee_batch = 0;       // B*
-  std::optional<int64_t> batch_sla;  // largest B with floor_ms <= SLA (0: none meets it)
+  double accept_length = 1;    // L (N + 1 when not given)
+  bool accept_length_is_bound = true;  // L was not given: N + 1, every draft accepted
+  double knee_batch = 0;       // B*, sequences: the weight GEMMs' knee in tokens over N + 1
+  std::optional<int64_t> batch_sla;  // largest B with tpot_ms <= SLA (0: none meets it)
   double batch_mem = 0;        // may be <= 0 when the weights alone do not fit
   int64_t operating_point = 0; // ⌊min(B*, B_SLA, B_mem)⌋, at least 0
   std::string binding;         // "knee" | "sla" | "memory"
   double bm_star = 0;          // Ridge·bpp/2
   std::vector<PaddingRow> padding;  // empty for dense models
   std::vector<PlanRow> rows;        // one per input batch, in input order
+  std::vector<PlanRow> rows_no_mtp; // the same batches decoded without MTP (N = 0, L = 1);
+                                    // equal to rows when N = 0
 };
 
 // The fixed constants of the padding table (MISSION.md §5).
@@ -112,7 +141,7 @@ inline constexpr double kPaddingSmallM = 5;
 PlanResult plan(const PlanInput& input);
 
 // One row without validation of the list, for callers that sweep B (the plot, B_SLA).
-// `input` must have passed plan()'s checks.
+// `input` must have passed plan()'s checks, and batch·(N + 1) must fit in int64.
 PlanRow plan_row(const PlanInput& input, int64_t batch);
 
 // MISSION.md §6: end-to-end EPLB gain 1 / (f/S + 1 − f); f in [0, 1], S > 0.

@@ -53,6 +53,48 @@ def test_plan_bad_arguments():
         moekit.plan("deepseek-v3", "h200", 8, [1.5j])
 
 
+def test_plan_mtp():
+    # Qwen3.5-397B-A17B on 8 x H200 with MTP-3 at L = 3.1 (tests/cpu/test_plan.cpp works these by hand):
+    # the step of B sequences verifies 4·B tokens; TPOT = floor / 3.1.
+    spec = moekit.model_spec("qwen3.5-397b-a17b")
+    E, k = spec["num_routed_experts"], spec["num_experts_per_token"]
+    result = moekit.plan("qwen3.5-397b-a17b", "h200", 8, [1, 8, 32], mtp=3, accept=3.1)
+    assert result["mtp"] == 3 and result["accept_length"] == 3.1 and result["accept_length_is_bound"] is False
+    for row, tpot in zip(result["rows"], [0.334162130, 1.607626429, 3.074979378]):
+        B = row["batch"]
+        assert row["mtp_tokens_per_step"] == 4 * B
+        assert row["coverage"] == pytest.approx(1 - (1 - k / E) ** (4 * B))
+        assert row["expected_rows_per_expert"] == pytest.approx(4 * B * k / E)
+        assert row["tpot_ms"] == pytest.approx(row["floor_ms"] / 3.1)
+        assert row["tpot_ms"] == pytest.approx(tpot, rel=1e-8)
+        assert row["tokens_per_s"] == pytest.approx(B * 1e3 / row["tpot_ms"])
+        assert row["no_mtp"]["mtp_tokens_per_step"] == B
+        assert row["tpot_ms_no_mtp"] == row["no_mtp"]["floor_ms"]
+        assert row["mtp_speedup"] == pytest.approx(row["tpot_ms_no_mtp"] / row["tpot_ms"])
+    # Default L: N + 1, marked as the bound. mtp=0 is the plain plan, key for key.
+    assert moekit.plan("qwen3.5-397b-a17b", "h200", 8, [8], mtp=3)["accept_length"] == 4
+    assert moekit.plan("deepseek-v3", "h200", 8, [1, 64], mtp=0) == moekit.plan("deepseek-v3", "h200", 8, [1, 64])
+
+
+def test_plan_mtp_bad_values():
+    with pytest.raises(moekit.Error, match=r"--mtp = -1 must be in \[0, 64\]"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=-1)
+    with pytest.raises(moekit.Error, match=r"mtp = 100000000000000000000 must be in \[0, 64\]"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=10**20)
+    with pytest.raises(moekit.Error, match=r"--accept = 0 must be in \[1, N \+ 1\] = \[1, 4\]"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=3, accept=0)
+    with pytest.raises(moekit.Error, match=r"--accept = 5 must be in \[1, N \+ 1\] = \[1, 4\]"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=3, accept=5)
+    with pytest.raises(moekit.Error, match=r"accept = 1000000000000000000000.* must be in \[1, mtp \+ 1\]"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=3, accept=10**400)
+    with pytest.raises(moekit.Error, match=r"--accept = nan"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=3, accept=float("nan"))
+    with pytest.raises(TypeError, match="mtp must be an int.*'3'"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp="3")
+    with pytest.raises(TypeError, match="accept must be a number.*'x'"):
+        moekit.plan("deepseek-v3", "h200", 8, [8], mtp=3, accept="x")
+
+
 def test_eplb_reference_example(backend):
     weight = backend.put(np.array(EPLB_WEIGHT, dtype=np.float32))
     phy2log, log2phy, replica_count = moekit.rebalance(weight, 16, 4, 2, 8)

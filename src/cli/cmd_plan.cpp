@@ -25,6 +25,8 @@ struct PlanOptions {
   int64_t context = 4096;
   double mem_fraction = 0.85;
   std::string dtype = "fp8";
+  int mtp = 0;
+  std::optional<double> accept;
   bool json = false;
   std::string plot_dir;
   bool eplb_gain = false;
@@ -39,6 +41,53 @@ std::string compact(double v) {
   if (std::abs(v) >= 1e5) return fmt::format("{:.4g}", v);
   if (std::abs(v) >= 100) return fmt::format("{:.0f}", v);
   return fmt::format("{:.3g}", v);
+}
+
+// One decode step per batch. Without MTP the first column is B in tokens (one per sequence)
+// and a floor above the SLA is marked; with MTP (`with_tokens`) B counts sequences, a column
+// gives the step's tokens, and the SLA is marked on the TPOT in the decode table instead.
+void print_step_table(const PlanResult& r, const std::vector<PlanRow>& rows, bool with_tokens) {
+  const PlanInput& in = r.input;
+  const std::string tokens_head = with_tokens ? fmt::format(" {:>8}", "tokens") : "";
+  const std::string tokens_unit = with_tokens ? fmt::format(" {:>8}", "(/step)") : "";
+  fmt::print("{:>8}{} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>14} {:>7} {:>6}\n", "batch B", tokens_head,
+             "B/GPU", "coverage", "M_e", "weights/GPU", "wt read", "compute", "comm", "floor", "dominant", "ranks/", "S0");
+  fmt::print("{:>8}{} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>14} {:>7} {:>6}\n",
+             with_tokens ? "(seqs)" : "(tokens)", tokens_unit, "(tokens)", "(%)", "(rows)", "(GB)", "(ms)", "(ms)", "(ms)",
+             "(ms)", "", "token", "(stat)");
+  for (const PlanRow& row : rows) {
+    std::string floor = fmt::format("{:.3f}", row.floor_ms);
+    if (!with_tokens && in.tpot_sla_ms && row.floor_ms > *in.tpot_sla_ms) floor += "!";
+    fmt::print("{:>8}{} {:>8} {:>8.1f} {:>8} {:>10.2f} {:>9.3f} {:>9.3f} {:>8} {:>9} {:>14} {:>7} {:>6}\n", row.batch,
+               with_tokens ? fmt::format(" {:>8}", row.tokens_per_step) : "", compact(row.tokens_per_gpu),
+               row.coverage * 100, opt_fixed(row.expected_rows_per_expert, 2), row.step_weight_bytes_per_gpu / 1e9,
+               row.weight_read_ms, row.compute_ms, opt_fixed(row.comm_ms, 3), floor, row.dominant,
+               opt_fixed(row.dedup_targets, 2), opt_fixed(row.imbalance_stat, 3));
+  }
+}
+
+// With MTP: per batch, the TPOT and tokens/s with and without it, side by side.
+void print_decode_table(const PlanResult& r) {
+  const PlanInput& in = r.input;
+  auto tpot = [&](double ms) {
+    return fmt::format("{:.3f}", ms) + (in.tpot_sla_ms && ms > *in.tpot_sla_ms ? "!" : "");
+  };
+  fmt::print("decode per sequence and in total: TPOT = floor / L (L = {:.4g} with MTP-{}, 1 without)\n",
+             r.accept_length, in.mtp);
+  fmt::print("{:>8} | {:>9} {:>10} {:>11} | {:>9} {:>10} {:>11} | {:>7}\n", "batch B", "TPOT", "tok/s", "tok/s",
+             "TPOT", "tok/s", "tok/s", "speedup");
+  fmt::print("{:>8} | {:>9} {:>10} {:>11} | {:>9} {:>10} {:>11} |\n", "(seqs)", "(ms)", "per seq", "total", "(ms)",
+             "per seq", "total");
+  fmt::print("{:>8} | {:^32} | {:^32} |\n", "", fmt::format("with MTP-{}", in.mtp), "without MTP");
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const PlanRow& row = r.rows[i];
+    const PlanRow& plain = r.rows_no_mtp[i];
+    fmt::print("{:>8} | {:>9} {:>10.1f} {:>11.1f} | {:>9} {:>10.1f} {:>11.1f} | {:>6.2f}x\n", row.batch, tpot(row.tpot_ms),
+               row.tokens_per_s_per_seq, row.tokens_per_s, tpot(plain.tpot_ms), plain.tokens_per_s_per_seq,
+               plain.tokens_per_s, plain.tpot_ms / row.tpot_ms);
+  }
+  fmt::print("  speedup = TPOT without / TPOT with.{}\n\n",
+             in.tpot_sla_ms ? fmt::format(" '!': TPOT above the {} ms SLA.", *in.tpot_sla_ms) : "");
 }
 
 // The human table: one row per batch, then the deployment's figures, each with its formula.
@@ -58,31 +107,44 @@ void print_table(const PlanResult& r) {
     fmt::print(" (routed {:.1f} GB + other {:.1f} GB)\n  all-to-all over {} ({:.0f} GB/s, {:.1f} us per collective)",
                r.routed_weight_bytes / 1e9, r.other_weight_bytes / 1e9, r.comm_link == "nvlink" ? "NVLink" : "the network",
                r.comm_bandwidth / 1e9, r.comm_latency_us);
-  fmt::print("\n\n");
+  fmt::print("\n");
+  const bool mtp = in.mtp > 0;
+  if (mtp)
+    fmt::print("  speculative decoding MTP-{}: each sequence verifies {} tokens per step and advances by L = {:.4g} on "
+               "average{}\n",
+               in.mtp, in.mtp + 1, r.accept_length,
+               r.accept_length_is_bound ? " (N + 1: the optimistic bound, every draft accepted; --accept L for a measured one)"
+                                        : " (--accept)");
+  fmt::print("\n");
 
-  fmt::print("{:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>14} {:>7} {:>6}\n", "batch B", "B/GPU",
-             "coverage", "M_e", "weights/GPU", "wt read", "compute", "comm", "floor", "dominant", "ranks/", "S0");
-  fmt::print("{:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>14} {:>7} {:>6}\n", "(tokens)", "(tokens)",
-             "(%)", "(rows)", "(GB)", "(ms)", "(ms)", "(ms)", "(ms)", "", "token", "(stat)");
-  for (const PlanRow& row : r.rows) {
-    std::string floor = fmt::format("{:.3f}", row.floor_ms);
-    if (in.tpot_sla_ms && row.floor_ms > *in.tpot_sla_ms) floor += "!";
-    fmt::print("{:>8} {:>8} {:>8.1f} {:>8} {:>10.2f} {:>9.3f} {:>9.3f} {:>8} {:>9} {:>14} {:>7} {:>6}\n", row.batch,
-               compact(row.tokens_per_gpu), row.coverage * 100, opt_fixed(row.expected_rows_per_expert, 2),
-               row.step_weight_bytes_per_gpu / 1e9, row.weight_read_ms, row.compute_ms, opt_fixed(row.comm_ms, 3),
-               floor, row.dominant, opt_fixed(row.dedup_targets, 2), opt_fixed(row.imbalance_stat, 3));
+  if (mtp) {
+    fmt::print("with MTP-{}: one decode step verifies B x {} tokens\n", in.mtp, in.mtp + 1);
+    print_step_table(r, r.rows, true);
+    fmt::print("\nwithout MTP: one decode step of B tokens\n");
+    print_step_table(r, r.rows_no_mtp, true);
+    fmt::print("  floor = max(wt read, compute); {};\n  dominant = the largest of the three.\n\n",
+               r.is_moe ? fmt::format("comm (dispatch + combine over all {} MoE layers) is not in it", m.num_moe_layers)
+                        : std::string("a dense model has no expert-parallel all-to-all (comm —)"));
+    print_decode_table(r);
+  } else {
+    print_step_table(r, r.rows, false);
+    fmt::print("  floor = max(wt read, compute); {};\n  dominant = the largest of the three.{}\n\n",
+               r.is_moe ? fmt::format("comm (dispatch + combine over all {} MoE layers) is not in it", m.num_moe_layers)
+                        : std::string("a dense model has no expert-parallel all-to-all (comm —)"),
+               in.tpot_sla_ms ? fmt::format(" '!': floor above the {} ms SLA.", *in.tpot_sla_ms) : "");
   }
-  fmt::print("  floor = max(wt read, compute); {};\n  dominant = the largest of the three.{}\n\n",
-             r.is_moe ? fmt::format("comm (dispatch + combine over all {} MoE layers) is not in it", m.num_moe_layers)
-                      : std::string("a dense model has no expert-parallel all-to-all (comm —)"),
-             in.tpot_sla_ms ? fmt::format(" '!': floor above the {} ms SLA.", *in.tpot_sla_ms) : "");
 
   const double bpp = m.weight_bytes_per_param;
-  fmt::print("knee        B*    = {:>9.1f}   Ridge x total_params x bpp / (2 x active_params) = {:.0f} x {:.4g} x {} / (2 x {:.4g})\n",
-             r.knee_batch, r.ridge, m.total_params, bpp, m.active_params);
+  if (mtp)
+    fmt::print("knee        B*    = {:>9.1f}   Ridge x total_params x bpp / (2 x active_params x (N + 1)) = {:.0f} x {:.4g} "
+               "x {} / (2 x {:.4g} x {})\n",
+               r.knee_batch, r.ridge, m.total_params, bpp, m.active_params, in.mtp + 1);
+  else
+    fmt::print("knee        B*    = {:>9.1f}   Ridge x total_params x bpp / (2 x active_params) = {:.0f} x {:.4g} x {} / (2 x {:.4g})\n",
+               r.knee_batch, r.ridge, m.total_params, bpp, m.active_params);
   if (r.batch_sla)
-    fmt::print("TPOT SLA    B_SLA = {:>9}     largest B with floor <= {} ms{}\n", *r.batch_sla, *in.tpot_sla_ms,
-               *r.batch_sla == 0 ? " (none: even B = 1 misses it)" : "");
+    fmt::print("TPOT SLA    B_SLA = {:>9}     largest B with {} <= {} ms{}\n", *r.batch_sla,
+               mtp ? "TPOT = floor / L" : "floor", *in.tpot_sla_ms, *r.batch_sla == 0 ? " (none: even B = 1 misses it)" : "");
   else
     fmt::print("TPOT SLA    B_SLA =         —     (no --tpot-sla)\n");
   fmt::print("memory      B_mem = {:>9.1f}   ({} x {:.0f} GB x {} - {:.1f} GB weights) / ({:.0f} B KV/token x {} tokens)\n",
@@ -99,9 +161,10 @@ void print_table(const PlanResult& r) {
              r.bm_star);
   if (r.is_moe) {
     double me = r.padding.empty() ? 0 : r.padding.front().expected_m;
-    fmt::print("padding waste ceil(M_e/BM) x BM / M_e at the expected M_e = {:.2f} rows (B = {}) and at M_e = 5;\n"
+    fmt::print("padding waste ceil(M_e/BM) x BM / M_e at the expected M_e = {:.2f} rows (B = {}{}) and at M_e = 5;\n"
                "padding every expert to M_max = {} rows:\n",
-               me, r.operating_point, kPaddingMMax);
+               me, r.operating_point,
+               in.mtp > 0 ? fmt::format(", {} tokens", r.operating_point * (in.mtp + 1)) : std::string(), kPaddingMMax);
     fmt::print("{:>6} {:>12} {:>10} {:>18} {:>18}\n", "BM", "tile, at M_e", "tile, at 5", "pad to M_max, M_e", "pad to M_max, 5");
     auto times = [](const std::optional<double>& v) { return v ? fmt::format("{:.2f}x", *v) : std::string("—"); };
     for (const PaddingRow& p : r.padding)
@@ -274,6 +337,8 @@ void run_plan(const PlanOptions& o) {
   in.context = o.context;
   in.mem_fraction = o.mem_fraction;
   in.dtype = parse_dtype(o.dtype);
+  in.mtp = o.mtp;
+  in.accept_length = o.accept;
   in.model = load_model_spec(o.model);
   in.gpu = load_gpu_spec(o.gpu);
   PlanResult r = plan(in);
@@ -304,6 +369,9 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--mem-fraction", o.mem_fraction, "share of HBM for weights and KV cache, in (0, 1]")
       ->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "dense rate F to use: fp8 or bf16")->capture_default_str();
+  cmd->add_option("--mtp", o.mtp, "speculative decoding: tokens drafted per sequence and step (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--accept", o.accept, "mean accepted length L in [1, N + 1] with --mtp N (default N + 1, the bound)");
   cmd->add_flag("--json", o.json, "print JSON instead of the table");
   cmd->add_option("--plot", o.plot_dir, "draw PNG plots with gnuplot into DIR");
   cmd->add_flag("--eplb-gain", o.eplb_gain, "print the EPLB end-to-end gain 1/(f/S + 1 - f) and exit");

@@ -146,6 +146,9 @@ namespace {
 
 double dense_flops(const GpuSpec& gpu, ComputeDtype dtype) { return dtype == ComputeDtype::fp8 ? gpu.fp8_flops : gpu.bf16_flops; }
 
+// Tokens a sequence verifies per step: its N drafts and the one it would decode anyway.
+int64_t tokens_per_sequence(const PlanInput& in) { return int64_t(in.mtp) + 1; }
+
 // Bytes of all routed experts, whole model (MISSION.md §2, W_routed·bpp):
 // num_moe_layers·E·3·hidden·moe_inter·bpp (gate, up and down projections of a SwiGLU expert).
 double routed_weight_bytes(const ModelSpec& m) {
@@ -171,24 +174,42 @@ void validate(const PlanInput& in) {
   if (in.tpot_sla_ms)
     MOEKIT_CHECK(std::isfinite(*in.tpot_sla_ms) && *in.tpot_sla_ms > 0,
                  fmt::format("--tpot-sla = {} ms must be > 0", *in.tpot_sla_ms));
+  MOEKIT_CHECK(in.mtp >= 0 && in.mtp <= kMaxMtp,
+               fmt::format("--mtp = {} must be in [0, {}] (tokens drafted per sequence and step; 0: no speculative "
+                           "decoding)",
+                           in.mtp, kMaxMtp));
+  if (in.accept_length) {
+    const double L = *in.accept_length;
+    MOEKIT_CHECK(std::isfinite(L) && L >= 1 && L <= in.mtp + 1,
+                 fmt::format("--accept = {} must be in [1, N + 1] = [1, {}] with --mtp {} (the mean tokens a sequence "
+                             "advances per step: at least the one it always decodes, at most every draft accepted)",
+                             L, in.mtp + 1, in.mtp));
+  }
+  for (int64_t b : in.batches)
+    MOEKIT_CHECK(b <= std::numeric_limits<int64_t>::max() / tokens_per_sequence(in),
+                 fmt::format("--batch: batch {} with --mtp {} verifies {} x {} tokens per step, beyond int64", b,
+                             in.mtp, b, tokens_per_sequence(in)));
 }
 
-// The largest B with floor_ms(B) <= SLA, or 0 when even B = 1 misses it.
-// floor_ms(B) = max(weight_read_ms, compute_ms) is non-decreasing in B (coverage and compute
-// both grow with B), so bisection over integers finds it. The upper end is the first B at which
-// compute alone misses the SLA, compute_ms(B) = 2·N_active·B/(P·F) > SLA, capped at 2^53 (where
-// doubles stop counting integers exactly; no deployment comes near). At most 54 steps.
+// The largest B with tpot_ms(B) <= SLA, or 0 when even B = 1 misses it.
+// tpot_ms(B) = max(weight_read_ms, compute_ms)/L at T = B·(N + 1) tokens is non-decreasing in B
+// (coverage and compute both grow with B), so bisection over integers finds it. The upper end is
+// the first B at which compute alone misses the SLA, 2·N_active·B·(N + 1)/(P·F·L) > SLA, capped
+// so that T stays within 2^53 (where doubles stop counting integers exactly; no deployment
+// comes near). At most 54 steps.
 int64_t batch_sla(const PlanInput& in, double sla_ms) {
-  if (plan_row(in, 1).floor_ms > sla_ms) return 0;
+  if (plan_row(in, 1).tpot_ms > sla_ms) return 0;
   const double flops = dense_flops(in.gpu, in.dtype);
-  constexpr double kMaxBatch = 9007199254740992.0;  // 2^53
-  double hi_real = std::floor(sla_ms * 1e-3 * in.ep * flops / (2.0 * in.model.active_params)) + 1;
+  const double L = accept_length(in);
+  const double per_seq = double(tokens_per_sequence(in));
+  const double max_batch = std::floor(9007199254740992.0 / per_seq);  // 2^53 tokens
+  double hi_real = std::floor(sla_ms * 1e-3 * in.ep * flops * L / (2.0 * in.model.active_params * per_seq)) + 1;
   int64_t lo = 1;
-  int64_t hi = int64_t(std::clamp(hi_real, 2.0, kMaxBatch));
-  if (plan_row(in, hi).floor_ms <= sla_ms) return hi;  // only at the cap
-  while (hi - lo > 1) {  // invariant: floor(lo) <= SLA < floor(hi)
+  int64_t hi = int64_t(std::clamp(hi_real, 2.0, max_batch));
+  if (plan_row(in, hi).tpot_ms <= sla_ms) return hi;  // only at the cap
+  while (hi - lo > 1) {  // invariant: tpot(lo) <= SLA < tpot(hi)
     int64_t mid = lo + (hi - lo) / 2;
-    (plan_row(in, mid).floor_ms <= sla_ms ? lo : hi) = mid;
+    (plan_row(in, mid).tpot_ms <= sla_ms ? lo : hi) = mid;
   }
   return lo;
 }
@@ -209,10 +230,15 @@ PaddingRow padding_row(int bm, double expected_m) {
 
 }  // namespace
 
+double accept_length(const PlanInput& in) { return in.accept_length.value_or(double(tokens_per_sequence(in))); }
+
 PlanRow plan_row(const PlanInput& in, int64_t batch) {
   const ModelSpec& m = in.model;
   const GpuSpec& g = in.gpu;
-  const double B = double(batch);
+  // Every figure of the step is that of the T = B·(N + 1) tokens it verifies: to the MoE
+  // layers a drafted token is one more token (T = B without MTP).
+  const int64_t tokens = batch * tokens_per_sequence(in);
+  const double T = double(tokens);
   const double P = in.ep;
   const double F = dense_flops(g, in.dtype);
   const double bpp = m.weight_bytes_per_param;
@@ -220,18 +246,19 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
 
   PlanRow r;
   r.batch = batch;
-  r.tokens_per_gpu = B / P;
+  r.tokens_per_step = tokens;
+  r.tokens_per_gpu = T / P;
 
   // MISSION.md §2 (coverage): weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
   // evenly over the P GPUs. A dense model reads every weight every step (C = 1).
   const double routed = routed_weight_bytes(m);
   const double other = m.total_params * bpp - routed;
-  r.coverage = m.is_moe() ? coverage_closed_form(m.num_routed_experts, m.num_experts_per_token, B) : 1.0;
+  r.coverage = m.is_moe() ? coverage_closed_form(m.num_routed_experts, m.num_experts_per_token, T) : 1.0;
   r.step_weight_bytes_per_gpu = (r.coverage * routed + other) / P;
   r.weight_read_ms = r.step_weight_bytes_per_gpu / g.hbm_bandwidth * 1e3;
 
   // MISSION.md §2 (knee): compute of a step is 2·N_active FLOP per token.
-  r.compute_ms = 2.0 * m.active_params * B / (P * F) * 1e3;
+  r.compute_ms = 2.0 * m.active_params * T / (P * F) * 1e3;
   // MISSION.md §2–§3: the floor is the larger of the two (communication is reported apart).
   r.floor_ms = std::max(r.weight_read_ms, r.compute_ms);
 
@@ -239,7 +266,7 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
     const double E = m.num_routed_experts;
     const double k = m.num_experts_per_token;
     // MISSION.md §2 (rows per expert): each token sends k rows spread over E experts.
-    r.expected_rows_per_expert = B * k / E;
+    r.expected_rows_per_expert = T * k / E;
     // MISSION.md §4: bytes per GPU and MoE layer. Dispatch sends one FP8 copy per distinct target
     // rank (1 B per element; the 1×128 scales, d/32 B more, are left out); combine returns BF16,
     // one message per expert (k), or one per target rank when a rank sums its experts first.
@@ -248,8 +275,8 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
     r.combine_bytes_per_gpu = r.tokens_per_gpu * k * d * 2.0;
     r.combine_bytes_prereduced_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 2.0;
     // MISSION.md §6: statistical skew S₀ = 1 + sqrt(2 ln P)·CV_e/sqrt(E/P).
-    r.cv_expert = cv_expert_closed_form(m.num_routed_experts, m.num_experts_per_token, B);
-    r.imbalance_stat = imbalance_closed_form(m.num_routed_experts, m.num_experts_per_token, in.ep, B);
+    r.cv_expert = cv_expert_closed_form(m.num_routed_experts, m.num_experts_per_token, T);
+    r.imbalance_stat = imbalance_closed_form(m.num_routed_experts, m.num_experts_per_token, in.ep, T);
     // MISSION.md §4: communication time of a step, every MoE layer doing one dispatch and one
     // combine (pre-reduced, as moekit's combine sends: DESIGN.md). Only the bytes that leave
     // the GPU cost link time: under uniform routing a (P − 1)/P share of the target ranks are
@@ -270,6 +297,12 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
   double largest = r.weight_read_ms;
   if (r.compute_ms > largest) r.dominant = "compute", largest = r.compute_ms;
   if (r.comm_ms && *r.comm_ms > largest) r.dominant = "communication";
+
+  // One step advances every sequence by L tokens on average (L = 1 without MTP, so the TPOT
+  // is the floor). A rejected draft costs its share of the step all the same.
+  r.tpot_ms = r.floor_ms / accept_length(in);
+  r.tokens_per_s_per_seq = 1e3 / r.tpot_ms;
+  r.tokens_per_s = double(batch) * r.tokens_per_s_per_seq;
   return r;
 }
 
@@ -292,14 +325,24 @@ PlanResult plan(const PlanInput& in) {
   res.comm_bandwidth = nvlink ? g.nvlink_bandwidth : g.network_bandwidth;
   res.comm_latency_us = nvlink ? g.nvlink_latency_us : g.network_latency_us;
 
-  for (int64_t b : in.batches) res.rows.push_back(plan_row(in, b));
+  res.accept_length = accept_length(in);
+  res.accept_length_is_bound = !in.accept_length.has_value();
+  PlanInput no_mtp = in;
+  no_mtp.mtp = 0;
+  no_mtp.accept_length.reset();
+  for (int64_t b : in.batches) {
+    res.rows.push_back(plan_row(in, b));
+    res.rows_no_mtp.push_back(plan_row(no_mtp, b));
+  }
 
-  // MISSION.md §2: knee B* ≈ Ridge·W_total·bpp / (2·N_active) (full coverage, same sharding).
-  res.knee_batch = res.ridge * m.total_params * bpp / (2.0 * m.active_params);
-  // MISSION.md §2: the TPOT cap, the largest B whose floor meets the SLA.
+  // The knee B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
+  // same sharding); a sequence verifies N + 1 of them, so the knee in sequences is that / (N + 1).
+  res.knee_batch = res.ridge * m.total_params * bpp / (2.0 * m.active_params) / double(tokens_per_sequence(in));
+  // The TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
   if (in.tpot_sla_ms) res.batch_sla = batch_sla(in, *in.tpot_sla_ms);
   // MISSION.md §2 (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
-  // weights, over the KV bytes of one sequence of `context` tokens.
+  // weights, over the KV bytes of one sequence of `context` tokens. The N drafted tokens of a
+  // step are a few more KV rows per sequence, not N + 1 sequences: B_mem does not depend on N.
   res.batch_mem = (in.ep * g.hbm_bytes * in.mem_fraction - m.total_params * bpp) /
                   (m.kv_bytes_per_token * double(in.context));
 
@@ -313,7 +356,9 @@ PlanResult plan(const PlanInput& in) {
   // MISSION.md §5: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
   res.bm_star = res.ridge * bpp / 2.0;
   if (m.is_moe()) {
-    double expected_m = double(res.operating_point) * m.num_experts_per_token / m.num_routed_experts;
+    // The expert GEMM of a step sees the operating point's B·(N + 1) tokens.
+    double expected_m = double(res.operating_point) * double(tokens_per_sequence(in)) * m.num_experts_per_token /
+                        m.num_routed_experts;
     for (int bm : kPaddingBlockSizes) res.padding.push_back(padding_row(bm, expected_m));
   }
   return res;

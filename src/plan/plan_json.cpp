@@ -13,9 +13,11 @@ ojson opt(const std::optional<T>& v) {
   return v ? ojson(*v) : ojson(nullptr);
 }
 
-ojson row_json(const PlanRow& r, const PlanResult& res) {
+// The figures of one step; row_json adds the decode rates and the comparison without MTP.
+ojson step_json(const PlanRow& r, const PlanResult& res) {
   return ojson{
       {"batch", r.batch},
+      {"mtp_tokens_per_step", r.tokens_per_step},
       {"tokens_per_gpu", r.tokens_per_gpu},
       {"coverage", r.coverage},
       {"routed_weight_bytes", res.routed_weight_bytes},
@@ -33,8 +35,23 @@ ojson row_json(const PlanRow& r, const PlanResult& res) {
       {"combine_bytes_prereduced_per_gpu", opt(r.combine_bytes_prereduced_per_gpu)},
       {"cv_expert", opt(r.cv_expert)},
       {"imbalance_stat", opt(r.imbalance_stat)},
-      {"meets_sla", res.input.tpot_sla_ms ? ojson(r.floor_ms <= *res.input.tpot_sla_ms) : ojson(nullptr)},
+      {"tpot_ms", r.tpot_ms},
+      {"tokens_per_s_per_seq", r.tokens_per_s_per_seq},
+      {"tokens_per_s", r.tokens_per_s},
+      {"meets_sla", res.input.tpot_sla_ms ? ojson(r.tpot_ms <= *res.input.tpot_sla_ms) : ojson(nullptr)},
   };
+}
+
+ojson row_json(const PlanRow& r, const PlanRow& plain, const PlanResult& res) {
+  ojson j = step_json(r, res);
+  j["accept_length"] = res.accept_length;
+  j["tpot_ms_no_mtp"] = plain.tpot_ms;
+  j["tokens_per_s_per_seq_no_mtp"] = plain.tokens_per_s_per_seq;
+  j["tokens_per_s_no_mtp"] = plain.tokens_per_s;
+  j["mtp_speedup"] = plain.tpot_ms / r.tpot_ms;
+  // Without MTP the row itself is the plain decode: no second copy.
+  j["no_mtp"] = res.input.mtp > 0 ? step_json(plain, res) : ojson(nullptr);
+  return j;
 }
 
 }  // namespace
@@ -49,6 +66,9 @@ std::string plan_to_json(const PlanResult& res) {
   j["context"] = in.context;
   j["mem_fraction"] = in.mem_fraction;
   j["tpot_sla_ms"] = opt(in.tpot_sla_ms);
+  j["mtp"] = in.mtp;
+  j["accept_length"] = res.accept_length;
+  j["accept_length_is_bound"] = res.accept_length_is_bound;
   j["is_moe"] = res.is_moe;
   j["flops"] = res.flops;
   j["hbm_bandwidth"] = in.gpu.hbm_bandwidth;
@@ -79,7 +99,7 @@ std::string plan_to_json(const PlanResult& res) {
     j["padding"] = nullptr;  // no experts, no per-expert padding
   }
   ojson rows = ojson::array();
-  for (const PlanRow& r : res.rows) rows.push_back(row_json(r, res));
+  for (size_t i = 0; i < res.rows.size(); ++i) rows.push_back(row_json(res.rows[i], res.rows_no_mtp[i], res));
   j["rows"] = rows;
   j["notes"] = ojson::array({
       "floor_ms = max(weight_read_ms, compute_ms); comm_ms is reported apart and is not in the floor",
@@ -88,6 +108,11 @@ std::string plan_to_json(const PlanResult& res) {
       "dispatch/combine bytes are per GPU and per MoE layer; dispatch counts the FP8 payload without scales",
       "MoE-only figures are null for a dense model (num_routed_experts = 0), whose coverage is 1",
       "batch_sla = 0 means no batch meets the SLA; operating_point = floor(min(knee_batch, batch_sla, batch_mem)) >= 0",
+      "batch counts sequences; with mtp = N each verifies N + 1 tokens per step (mtp_tokens_per_step = batch x (N + 1)), "
+      "and every step figure is that of those tokens; tpot_ms = floor_ms / accept_length, and the SLA, batch_sla and "
+      "meets_sla apply to it; knee_batch = the weight GEMMs' knee in tokens / (N + 1); batch_mem counts the KV of "
+      "batch sequences; accept_length_is_bound: accept_length was not given and is N + 1, every draft accepted",
+      "*_no_mtp and no_mtp: the same batch decoded one token per sequence and step (no_mtp is null when mtp = 0)",
   });
   return j.dump(2);
 }

@@ -89,6 +89,75 @@ all(r['coverage'] == 1 and r['dedup_targets'] is None and r['comm_ms'] is None a
     close(r['weight_read_ms'], 1e9*2/3/2e12*1e3) for r in j['rows']) and j['padding'] is None and j['is_moe'] is False"
 run_ok "custom dense spec: table" "$tmp/dense.txt" plan --model "$tmp/toy-dense.json" --gpu "$tmp/toy-gpu.json" --ep 3 --batch 1,100
 
+# --- speculative decoding (--mtp N --accept L) ---
+# N = 0 is today's plan: every key of the planner's JSON from before --mtp existed (saved in
+# tests/cli/data/plan-before-mtp.json with its arguments) but the prose `notes` has the same value, without
+# --mtp and with --mtp 0.
+python3 -c "
+import json, sys
+for name, case in json.load(open(sys.argv[1]))['cases'].items():
+    print(name + '\t' + '\t'.join(a.replace('TOY', sys.argv[2]) for a in case['args']))" \
+  "$SRC/tests/cli/data/plan-before-mtp.json" "$tmp" > "$tmp/cases"
+while IFS=$'\t' read -r name args; do
+  IFS=$'\t' read -r -a argv <<< "$args"
+  run_ok "mtp 0 = before --mtp: $name runs" "$tmp/now.json" plan "${argv[@]}"
+  run_ok "mtp 0 = before --mtp: $name runs with --mtp 0" "$tmp/now0.json" plan "${argv[@]}" --mtp 0
+  for f in now now0; do
+    json_code "mtp 0 = before --mtp: $name, every key the same ($f)" "$tmp/$f.json" "
+def same(old, new, path):
+    if isinstance(old, dict):
+        # notes is prose, and has grown a line about MTP
+        return isinstance(new, dict) and all(k in new and same(v, new[k], path + '.' + k) for k, v in old.items() if k != 'notes')
+    if isinstance(old, list):
+        if not isinstance(new, list) or len(old) != len(new): print('  differs at', path); return False
+        return all(same(a, b, path) for a, b in zip(old, new))
+    if old != new or type(old) != type(new): print('  differs at', path, old, new)
+    return old == new and type(old) == type(new)
+gold = json.load(open('$SRC/tests/cli/data/plan-before-mtp.json'))['cases']['$name']['json']
+ok = same(gold, j, '') and j['mtp'] == 0 and all(r['no_mtp'] is None and r['tpot_ms'] == r['floor_ms'] for r in j['rows'])"
+  done
+done < "$tmp/cases"
+[ "$(wc -l < "$tmp/cases")" -eq 4 ] && pass "mtp 0: four saved plans compared" || fail "mtp 0: four saved plans compared"
+# And the table: the same bytes with --mtp 0 as without.
+"$MOEKIT" plan --tpot-sla 15ms > "$tmp/t0" && "$MOEKIT" plan --tpot-sla 15ms --mtp 0 > "$tmp/t0b" && cmp -s "$tmp/t0" "$tmp/t0b" &&
+  pass "mtp 0: the same table" || fail "mtp 0: the same table"
+
+# MTP-3, L = 2.5 on the toy specs, P = 4, B = 16: T = 16·4 = 64 tokens; C = 1 − (60/64)^64;
+# weight read = (C·1.92e9 + 0.48e9)/4/2e12 s; compute = 2·0.2e9·64/(4·1e15) s = 0.0064 ms;
+# TPOT = floor/2.5; tok/s per sequence 1000/TPOT, total 16× that; M_e = 64·4/64 = 4;
+# dispatch = (64/4)·2.734375·1000 B = 43750. Without MTP, the B = 16 figures above (T = 16).
+run_ok "mtp: toy json" "$tmp/m.json" plan --model "$tmp/toy-moe.json" --gpu "$tmp/toy-gpu.json" --ep 4 \
+  --batch 1,16,256 --tpot-sla 20.00005ms --mtp 3 --accept 2.5 --json
+json_code "mtp: step of B x (N + 1) tokens at B=16" "$tmp/m.json" "
+r = j['rows'][1]; C = 1 - (60/64)**64; wr = (C*1.92e9 + 0.48e9)/4/2e12*1e3
+ok = (j['mtp'] == 3 and j['accept_length'] == 2.5 and j['accept_length_is_bound'] is False and
+r['batch'] == 16 and r['mtp_tokens_per_step'] == 64 and r['accept_length'] == 2.5 and close(r['coverage'], C, 1e-12) and
+r['tokens_per_gpu'] == 16 and r['expected_rows_per_expert'] == 4 and r['dispatch_bytes_per_gpu'] == 43750 and
+close(r['weight_read_ms'], wr) and close(r['compute_ms'], 0.0064) and close(r['floor_ms'], wr) and
+close(r['tpot_ms'], wr/2.5) and close(r['tokens_per_s_per_seq'], 2.5e3/wr) and close(r['tokens_per_s'], 16*2.5e3/wr))"
+json_code "mtp: the same B without MTP, next to it" "$tmp/m.json" "
+r = j['rows'][1]; C = 1 - (60/64)**16; wr = (C*1.92e9 + 0.48e9)/4/2e12*1e3
+ok = (close(r['tpot_ms_no_mtp'], wr) and close(r['tokens_per_s_per_seq_no_mtp'], 1e3/wr) and
+close(r['tokens_per_s_no_mtp'], 16e3/wr) and close(r['mtp_speedup'], wr/r['tpot_ms']) and
+r['no_mtp']['mtp_tokens_per_step'] == 16 and close(r['no_mtp']['coverage'], C, 1e-12) and r['no_mtp']['dispatch_bytes_per_gpu'] == 10937.5)"
+# Knee in sequences: 3000 tokens / 4 = 750. B_mem as without MTP, 8242.1875 (KV of B sequences).
+# B_SLA: TPOT = compute/2.5 = 1e-4·4B/2.5 ms = 1.6e-4·B <= 20.00005 ⇔ B <= 125000.3: 125000.
+# Operating point 750 (knee); its step has 3000 tokens, M_e = 3000·4/64 = 187.5.
+json_check "mtp: knee, B_mem, B_SLA from TPOT, operating point, padding M_e" "$tmp/m.json" "
+close(j['knee_batch'], 750) and close(j['batch_mem'], 8242.1875) and j['batch_sla'] == 125000 and
+j['operating_point'] == 750 and j['binding'] == 'knee' and j['padding'][0]['expected_m'] == 187.5"
+run_ok "mtp: default accept json" "$tmp/m4.json" plan --model qwen3.5-397b-a17b --batch 8 --mtp 3 --json
+json_check "mtp: L defaults to N + 1, flagged as the bound" "$tmp/m4.json" \
+  "j['accept_length'] == 4 and j['accept_length_is_bound'] is True and close(j['rows'][0]['tpot_ms'], j['rows'][0]['floor_ms']/4)"
+run_ok "mtp: table" "$tmp/mt" plan --model qwen3.5-397b-a17b --batch 1,8,32 --mtp 3 --accept 3.1 --tpot-sla 1.5ms
+if grep -q "MTP-3: each sequence verifies 4 tokens per step and advances by L = 3.1" "$tmp/mt" &&
+   grep -q "^without MTP" "$tmp/mt" && grep -qE "^ +8 \| +1\.608! .* \| +1\.742! .* \| +1\.08x" "$tmp/mt" &&
+   grep -q "largest B with TPOT = floor / L <= 1.5 ms" "$tmp/mt"; then pass "mtp: table with and without, SLA on TPOT"
+else fail "mtp: table with and without, SLA on TPOT"; cat "$tmp/mt"; fi
+run_ok "mtp: table, default L" "$tmp/mt4" plan --model qwen3.5-397b-a17b --batch 8 --mtp 3
+grep -q "L = 4 on average (N + 1: the optimistic bound" "$tmp/mt4" && pass "mtp: table names the optimistic bound" ||
+  { fail "mtp: table names the optimistic bound"; cat "$tmp/mt4"; }
+
 # --- EPLB gain (MISSION.md §6): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
 run_ok "eplb gain 1.10" "$tmp/g1" plan --eplb-gain --f 0.6 --speedup 1.18
 grep -q "= 1.101x" "$tmp/g1" && pass "eplb gain prints 1.101x" || { fail "eplb gain prints 1.101x"; cat "$tmp/g1"; }
@@ -146,6 +215,17 @@ expect_error "invalid custom spec" "missing field 'hbm_bandwidth'" plan --gpu "$
 touch "$tmp/afile"
 expect_error "plot dir under a file" "--plot '$tmp/afile/x': cannot create the directory" plan --plot "$tmp/afile/x"
 [ ! -s "$tmp/stdout" ] && pass "plot dir error prints no table" || fail "plot dir error prints no table"
+expect_error "mtp -1" "--mtp = -1 must be in [0, 64]" plan --mtp=-1
+expect_error "mtp huge" "--mtp = 100 must be in [0, 64]" plan --mtp 100
+expect_error "mtp beyond int" "--mtp = 99999999999999999999" plan --mtp 99999999999999999999
+expect_error "mtp not a number" "--mtp = abc" plan --mtp abc
+expect_error "mtp fractional" "--mtp = 2.5" plan --mtp 2.5
+expect_error "accept 0" "--accept = 0 must be in [1, N + 1] = [1, 4] with --mtp 3" plan --mtp 3 --accept 0
+expect_error "accept above N + 1" "--accept = 4.5 must be in [1, N + 1] = [1, 4] with --mtp 3" plan --mtp 3 --accept 4.5
+expect_error "accept without mtp" "--accept = 2 must be in [1, N + 1] = [1, 1] with --mtp 0" plan --accept 2
+expect_error "accept not a number" "--accept = abc" plan --mtp 3 --accept abc
+expect_error "accept nan" "--accept = nan" plan --mtp 3 --accept nan
+expect_error "accept huge" "--accept = inf" plan --mtp 3 --accept 1e400
 expect_error "f without eplb-gain" "--f and --speedup go with --eplb-gain" plan --f 0.5
 expect_error "eplb-gain without speedup" "--eplb-gain needs --speedup" plan --eplb-gain --f 0.6
 expect_error "eplb-gain f out of range" "--f = 1.5 must be in [0, 1]" plan --eplb-gain --f 1.5 --speedup 2

@@ -304,6 +304,267 @@ TEST(PlanJson, KeysAsNamedInTheIssue) {
   EXPECT_EQ(j["binding"], "sla");
 }
 
+// ---- Speculative decoding (MTP) ----------------------------------------------------------------
+
+namespace {
+
+// Every field of two rows, compared exactly (no tolerance: N = 0 must be today's arithmetic).
+void expect_same_row(const PlanRow& a, const PlanRow& b) {
+  EXPECT_EQ(a.batch, b.batch);
+  EXPECT_EQ(a.tokens_per_step, b.tokens_per_step);
+  EXPECT_EQ(a.tokens_per_gpu, b.tokens_per_gpu);
+  EXPECT_EQ(a.coverage, b.coverage);
+  EXPECT_EQ(a.step_weight_bytes_per_gpu, b.step_weight_bytes_per_gpu);
+  EXPECT_EQ(a.weight_read_ms, b.weight_read_ms);
+  EXPECT_EQ(a.compute_ms, b.compute_ms);
+  EXPECT_EQ(a.floor_ms, b.floor_ms);
+  EXPECT_EQ(a.comm_ms, b.comm_ms);
+  EXPECT_EQ(a.dominant, b.dominant);
+  EXPECT_EQ(a.expected_rows_per_expert, b.expected_rows_per_expert);
+  EXPECT_EQ(a.dedup_targets, b.dedup_targets);
+  EXPECT_EQ(a.dispatch_bytes_per_gpu, b.dispatch_bytes_per_gpu);
+  EXPECT_EQ(a.combine_bytes_per_gpu, b.combine_bytes_per_gpu);
+  EXPECT_EQ(a.combine_bytes_prereduced_per_gpu, b.combine_bytes_prereduced_per_gpu);
+  EXPECT_EQ(a.cv_expert, b.cv_expert);
+  EXPECT_EQ(a.imbalance_stat, b.imbalance_stat);
+  EXPECT_EQ(a.tpot_ms, b.tpot_ms);
+  EXPECT_EQ(a.tokens_per_s_per_seq, b.tokens_per_s_per_seq);
+  EXPECT_EQ(a.tokens_per_s, b.tokens_per_s);
+}
+
+PlanInput qwen_mtp(std::vector<int64_t> batches, int mtp, std::optional<double> accept) {
+  PlanInput in = input("qwen3.5-397b-a17b", "h200", 8, std::move(batches));
+  in.mtp = mtp;
+  in.accept_length = accept;
+  return in;
+}
+
+}  // namespace
+
+TEST(PlanMtp, ZeroIsTodaysPlan) {
+  // N = 0 is the plan without speculative decoding: one token per sequence, TPOT = floor. The
+  // hand-worked DeepSeek-V3 figures above run through the same code with N = 0 (the default);
+  // here every field of every row and of the deployment must be bit-for-bit the same whether
+  // N = 0 is the default, given with L = 1, or the no-MTP companion of an N = 3 plan.
+  // (tests/cli/plan.sh compares the JSON with the output of the planner before --mtp existed.)
+  PlanInput plain = input("deepseek-v3", "h200", 8, {1, 8, 64, 256, 1024});
+  plain.tpot_sla_ms = 15.0;
+  PlanInput given = plain;
+  given.mtp = 0;
+  given.accept_length = 1.0;
+  PlanInput mtp3 = plain;
+  mtp3.mtp = 3;
+  mtp3.accept_length = 3.1;
+  const PlanResult a = plan(plain), b = plan(given), c = plan(mtp3);
+  ASSERT_EQ(a.rows.size(), 5u);
+  for (size_t i = 0; i < a.rows.size(); ++i) {
+    SCOPED_TRACE(a.rows[i].batch);
+    expect_same_row(a.rows[i], b.rows[i]);
+    expect_same_row(a.rows[i], a.rows_no_mtp[i]);
+    expect_same_row(a.rows[i], c.rows_no_mtp[i]);
+    EXPECT_EQ(a.rows[i].tokens_per_step, a.rows[i].batch);
+    EXPECT_EQ(a.rows[i].tpot_ms, a.rows[i].floor_ms);
+  }
+  EXPECT_EQ(a.accept_length, 1.0);
+  EXPECT_TRUE(a.accept_length_is_bound);  // N + 1 = 1: nothing drafted, nothing to accept
+  EXPECT_FALSE(b.accept_length_is_bound);
+  for (const PlanResult* r : {&a, &b}) {
+    EXPECT_EQ(r->knee_batch, 3738.4825450450453);  // the hand-worked knee of PlanDeepSeek.DeploymentByHand
+    EXPECT_EQ(r->batch_sla, std::optional<int64_t>(60));
+    EXPECT_EQ(r->batch_mem, a.batch_mem);
+    EXPECT_EQ(r->operating_point, 60);
+    EXPECT_EQ(r->binding, "sla");
+    ASSERT_EQ(r->padding.size(), a.padding.size());
+    for (size_t i = 0; i < r->padding.size(); ++i) {
+      EXPECT_EQ(r->padding[i].expected_m, 60.0 * 8 / 256);
+      EXPECT_EQ(r->padding[i].waste_expected, a.padding[i].waste_expected);
+    }
+  }
+  EXPECT_EQ(plan_to_json(a), plan_to_json(plan(plain)));
+}
+
+TEST(PlanMtp, Qwen35Mtp3ByHand) {
+  // Qwen3.5-397B-A17B (E = 512, k = 10, d = 4096, 60 MoE layers, moe_inter 1024, bpp 1, 397e9
+  // params, 17e9 active) on 8 × H200 (4.8 TB/s, 1979 FP8 TFLOP/s), MTP-3 (N = 3), L = 3.1.
+  // routed = 60 · 512 · 3 · 4096 · 1024 · 1 B = 386,547,056,640 B; other = 397e9 − routed
+  // = 10,452,943,360 B. A token misses a given expert with probability 1 − 10/512 = 0.98046875.
+  PlanResult r = plan(qwen_mtp({1, 8, 32}, 3, 3.1));
+  EXPECT_DOUBLE_EQ(r.routed_weight_bytes, 386547056640.0);
+  EXPECT_EQ(r.accept_length, 3.1);
+  EXPECT_FALSE(r.accept_length_is_bound);
+  struct Hand {
+    int64_t batch, tokens;
+    double coverage, weight_read_ms, compute_ms, tpot_ms, tokens_per_s, floor_no_mtp_ms;
+  };
+  // B = 1: T = 1 · (3 + 1) = 4 tokens. C = 1 − 0.98046875^4 = 1 − 0.924134162 = 0.075865838;
+  //   bytes/GPU = (0.075865838 · 386.547e9 + 10.453e9)/8 = 4.972332e9 B; / 4.8e12 B/s = 1.035903 ms;
+  //   compute = 2 · 17e9 · 4 / (8 · 1979e12) s = 0.008590 ms; floor = 1.035903 ms;
+  //   TPOT = 1.035903 / 3.1 = 0.334162 ms; 1000 / 0.334162 = 2992.56 tok/s per sequence, × 1.
+  //   Without MTP (T = 1): C = 0.01953125, (0.01953125 · 386.547e9 + 10.453e9)/8/4.8e12 = 0.468820 ms.
+  // B = 8: T = 32. C = 1 − 0.98046875^32 = 1 − 0.531961494 = 0.468038506;
+  //   (0.468038506 · 386.547e9 + 10.453e9)/8 = 23.92148e9 B → 4.983642 ms; compute = 2 · 17e9 · 32 /
+  //   1.5832e16 s = 0.068722 ms; TPOT = 4.983642 / 3.1 = 1.607626 ms; 8 · 1000 / 1.607626 = 4976.28 tok/s.
+  //   Without MTP (T = 8): C = 1 − 0.854023949 = 0.145976051 → 8.359945e9 B → 1.741655 ms.
+  // B = 32: T = 128. C = 1 − 0.98046875^128 = 1 − 0.080079396 = 0.919920604;
+  //   (0.919920604 · 386.547e9 + 10.453e9)/8 = 45.75569e9 B → 9.532436 ms; compute = 2 · 17e9 · 128 /
+  //   1.5832e16 s = 0.274886 ms; TPOT = 9.532436 / 3.1 = 3.074979 ms; 32 · 1000 / 3.074979 = 10406.57 tok/s.
+  //   Without MTP (T = 32): the MTP step of B = 8 above, 4.983642 ms.
+  const Hand hand[] = {
+      {1, 4, 0.075865838, 1.035902602, 0.008590197, 0.334162130, 2992.559334, 0.468820067},
+      {8, 32, 0.468038506, 4.983641929, 0.068721577, 1.607626429, 4976.280470, 1.741655114},
+      {32, 128, 0.919920604, 9.532436071, 0.274886306, 3.074979378, 10406.573856, 4.983641929},
+  };
+  ASSERT_EQ(r.rows.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const PlanRow& row = r.rows[i];
+    const PlanRow& plain = r.rows_no_mtp[i];
+    const Hand& h = hand[i];
+    SCOPED_TRACE(h.batch);
+    EXPECT_EQ(row.batch, h.batch);
+    EXPECT_EQ(row.tokens_per_step, h.tokens);
+    EXPECT_DOUBLE_EQ(row.tokens_per_gpu, h.tokens / 8.0);
+    expect_rel(row.coverage, h.coverage, 1e-8);
+    expect_rel(row.weight_read_ms, h.weight_read_ms, 1e-8);
+    expect_rel(row.compute_ms, h.compute_ms, 1e-8);
+    EXPECT_EQ(row.floor_ms, row.weight_read_ms);
+    EXPECT_EQ(row.dominant, "weights");
+    expect_rel(row.tpot_ms, h.tpot_ms, 1e-8);
+    expect_rel(row.tokens_per_s_per_seq, h.tokens_per_s / h.batch, 1e-8);
+    expect_rel(row.tokens_per_s, h.tokens_per_s, 1e-8);
+    // M_e = T · 10/512: 0.078125, 0.625, 2.5 rows.
+    EXPECT_DOUBLE_EQ(*row.expected_rows_per_expert, h.tokens * 10.0 / 512);
+    // dedup = 8 · (1 − (7/8)^10) = 8 · (1 − 0.263076) = 5.895395 ranks; dispatch = (T/8) · 5.895395 · 4096 B.
+    expect_rel(*row.dispatch_bytes_per_gpu, h.tokens / 8.0 * 5.8953954 * 4096, 1e-7);
+    // The same B without MTP: one token per sequence, TPOT = floor.
+    EXPECT_EQ(plain.tokens_per_step, h.batch);
+    expect_rel(plain.floor_ms, h.floor_no_mtp_ms, 1e-8);
+    EXPECT_EQ(plain.tpot_ms, plain.floor_ms);
+    expect_rel(plain.tokens_per_s, h.batch * 1e3 / h.floor_no_mtp_ms, 1e-8);
+  }
+  // The verify step of B = 8 carries the 32 tokens of the plain step of B = 32: the same step.
+  const PlanRow& verify = r.rows[1];
+  const PlanRow& plain32 = r.rows_no_mtp[2];
+  EXPECT_EQ(verify.tokens_per_step, plain32.tokens_per_step);
+  EXPECT_EQ(verify.coverage, plain32.coverage);
+  EXPECT_EQ(verify.floor_ms, plain32.floor_ms);
+  EXPECT_EQ(verify.expected_rows_per_expert, plain32.expected_rows_per_expert);
+  EXPECT_EQ(verify.combine_bytes_prereduced_per_gpu, plain32.combine_bytes_prereduced_per_gpu);
+  EXPECT_EQ(verify.comm_ms, plain32.comm_ms);
+}
+
+TEST(PlanMtp, DeploymentByHand) {
+  // Qwen3.5 on 8 × H200, MTP-3, L = 3.1, SLA 3 ms.
+  PlanInput in = qwen_mtp({1, 32}, 3, 3.1);
+  in.tpot_sla_ms = 3.0;
+  PlanResult r = plan(in);
+  // Knee in tokens: Ridge · 397e9 · 1 / (2 · 17e9) = 412.2917 · 11.676471 = 4814.1115; in sequences
+  // of 4 tokens each: 4814.1115 / 4 = 1203.5279.
+  expect_rel(r.knee_batch, 4814.111519607844 / 4, 1e-12);
+  // B_mem counts B sequences' KV, as without MTP: (8 · 141e9 · 0.85 − 397e9)/(30720 · 4096)
+  // = 561.8e9 / 125,829,120 = 4464.785.
+  expect_rel(r.batch_mem, 4464.785257975261, 1e-12);
+  // B_SLA from TPOT = floor(4B)/3.1 <= 3 ms ⇔ weight read(4B) <= 9.3 ms (weights dominate) ⇔
+  // C·386.547e9 + 10.453e9 <= 9.3e-3 · 8 · 4.8e12 = 357.12e9 ⇔ C <= 0.896830 ⇔ 0.98046875^(4B)
+  // >= 0.103170 ⇔ 4B <= ln 0.103170 / ln 0.98046875 = 115.155 ⇔ B <= 28.79: B_SLA = 28.
+  ASSERT_TRUE(r.batch_sla.has_value());
+  EXPECT_EQ(*r.batch_sla, 28);
+  EXPECT_EQ(r.operating_point, 28);
+  EXPECT_EQ(r.binding, "sla");
+  // The expert GEMM at the operating point sees 28 · 4 tokens: M_e = 112 · 10/512 = 2.1875 rows.
+  EXPECT_DOUBLE_EQ(r.padding[0].expected_m, 2.1875);
+  // Without MTP the same SLA allows fewer sequences: floor(B) <= 3 ms ⇔ C <= (3e-3 · 8 · 4.8e12
+  // − 10.453e9)/386.547e9 = 0.270981 ⇔ B <= ln 0.729019 / ln 0.98046875 = 16.02: B_SLA = 16.
+  PlanInput plain = in;
+  plain.mtp = 0;
+  plain.accept_length.reset();
+  EXPECT_EQ(*plan(plain).batch_sla, 16);
+  // Bisection against a linear scan over B, with MTP, for SLAs on both sides of the compute knee.
+  for (double sla : {0.2, 0.5, 1.0, 3.0, 5.0, 10.0}) {
+    in.tpot_sla_ms = sla;
+    int64_t scan = 0;
+    for (int64_t b = 1; b <= 20000; ++b) {
+      if (plan_row(in, b).tpot_ms > sla) break;
+      scan = b;
+    }
+    EXPECT_EQ(*plan(in).batch_sla, scan) << "SLA " << sla;
+  }
+}
+
+TEST(PlanMtp, AcceptLengthDefaultsToTheBound) {
+  // Without --accept, L = N + 1 = 4: every draft accepted, TPOT = floor / 4 (the optimistic bound).
+  PlanResult r = plan(qwen_mtp({8}, 3, std::nullopt));
+  EXPECT_EQ(r.accept_length, 4.0);
+  EXPECT_TRUE(r.accept_length_is_bound);
+  EXPECT_EQ(r.rows[0].tpot_ms, r.rows[0].floor_ms / 4);
+  EXPECT_EQ(accept_length(qwen_mtp({8}, 3, std::nullopt)), 4.0);
+  EXPECT_EQ(accept_length(qwen_mtp({8}, 3, 2.5)), 2.5);
+  // L = 1 (no draft ever accepted): MTP only adds work, TPOT = floor of the 4-token step.
+  PlanResult none = plan(qwen_mtp({8}, 3, 1.0));
+  EXPECT_EQ(none.rows[0].tpot_ms, none.rows[0].floor_ms);
+  EXPECT_GT(none.rows[0].tpot_ms, none.rows_no_mtp[0].tpot_ms);
+}
+
+TEST(PlanMtp, BadValuesAreNamed) {
+  auto bad = [](int mtp, std::optional<double> accept, std::initializer_list<std::string> fragments) {
+    expect_error([&] { plan(qwen_mtp({8}, mtp, accept)); }, fragments);
+  };
+  bad(-1, std::nullopt, {"--mtp = -1", "[0, 64]"});
+  bad(65, std::nullopt, {"--mtp = 65", "[0, 64]"});
+  bad(2000000000, std::nullopt, {"--mtp = 2000000000"});
+  bad(3, 0.0, {"--accept = 0", "[1, 4]", "--mtp 3"});
+  bad(3, 0.5, {"--accept = 0.5", "[1, 4]"});
+  bad(3, 4.5, {"--accept = 4.5", "[1, 4]", "--mtp 3"});
+  bad(0, 1.5, {"--accept = 1.5", "[1, 1]", "--mtp 0"});
+  bad(3, NAN, {"--accept = nan"});
+  bad(3, INFINITY, {"--accept = inf"});
+  EXPECT_NO_THROW(plan(qwen_mtp({8}, 3, 4.0)));  // L = N + 1 is allowed: the closed end
+  EXPECT_NO_THROW(plan(qwen_mtp({8}, 64, 1.0)));
+  // B·(N + 1) must stay an integer count of tokens.
+  PlanInput in = qwen_mtp({int64_t(4e18)}, 3, std::nullopt);
+  expect_error([&] { plan(in); }, {"batch 4000000000000000000 with --mtp 3", "beyond int64"});
+}
+
+TEST(PlanMtp, JsonFields) {
+  PlanInput in = qwen_mtp({1, 8}, 3, 3.1);
+  in.tpot_sla_ms = 1.0;
+  const PlanResult r = plan(in);
+  json j = json::parse(plan_to_json(r));
+  EXPECT_EQ(j["mtp"], 3);
+  EXPECT_EQ(j["accept_length"], 3.1);
+  EXPECT_EQ(j["accept_length_is_bound"], false);
+  const json& row = j["rows"][1];
+  EXPECT_EQ(row["batch"], 8);
+  EXPECT_EQ(row["mtp_tokens_per_step"], 32);
+  EXPECT_EQ(row["accept_length"], 3.1);
+  EXPECT_EQ(row["tpot_ms"].get<double>(), r.rows[1].tpot_ms);
+  EXPECT_EQ(row["tpot_ms_no_mtp"].get<double>(), r.rows_no_mtp[1].tpot_ms);
+  EXPECT_EQ(row["tokens_per_s_per_seq"].get<double>(), r.rows[1].tokens_per_s_per_seq);
+  EXPECT_EQ(row["tokens_per_s"].get<double>(), r.rows[1].tokens_per_s);
+  EXPECT_EQ(row["tokens_per_s_per_seq_no_mtp"].get<double>(), r.rows_no_mtp[1].tokens_per_s_per_seq);
+  EXPECT_EQ(row["tokens_per_s_no_mtp"].get<double>(), r.rows_no_mtp[1].tokens_per_s);
+  expect_rel(row["mtp_speedup"].get<double>(), 1.741655114 / 1.607626429, 1e-8);
+  // The SLA applies to the TPOT: 1.6076 ms > 1 ms at B = 8; B = 1's 0.3342 ms meets it (its
+  // floor, 1.0359 ms, would not).
+  EXPECT_EQ(j["rows"][0]["meets_sla"], true);
+  EXPECT_EQ(row["meets_sla"], false);
+  // The plain step of the same B, with the step's figures.
+  ASSERT_TRUE(row["no_mtp"].is_object());
+  EXPECT_EQ(row["no_mtp"]["mtp_tokens_per_step"], 8);
+  EXPECT_EQ(row["no_mtp"]["coverage"].get<double>(), r.rows_no_mtp[1].coverage);
+  for (const char* key : {"tokens_per_gpu", "coverage", "expected_rows_per_expert", "step_weight_bytes_per_gpu",
+                          "weight_read_ms", "compute_ms", "dispatch_bytes_per_gpu", "combine_bytes_per_gpu",
+                          "comm_ms", "floor_ms", "tpot_ms"})
+    EXPECT_TRUE(row["no_mtp"].contains(key)) << key;
+  // Without MTP the row is the plain step: no second copy, and *_no_mtp equal the row's own.
+  json plain = json::parse(plan_to_json(plan(qwen_mtp({8}, 0, std::nullopt))));
+  EXPECT_EQ(plain["mtp"], 0);
+  EXPECT_EQ(plain["accept_length"], 1.0);
+  EXPECT_TRUE(plain["rows"][0]["no_mtp"].is_null());
+  EXPECT_EQ(plain["rows"][0]["tpot_ms_no_mtp"], plain["rows"][0]["tpot_ms"]);
+  EXPECT_EQ(plain["rows"][0]["tpot_ms"], plain["rows"][0]["floor_ms"]);
+  EXPECT_EQ(plain["rows"][0]["mtp_speedup"], 1.0);
+}
+
 // ---- Parsing and bad input ---------------------------------------------------------------------
 
 TEST(PlanParse, BatchLists) {
