@@ -7,10 +7,11 @@
 //
 //   bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--batch 8,64,256,1024,2048] [--layers N]
 //              [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]
-//              [--timeline] [--quick] [--json FILE]
+//              [--timeline] [--uniform] [--quick] [--json FILE]
 //
 // --pipeline: the decode pipelines to measure (GpuLayerConfig::pipeline), each with its own
 // layers over the same weights, routing and floor; staged is the baseline of every ratio.
+// --uniform: the uniform case only (no skew, no EPLB placement).
 // --timeline: for the uniform case, one more replay of a graph captured with the layers' stage
 // clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
 // the middle layer of the first segment, and the share of rank 0's step during which a GEMM
@@ -276,6 +277,8 @@ struct Result {
   bool events_ok = true;
   int timeline_layer = -1;                  // --timeline: the layer whose stage clock is kept
   std::vector<gpu::GpuStageClock> timeline;  // by GpuStage
+  std::vector<double> clock_step_ms;         // --timeline: rank 0's step from the stage clock, per replay
+  std::vector<double> clock_layer_ms;        // its layers
 
   double step() const { return median(step_ms); }
   double scaled_step() const { return step() * model_layers / layers; }
@@ -298,6 +301,19 @@ struct Options {
   std::vector<gpu::GpuPipeline> pipelines = {gpu::GpuPipeline::kStaged, gpu::GpuPipeline::kFused};
   bool timeline = false;
 };
+
+// Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
+// kernels (both streams: a side-stream shared expert that outlasts the compute counts, since the
+// combine waits for it) plus the span of its combine receive. Unlike the events it holds no
+// event-record node (each costs several microseconds of idle GPU in a graph).
+double clock_layer_ms(const std::vector<gpu::GpuStageClock>& c) {
+  uint64_t lo = ~0ull, hi = 0;
+  for (int st = 0; st < int(gpu::GpuStage::kCount); ++st)
+    if (st != int(gpu::GpuStage::kCombineRecv) && c[st].ran())
+      lo = std::min(lo, c[st].start_ns), hi = std::max(hi, c[st].end_ns);
+  const gpu::GpuStageClock& r = c[int(gpu::GpuStage::kCombineRecv)];
+  return ((hi > lo ? hi - lo : 0) + (r.ran() ? r.end_ns - r.start_ns : 0)) * 1e-6;
+}
 
 // The share of [first start, last end] of a layer's stages during which at least one GEMM stage
 // (routed or shared, both GEMMs) was running: when HBM was streaming weights.
@@ -609,7 +625,16 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
       MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       MOEKIT_CUDA_CHECK(cudaMemcpyAsync(routing.as<void>(), routings[0].image.data(), routings[0].image.size() * 4,
                                         cudaMemcpyHostToDevice, stream));
-      for (int i = 0; i < 2; ++i) MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // the second one is kept
+      MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+      res[0].clock_step_ms.assign(opt.iters, 0.0);
+      for (int i = 0; i < opt.iters; ++i) {
+        MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        for (int l = 0; l < n; ++l) {
+          const double v = clock_layer_ms(seg[l]->last_timeline(stream));
+          res[0].clock_layer_ms.push_back(v);
+          res[0].clock_step_ms[i] += v;
+        }
+      }
       check_all();
       res[0].timeline_layer = n / 2;
       res[0].timeline = seg[n / 2]->last_timeline(stream);
@@ -668,7 +693,13 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
        << ", \"hit_slots_per_layer\": " << double(r.hit_slots) / r.layers
        << ", \"max_over_mean_load\": " << r.max_over_mean << ", \"rank0_over_mean_load\": " << r.rank0_over_mean
        << ", \"events_ok\": " << (r.events_ok ? "true" : "false") << ", \"events_ratio_min\": " << r.events_ratio_min
-       << ", \"events_ratio_max\": " << r.events_ratio_max << "}";
+       << ", \"events_ratio_max\": " << r.events_ratio_max;
+    if (!r.clock_step_ms.empty())
+      js << ", \"clock_layers\": " << r.clock_layer_ms.size() / r.clock_step_ms.size()
+         << ", \"clock_layers_step_us\": " << 1e3 * median(r.clock_step_ms) << ", \"clock_layer_us\": "
+         << 1e3 * median(r.clock_layer_ms) << ", \"clock_ratio\": " << median(r.clock_layer_ms) / (r.floor_ms / r.layers)
+         << ", \"events_ratio_per_layer\": " << median(r.layer_ms) / (r.floor_ms / r.layers);
+    js << "}";
   }
   js << "\n], \"timelines\": [";
   bool first = true;
@@ -746,6 +777,18 @@ void print_tables(const std::vector<Result>& results) {
                     f.model.c_str(), f.batch, f.routing.c_str(), f.eplb ? "eplb" : "", st.step(), st.step() / st.floor_ms,
                     f.step(), f.step() / f.floor_ms, f.step() / st.step());
       }
+  }
+  bool clock_header = false;
+  for (const Result& r : results) {
+    if (r.clock_step_ms.empty()) continue;
+    if (!clock_header)
+      std::printf("\nrank 0's step from the stage clock (first segment's layers; no event-record nodes) against the "
+                  "events' (same layers):\n");
+    clock_header = true;
+    std::printf("  %-18s %-6s B = %4d: clock layer %7.1f us (%.2fx the floor), events layer %7.1f us (%.2fx)\n",
+                r.model.c_str(), r.pipeline.c_str(), r.batch, 1e3 * median(r.clock_layer_ms),
+                median(r.clock_layer_ms) / (r.floor_ms / r.layers), 1e3 * median(r.layer_ms),
+                median(r.layer_ms) / (r.floor_ms / r.layers));
   }
   for (const Result& r : results)
     if (!r.timeline.empty()) {
@@ -833,11 +876,13 @@ int main(int argc, char** argv) try {
       }
     } else if (a == "--timeline") {
       opt.timeline = true;
+    } else if (a == "--uniform") {
+      opt.uniform_only = true;
     } else if (a == "--quick") {
       quick = true;
     } else {
       throw Error("unknown argument '" + a + "' (expected --model, --batch, --layers, --iters, --skew, --redundant, "
-                  "--pipeline, --timeline, --quick, --json)");
+                  "--pipeline, --timeline, --uniform, --quick, --json)");
     }
   }
   if (quick) {

@@ -70,6 +70,8 @@ namespace moekit::gpu {
 //            - the gate's top-k selection and the replica choice are one kernel;
 //            - SiLU·up + FP8 happens in GEMM1's epilogue (gemm.h kSiluMulFp8, routed and shared
 //              experts), so GEMM1 writes the FP8 activations and the activation kernel is gone;
+//            - the shared expert runs in line right after the send, while the peers' tokens are
+//              on their way, instead of on a side stream (overlap_shared is ignored);
 //            - every kernel of the chain is a programmatic dependent launch: it is scheduled
 //              under the tail of the one before and waits for it on the device, and GEMM2 streams
 //              its first weight tiles before GEMM1 has finished (the EpBuffer's kernels too:

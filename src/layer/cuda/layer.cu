@@ -472,7 +472,8 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
                                       cudaMemcpyDeviceToDevice, stream));
   s.mark(kStart, stream);
   // The shared expert needs only x: fork it first so that it runs under everything up to combine.
-  if (s.shared_inter > 0) {
+  // The fused pipeline runs it in line after the send instead (below).
+  if (s.shared_inter > 0 && !s.fused) {
     if (s.cfg.overlap_shared) {
       MOEKIT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
       MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
@@ -495,7 +496,11 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
                         gate);
   s.mark(kGate, stream);
   s.ep->dispatch_send(x, s.topk_slot, s.topk_w, num_tokens, stream);
-  s.mark(kSend, stream);
+  // Fused: the shared expert streams its weights while the peers' tokens travel (the receive
+  // comes next). A persistent GEMM on a side stream holds every SM: started at the fork it kept
+  // the gate and the send off the GPU for its whole length (measured, docs/layer-gpu.md).
+  s.mark(kSend, stream);  // (fused: the shared expert's time shows in the next stage's events)
+  if (s.shared_inter > 0 && s.fused) s.run_shared(x, stream);
   s.phase = Impl::Phase::kDispatched;
 }
 
@@ -533,7 +538,7 @@ void GpuMoeLayer::combine(uint16_t* out, cudaStream_t stream) {
   MOEKIT_CHECK(s.phase == Impl::Phase::kComputed, fmtr("rank {}: combine called without compute", s.rank));
   MOEKIT_CHECK(out != nullptr || s.num_tokens == 0, fmtr("rank {}: out is null", s.rank));
   const bool shared = s.shared_inter > 0 && s.num_tokens > 0;
-  if (s.shared_inter > 0 && s.cfg.overlap_shared) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+  if (s.shared_inter > 0 && s.cfg.overlap_shared && !s.fused) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   s.ep->combine_recv(shared ? s.s_out : nullptr, out, stream);
   s.mark(kCombineRecv, stream);
   s.phase = Impl::Phase::kIdle;
