@@ -318,8 +318,10 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
                 info.nvlink_bw / 1e9);
 
   int next_id = 0;
-  auto connect = [&](int t_max, int num_ctas = 0) {
-    gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, P, t_max, gpu::EpMode::kLowLatency);
+  // tbo: a micro-batch's buffer, staged (see layer_config below).
+  auto connect = [&](int t_max, int num_ctas = 0, bool tbo = false) {
+    gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, P, t_max, gpu::EpMode::kLowLatency,
+                                            tbo ? gpu::GpuPipeline::kStaged : opt.pipeline);
     ec.timeout_s = kWaitTimeout;
     ec.num_ctas = num_ctas;
     return gpu::connect_ep(ec, group_for_buffer(g, sh, next_id++), gpu::EpTransport::kNvlink);
@@ -458,7 +460,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
       std::unique_ptr<gpu::EpBuffer> mb_ep[2];
       std::vector<std::unique_ptr<gpu::GpuMoeLayer>> mb[2];
       for (int h = 0; h < 2; ++h) {
-        mb_ep[h] = connect(t_half, gpu::two_batch_num_ctas());
+        mb_ep[h] = connect(t_half, gpu::two_batch_num_ctas(), true);
         for (int l = 0; l < L; ++l)
           mb[h].push_back(std::make_unique<gpu::GpuMoeLayer>(model, *a.weights, placement, 0, *mb_ep[h],
                                                              layer_config(t_half, true), owners[l].get()));

@@ -188,9 +188,10 @@ size_t batch_fixed_bytes(const gpu::EpConfig& ec, const Shape& s, int layers) {
          3 * t * s.d * 2 + size_t(layers) * kRanks * t * s.topk * 4 + t * s.topk * 4;
 }
 
-gpu::EpConfig batch_ep_config(const ModelSpec& model, const Placement& placement, int batch) {
+gpu::EpConfig batch_ep_config(const ModelSpec& model, const Placement& placement, int batch,
+                              gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged) {
   gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, kRanks, (batch + kRanks - 1) / kRanks,
-                                          gpu::EpMode::kLowLatency);
+                                          gpu::EpMode::kLowLatency, pipeline);
   ec.timeout_s = kEpTimeoutS;
   return ec;
 }
@@ -419,7 +420,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
                const Options& opt, double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
   const int t_max = (batch + kRanks - 1) / kRanks;
-  const gpu::EpConfig ec = batch_ep_config(model, placement, batch);
+  const gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline);
   gpu::EpLocalGroup group(ec);
   const int m_max = ec.max_m();
   DeviceBuffer x(size_t(t_max) * d * 2), out0(size_t(t_max) * d * 2), peer_out(size_t(t_max) * d * 2);

@@ -89,6 +89,11 @@ struct EpConfig {
   int max_recv_rows = 0;    // normal mode: rows of the contiguous output; 0 = the worst case
   double timeout_s = 30.0;  // every wait on a peer
   int num_ctas = 0;         // CTAs per kernel; 0 = the device's SM count (see two_batch_num_ctas)
+  // Low-latency only: the masked outputs get one more expert slab, E_loc, into which
+  // dispatch_send writes this rank's own T tokens, quantised as in the messages, in token order,
+  // with recv_count[E_loc] = T. A shared expert then runs in the same grouped GEMM as the routed
+  // experts (the fused decode pipeline, layer.h), with no quantisation kernel of its own.
+  bool self_slab = false;
 
   int slots_per_rank() const { return num_slots / num_ranks; }  // E_loc
   int max_m() const { return num_ranks * max_tokens; }          // M_max = P * T_max
@@ -163,7 +168,8 @@ class EpBuffer {
 
   // Outputs: device memory owned by the buffer, at fixed addresses for its life.
   // Low-latency: recv_x [E_loc, M_max, d] fp8, recv_scales [E_loc, d/128, M_max], recv_count
-  // [E_loc] (masked_m), recv_src [E_loc, M_max].
+  // [E_loc] (masked_m), recv_src [E_loc, M_max]; with self_slab, E_loc + 1 slabs of recv_x,
+  // recv_scales and recv_count (recv_src keeps E_loc).
   // Normal: recv_x [rows, d], recv_scales [d/128, rows], row_expert [rows] (-1 for padding and
   // for rows past the step's total), recv_src [rows] (-1 likewise), recv_total_rows [1] (the
   // step's padded M_total), recv_count [E_loc] (real rows per expert); rows = contiguous_rows().

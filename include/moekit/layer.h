@@ -70,8 +70,11 @@ namespace moekit::gpu {
 //            - the gate's top-k selection and the replica choice are one kernel;
 //            - SiLU·up + FP8 happens in GEMM1's epilogue (gemm.h kSiluMulFp8, routed and shared
 //              experts), so GEMM1 writes the FP8 activations and the activation kernel is gone;
-//            - the shared expert runs in line right after the send, while the peers' tokens are
-//              on their way, instead of on a side stream (overlap_shared is ignored);
+//            - the shared expert is no separate stage: when it has the routed experts' shapes
+//              it is local expert E_loc of the routed GEMMs (its weights slot E_loc, its rows the
+//              EP buffer's self slab, which the send fills: no kernel of its own); otherwise its
+//              GEMMs run in line right after the send, while the peers' tokens are on their way
+//              (overlap_shared is ignored either way);
 //            - every kernel of the chain is a programmatic dependent launch: it is scheduled
 //              under the tail of the one before and waits for it on the device, and GEMM2 streams
 //              its first weight tiles before GEMM1 has finished (the EpBuffer's kernels too:
@@ -87,12 +90,16 @@ struct GpuLayerConfig {
   int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: a guess
   bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
   GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
+  bool merge_shared = true;    // fused: the shared expert as expert E_loc of the routed GEMMs where it fits
 };
 
 // The EP configuration a layer of `model` needs for P ranks holding num_slots physical experts.
 // Decode: T_max is rounded up so that M_max = P T_max is a multiple of 4 (the GEMM's TMA rows of
-// scales). Prefill: segments padded to the contiguous GEMM's kContiguousAlign rows.
-EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode);
+// scales). Prefill: segments padded to the contiguous GEMM's kContiguousAlign rows. The fused
+// pipeline's layers, when the shared expert has the routed experts' shapes, run it as local
+// expert E_loc of the routed GEMMs: their buffer has self_slab (ep.h).
+EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
+                         GpuPipeline pipeline = GpuPipeline::kStaged);
 
 // Stage timings of one step measured with CUDA events on the caller's stream, milliseconds
 // (filled only when a step runs with timing on; never inside a captured graph).

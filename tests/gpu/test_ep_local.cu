@@ -104,6 +104,58 @@ TEST_P(EpLocal, DispatchAndCombineMatchBothReferences) {
   }
 }
 
+// EpConfig::self_slab: the send also writes each rank's own tokens, quantised exactly as quant.h
+// does, into masked slab E_loc (rows in token order) with recv_count[E_loc] = T; the routed slabs
+// are what they are without it, and a second step with fewer tokens rewrites the count.
+TEST(EpSelfSlab, OwnTokensInSlabELoc) {
+  EpConfig c = make_config({4, 24, 512, 16, 4});
+  c.self_slab = true;
+  const int P = c.num_ranks, E = c.slots_per_rank(), d = c.hidden, kb = c.k_blocks(), M = c.max_m();
+  EpLocalGroup group(c);
+  DeviceStep dev(c);
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::mt19937 rng(77);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<RankInput> in;
+    for (int r = 0; r < P; ++r) {
+      in.push_back(random_input(c, step == 0 ? c.max_tokens : 5 + r, rng));
+      dev.upload(r, in[r]);
+      poison_masked(group.rank(r));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], in[r].num_tokens, stream);
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    const Reference ref = masked_reference(c, in);
+    for (int r = 0; r < P; ++r) {
+      ASSERT_EQ(compare_masked(group.rank(r), ref.ranks[r], r), 0) << "routed slabs, step " << step;
+      const int T = in[r].num_tokens;
+      const auto count = to_host(group.rank(r).recv_count(), size_t(E) + 1);
+      EXPECT_EQ(count[E], T) << "rank " << r << " step " << step;
+      const auto x = to_host(group.rank(r).recv_x() + size_t(E) * M * d, size_t(T) * d);
+      const auto sc = to_host(group.rank(r).recv_scales() + size_t(E) * kb * M, size_t(kb) * M);
+      std::vector<float> row(d);
+      std::vector<uint8_t> q(d);
+      std::vector<float> qs(kb);
+      size_t bad = 0;
+      for (int t = 0; t < T; ++t) {
+        for (int i = 0; i < d; ++i) row[i] = bf16_to_float(in[r].x[size_t(t) * d + i]);
+        moekit::quantize_row_fp8(row.data(), d, q.data(), qs.data(), 1);
+        bad += std::memcmp(q.data(), x.data() + size_t(t) * d, d) != 0;
+        for (int b = 0; b < kb; ++b) bad += std::memcmp(&qs[b], &sc[size_t(b) * M + t], 4) != 0;
+      }
+      EXPECT_EQ(bad, 0u) << "rank " << r << " step " << step << ": own tokens in slab E_loc";
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+  }
+  cudaStreamDestroy(stream);
+  EpConfig normal = c;
+  normal.mode = EpMode::kNormal;
+  EXPECT_THROW(normal.validate(), moekit::Error);  // a masked-layout option only
+}
+
 // Payloads that encode where they came from: token t of rank s has group 0 equal to s + 1 and
 // group 1 equal to t + 1 (all 128 values), so its scales are (s + 1) / 448 and (t + 1) / 448.
 // Decoding every received row must find each (source, token, slot) triple exactly once.

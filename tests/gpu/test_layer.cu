@@ -547,11 +547,14 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   const Placement placement = make_placement(P, true);
   GpuRig staged(P, gpu::EpMode::kLowLatency, placement, seed);
   GpuRig fused(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused);
-  for (int r = 0; r < P; ++r) staged.layers[r]->set_timeline(true), fused.layers[r]->set_timeline(true);
+  // The shared expert's own GEMMs in line instead of expert E_loc of the routed ones.
+  GpuRig inline_shared(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, false);
+  for (GpuRig* rig : {&staged, &fused, &inline_shared})
+    for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
   for (bool graph : {false, true}) {
     const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
-    for (GpuRig* rig : {&staged, &fused}) {
+    for (GpuRig* rig : {&staged, &fused, &inline_shared}) {
       rig->load(x, nullptr, nullptr);
       if (graph) {
         CapturedStep step(*rig, false);
@@ -562,29 +565,34 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
         rig->check();
       }
     }
-    const std::string what = graph ? "fused vs staged, graph" : "fused vs staged";
-    for (int r = 0; r < P; ++r) {
-      const size_t tk = size_t(staged.tokens(r)) * k;
-      EXPECT_EQ(download(fused.layers[r]->topk_idx(), tk), download(staged.layers[r]->topk_idx(), tk)) << what;
-      EXPECT_EQ(download(fused.layers[r]->topk_slot(), tk), download(staged.layers[r]->topk_slot(), tk)) << what;
-      const size_t e_loc = size_t(staged.layers[r]->num_local_experts());
-      EXPECT_EQ(download(fused.group->rank(r).recv_count(), e_loc), download(staged.group->rank(r).recv_count(), e_loc))
-          << what;
+    for (GpuRig* rig : {&fused, &inline_shared}) {
+      const std::string what = std::string(rig == &fused ? "fused" : "fused, shared expert in line") +
+                               " vs staged" + (graph ? ", graph" : "");
+      for (int r = 0; r < P; ++r) {
+        const size_t tk = size_t(staged.tokens(r)) * k;
+        EXPECT_EQ(download(rig->layers[r]->topk_idx(), tk), download(staged.layers[r]->topk_idx(), tk)) << what;
+        EXPECT_EQ(download(rig->layers[r]->topk_slot(), tk), download(staged.layers[r]->topk_slot(), tk)) << what;
+        const size_t e_loc = size_t(staged.layers[r]->num_local_experts());
+        EXPECT_EQ(download(rig->group->rank(r).recv_count(), e_loc), download(staged.group->rank(r).recv_count(), e_loc))
+            << what;
+      }
+      const auto got = rig->gather_out(), want = staged.gather_out();
+      size_t same = 0;
+      for (size_t i = 0; i < got.size(); ++i) same += got[i] == want[i];
+      const double err = rel_error(got, to_double(want));
+      std::printf("[layer] %s: %.3e, %zu / %zu outputs the same bits\n", what.c_str(), err, same, got.size());
+      EXPECT_LE(err, kLayerTolerance) << what;
     }
-    const auto got = fused.gather_out(), want = staged.gather_out();
-    size_t same = 0;
-    for (size_t i = 0; i < got.size(); ++i) same += got[i] == want[i];
-    const double err = rel_error(got, to_double(want));
-    std::printf("[layer] %s: %.3e, %zu / %zu outputs the same bits\n", what.c_str(), err, same, got.size());
-    EXPECT_LE(err, kLayerTolerance) << what;
-    for (GpuRig* rig : {&staged, &fused}) {
-      const bool is_fused = rig == &fused;
+    const std::string what = graph ? "stage clock, graph" : "stage clock";
+    for (GpuRig* rig : {&staged, &fused, &inline_shared}) {
+      const bool is_fused = rig != &staged, merged = rig == &fused;
       const auto clock = rig->layers[0]->last_timeline(rig->stream);
       for (int st = 0; st < int(gpu::GpuStage::kCount); ++st) {
         const auto stage = gpu::GpuStage(st);
         const bool activation = stage == gpu::GpuStage::kActivation || stage == gpu::GpuStage::kSharedActivation;
-        const std::string name = what + ", " + gpu::gpu_stage_name(stage) + (is_fused ? " (fused)" : " (staged)");
-        EXPECT_EQ(clock[st].ran(), !(is_fused && activation)) << name;
+        const bool shared = stage <= gpu::GpuStage::kSharedGemm2;
+        const std::string name = what + ", " + gpu::gpu_stage_name(stage) + (merged ? " (fused)" : is_fused ? " (fused, shared in line)" : " (staged)");
+        EXPECT_EQ(clock[st].ran(), !(is_fused && activation) && !(merged && shared)) << name;
         if (clock[st].ran()) EXPECT_LE(clock[st].start_ns, clock[st].end_ns) << name;
       }
       // A stage that waits on the device for the one before (griddepcontrol.wait) starts after it.

@@ -141,13 +141,13 @@ int run_rank(const gpu::EpProcessGroup& g, const MultiCase& c, RankSync& sync) {
   const int t0 = first_token(me, P, kBatch), T = first_token(me + 1, P, kBatch) - t0;
   const std::string name = case_name(c) + " P=" + std::to_string(P) + " rank " + std::to_string(me);
 
-  gpu::EpConfig ec = gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode);
+  const gpu::GpuPipeline pipeline = c.fused ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;
+  gpu::EpConfig ec = gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline);
   ec.timeout_s = kWaitTimeout;
   std::unique_ptr<gpu::EpBuffer> ep = gpu::connect_ep(ec, g, c.transport);  // selects device g.device
   gpu::GpuLayerConfig cfg;
   cfg.max_tokens = t_max;
   cfg.replica_seed = seed;
-  const gpu::GpuPipeline pipeline = c.fused ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;
   cfg.pipeline = pipeline;
   gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, *ep, cfg);
   GpuRig local(P, mode, placement, seed, nullptr, pipeline);  // the same layer as P virtual ranks on this GPU

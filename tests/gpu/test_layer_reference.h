@@ -185,15 +185,16 @@ struct GpuRig {
   // share: a rig of the same P and placement whose layers' weights these layers use.
   // pipeline: GpuLayerConfig::pipeline (decode).
   GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
-         gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged)
+         gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true)
       : P(num_ranks), mode(m) {
     const Fixture& f = fixture();
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
-    group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode));
+    group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline));
     gpu::GpuLayerConfig cfg;
     cfg.max_tokens = t_max;
     cfg.replica_seed = seed;
     cfg.pipeline = pipeline;
+    cfg.merge_shared = merge_shared;
     for (int r = 0; r < P; ++r) {
       layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg,
                                                            share ? share->layers[r].get() : nullptr));

@@ -76,7 +76,8 @@ CudaRunResult run_layers_cuda(const CudaRunInput& in) {
     throw Error("--backend cuda: no CUDA device is visible on this machine; use --backend cpu");
   const int t_max = int((B + P - 1) / P);
   const gpu::EpMode mode = in.protocol == EpProtocol::kNormal ? gpu::EpMode::kNormal : gpu::EpMode::kLowLatency;
-  const gpu::EpConfig ec = gpu::layer_ep_config(spec, in.placement->num_slots, P, t_max, mode);
+  const gpu::EpConfig ec = gpu::layer_ep_config(spec, in.placement->num_slots, P, t_max, mode,
+                                                    in.fused ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged);
   gpu::EpLocalGroup group(ec);
   gpu::GpuLayerConfig cfg;
   cfg.max_tokens = t_max;

@@ -187,6 +187,11 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
       *reinterpret_cast<uint4*>(msg + size_t(c) * 16) = out;
       if ((c & 7) == 0) *reinterpret_cast<float*>(msg + a.msg_scale_off + (c >> 3) * 4) = scale;
     }
+    if (a.self_slab) {  // the rank's own copy: masked slab E_loc, row t (EpConfig::self_slab)
+      const size_t slab = size_t(a.local_experts);
+      *reinterpret_cast<uint4*>(a.recv_x + (slab * a.max_m + t) * a.hidden + size_t(c) * 16) = out;
+      if ((c & 7) == 0) a.recv_scales[(slab * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + t] = scale;
+    }
   }
 }
 
@@ -197,6 +202,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   int* cnt_rank = smem + a.num_slots;  // [P]
   __shared__ TokenPlan plan;
   begin_ep_kernel(a, kPhaseDispatchSend);
+  if (a.self_slab && blockIdx.x == 0 && threadIdx.x == 0) a.recv_count[a.local_experts] = num_tokens;
   const unsigned step = current_step(a, kPhaseDispatchSend);
   const int parity = int(step) & a.parity_mask;
   const int t_begin = int(int64_t(num_tokens) * blockIdx.x / gridDim.x);

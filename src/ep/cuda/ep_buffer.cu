@@ -60,10 +60,11 @@ PrivateLayout private_layout(const EpConfig& c) {
   l.state_bytes = at;
   const size_t d = size_t(c.hidden), kb = size_t(c.k_blocks());
   if (c.mode == EpMode::kLowLatency) {
-    const size_t rows = E * size_t(c.max_m());
+    const size_t slabs = E + (c.self_slab ? 1 : 0);  // the self slab: the rank's own tokens
+    const size_t rows = slabs * size_t(c.max_m());
     l.recv_x = take(rows * d);
     l.recv_scales = take(4 * rows * kb);
-    l.recv_count = take(4 * E);
+    l.recv_count = take(4 * slabs);
     l.recv_src = take(4 * rows);
     l.row_expert = l.total_rows = 0;
   } else {
@@ -138,6 +139,8 @@ void EpConfig::validate() const {
   MOEKIT_CHECK(std::isfinite(timeout_s) && timeout_s > 0 && timeout_s <= 3600,
                fmtr("EpConfig: timeout_s = {}, expected in (0, 3600]", timeout_s));
   MOEKIT_CHECK(num_ctas >= 0 && num_ctas <= 65535, fmtr("EpConfig: num_ctas = {}, expected 0..65535", num_ctas));
+  MOEKIT_CHECK(!self_slab || mode == EpMode::kLowLatency,
+               "EpConfig: self_slab is a low-latency (masked layout) option; this config is normal mode");
 }
 
 std::string EpMemory::describe() const {
@@ -237,6 +240,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.dispatch_inbox_bytes = z.dispatch_inbox_bytes;
   a.combine_inbox_bytes = z.combine_inbox_bytes;
   a.parity_mask = peers.double_buffered ? 1 : 0;
+  a.self_slab = config.self_slab ? 1 : 0;
   a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);
   a.symmetric = static_cast<uint8_t*>(peers.symmetric);
   a.peer_dispatch = reinterpret_cast<uint8_t* const*>(m.peer_table);

@@ -59,6 +59,7 @@ struct EpArgs {
   int parity_mask;  // 1: double buffered, 0: single
   long long timeout_cycles;
   int pdl;                      // launched as programmatic dependent launches (EpBuffer::set_overlap)
+  int self_slab;                // EpConfig::self_slab: the send also fills masked slab E_loc with own tokens
   unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
 
   uint8_t* symmetric;

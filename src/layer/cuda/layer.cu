@@ -56,7 +56,13 @@ const char* gpu_stage_name(GpuStage stage) {
   }
 }
 
-EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode) {
+bool shared_expert_in_slab(const ModelSpec& model) {
+  const int64_t shared_inter = int64_t(model.num_shared_experts) * model.shared_intermediate_size;
+  return shared_inter > 0 && shared_inter == model.moe_intermediate_size;
+}
+
+EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
+                         GpuPipeline pipeline) {
   MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
                fmtr("layer_ep_config: num_ranks {} and max_tokens {}, expected both >= 1", num_ranks, max_tokens));
   EpConfig c;
@@ -69,6 +75,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.num_slots = num_slots;
   c.mode = mode;
   c.block_m = kContiguousAlign;
+  c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && shared_expert_in_slab(model);
   c.validate();
   return c;
 }
@@ -79,6 +86,10 @@ struct GpuMoeLayer::Impl {
   EpConfig ec;
   bool decode = true;
   bool fused = false;  // decode with GpuPipeline::kFused
+  // The shared expert has the routed experts' shapes: its weights are local slot E_loc of W1 and
+  // W2 (always, so layers sharing weights agree), and in the fused pipeline it is expert E_loc of
+  // the routed GEMMs, its rows the EP buffer's self slab (EpConfig::self_slab).
+  bool shared_slot = false, merged = false;
   int rank = 0, d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0, m_max = 0;
   int rows = 0, t_pad = 0;
   RouterParams router;
@@ -226,6 +237,8 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
 
   // Weights of the rank's slots, the router, the placement row, the shared expert.
   const int32_t* phy2log = placement.phy2log_row(placement_layer);
+  s.shared_slot = weights.has_shared_experts() && weights.shared_w1.layout.n / 2 == s.inter &&
+                  weights.shared_w2.layout.k == s.inter;
   const Impl* owner = share_weights_with ? share_weights_with->impl_.get() : nullptr;
   if (owner) {
     MOEKIT_CHECK(owner->rank == s.rank && owner->e_loc == s.e_loc && owner->d == s.d && owner->inter == s.inter &&
@@ -240,10 +253,18 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   } else {
     std::vector<uint8_t> w;
     std::vector<float> sc;
+    // W1 and W2 of the local slots, and the shared expert appended as slot E_loc where it fits.
+    auto append = [&](const ExpertWeights& shared) {
+      if (!s.shared_slot) return;
+      w.insert(w.end(), shared.w.begin(), shared.w.end());
+      sc.insert(sc.end(), shared.scales.begin(), shared.scales.end());
+    };
     gather(weights.w1, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
+    append(weights.shared_w1);
     s.w1 = s.upload(w);
     s.w1s = s.upload(sc);
     gather(weights.w2, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
+    append(weights.shared_w2);
     s.w2 = s.upload(w);
     s.w2s = s.upload(sc);
     s.router_w = s.upload(weights.router_weight);
@@ -272,8 +293,13 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   MOEKIT_CUDA_CHECK(cudaMemset(s.status, 0, sizeof(LayerStatus)));
 
   // Routed experts: gate_up [rows, 2 inter], act [rows, inter] + scales, y [rows, d].
-  const size_t total_rows = s.decode ? size_t(s.e_loc) * s.m_max : size_t(s.rows);
   s.fused = s.decode && config.pipeline == GpuPipeline::kFused;
+  s.merged = s.fused && s.shared_slot && config.merge_shared;
+  MOEKIT_CHECK(!s.merged || s.ec.self_slab,
+               fmtr("rank {}: the fused pipeline runs the shared expert as local expert E_loc and needs an EpBuffer "
+                    "with self_slab (layer_ep_config(..., GpuPipeline::kFused) makes one)", s.rank));
+  const int slabs = s.e_loc + (s.merged ? 1 : 0);  // experts of the routed GEMMs
+  const size_t total_rows = s.decode ? size_t(slabs) * s.m_max : size_t(s.rows);
   if (!s.fused) s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);  // fused: GEMM1 writes act itself
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
@@ -285,25 +311,34 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.shared_inter = weights.shared_w1.layout.n / 2;
     if (owner) {
       s.sw1 = owner->sw1, s.sw1s = owner->sw1s, s.sw2 = owner->sw2, s.sw2s = owner->sw2s;
+    } else if (s.shared_slot) {  // slot E_loc of W1 and W2
+      s.sw1 = s.w1 + size_t(s.e_loc) * 2 * s.inter * s.d;
+      s.sw1s = s.w1s + size_t(s.e_loc) * (2 * s.inter / kQuantBlock) * (s.d / kQuantBlock);
+      s.sw2 = s.w2 + size_t(s.e_loc) * s.d * s.inter;
+      s.sw2s = s.w2s + size_t(s.e_loc) * (s.d / kQuantBlock) * (s.inter / kQuantBlock);
     } else {
       s.sw1 = s.upload(weights.shared_w1.w);
       s.sw1s = s.upload(weights.shared_w1.scales);
       s.sw2 = s.upload(weights.shared_w2.w);
       s.sw2s = s.upload(weights.shared_w2.scales);
     }
-    s.sx = s.alloc<uint8_t>(size_t(s.t_pad) * s.d);
-    s.sx_scales = s.alloc<float>(size_t(s.t_pad) * (s.d / kQuantBlock));
-    s.s_m = s.alloc<int32_t>(1);
-    if (!s.fused) s.s_gate_up = s.alloc<uint16_t>(size_t(s.t_pad) * 2 * s.shared_inter);
-    s.s_act = s.alloc<uint8_t>(size_t(s.t_pad) * s.shared_inter);
-    s.s_act_scales = s.alloc<float>(size_t(s.t_pad) * (s.shared_inter / kQuantBlock));
-    s.s_out = s.alloc<uint16_t>(size_t(s.t_pad) * s.d);
-    MOEKIT_CUDA_CHECK(cudaMemset(s.s_m, 0, sizeof(int32_t)));
+    if (!s.merged) {  // its own GEMMs' buffers (merged: the routed GEMMs' slab E_loc)
+      s.sx = s.alloc<uint8_t>(size_t(s.t_pad) * s.d);
+      s.sx_scales = s.alloc<float>(size_t(s.t_pad) * (s.d / kQuantBlock));
+      s.s_m = s.alloc<int32_t>(1);
+      if (!s.fused) s.s_gate_up = s.alloc<uint16_t>(size_t(s.t_pad) * 2 * s.shared_inter);
+      s.s_act = s.alloc<uint8_t>(size_t(s.t_pad) * s.shared_inter);
+      s.s_act_scales = s.alloc<float>(size_t(s.t_pad) * (s.shared_inter / kQuantBlock));
+      s.s_out = s.alloc<uint16_t>(size_t(s.t_pad) * s.d);
+      MOEKIT_CUDA_CHECK(cudaMemset(s.s_m, 0, sizeof(int32_t)));
+    } else {
+      s.s_out = s.y + size_t(s.e_loc) * s.m_max * s.d;  // rows 0..T-1 of slab E_loc, token order
+    }
   }
   // GEMM1 writes gate_up (staged) or, with the SiLU·up epilogue, the FP8 activations (fused).
   const GemmEpilogue epilogue1 = s.fused ? GemmEpilogue::kSiluMulFp8 : GemmEpilogue::kBf16;
-  const MaskedGemmProblem p1{s.e_loc, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1};
-  const MaskedGemmProblem p2{s.e_loc, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max)};
+  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1};
+  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max)};
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
                              s.act_scales};
   const MaskedGemmBuffers b2{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y};
@@ -323,7 +358,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
         ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows},
         ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y});
   }
-  if (s.shared_inter > 0) {
+  if (s.shared_inter > 0 && !s.merged) {
     // The shared expert is a masked GEMM with one "expert" of every token.
     const MaskedGemmProblem q1{1, 2 * s.shared_inter, s.d, s.t_pad, s.t_max, epilogue1};
     const MaskedGemmProblem q2{1, s.d, s.shared_inter, s.t_pad, s.t_max};
@@ -500,7 +535,7 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
   // comes next). A persistent GEMM on a side stream holds every SM: started at the fork it kept
   // the gate and the send off the GPU for its whole length (measured, docs/layer-gpu.md).
   s.mark(kSend, stream);  // (fused: the shared expert's time shows in the next stage's events)
-  if (s.shared_inter > 0 && s.fused) s.run_shared(x, stream);
+  if (s.shared_inter > 0 && s.fused && !s.merged) s.run_shared(x, stream);
   s.phase = Impl::Phase::kDispatched;
 }
 
