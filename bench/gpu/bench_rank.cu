@@ -316,12 +316,9 @@ double clock_layer_ms(const std::vector<gpu::GpuStageClock>& c) {
   return ((hi > lo ? hi - lo : 0) + (r.ran() ? r.end_ns - r.start_ns : 0)) * 1e-6;
 }
 
-// The share of [first start, last end] of a layer's stages during which at least one GEMM stage
+// The share of rank 0's own time of a layer (clock_layer_ms) during which at least one GEMM stage
 // (routed or shared, both GEMMs) was running: when HBM was streaming weights.
 double weight_stream_share(const std::vector<gpu::GpuStageClock>& c) {
-  uint64_t lo = ~0ull, hi = 0;
-  for (const auto& st : c)
-    if (st.ran()) lo = std::min(lo, st.start_ns), hi = std::max(hi, st.end_ns);
   std::vector<std::pair<uint64_t, uint64_t>> gemm;
   for (gpu::GpuStage g : {gpu::GpuStage::kGemm1, gpu::GpuStage::kGemm2, gpu::GpuStage::kSharedGemm1,
                           gpu::GpuStage::kSharedGemm2})
@@ -337,7 +334,8 @@ double weight_stream_share(const std::vector<gpu::GpuStageClock>& c) {
     }
   }
   covered += cur_hi - cur_lo;
-  return hi > lo ? double(covered) / double(hi - lo) : 0.0;
+  const double own_ns = clock_layer_ms(c) * 1e6;
+  return own_ns > 0 ? double(covered) / own_ns : 0.0;
 }
 
 // Rank 0's weights of every layer of one placement: one GpuMoeLayer per layer on a tiny EP
