@@ -698,6 +698,12 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
          << ", \"clock_layers_step_us\": " << 1e3 * median(r.clock_step_ms) << ", \"clock_layer_us\": "
          << 1e3 * median(r.clock_layer_ms) << ", \"clock_ratio\": " << median(r.clock_layer_ms) / (r.floor_ms / r.layers)
          << ", \"events_ratio_per_layer\": " << median(r.layer_ms) / (r.floor_ms / r.layers);
+    if (!r.clock_layer_ms.empty()) {  // the last replay's layers, to see how they spread
+      const size_t n = r.clock_layer_ms.size() / r.clock_step_ms.size();
+      js << ", \"clock_last_replay_layers_us\": [";
+      for (size_t l = 0; l < n; ++l) js << (l ? ", " : "") << 1e3 * r.clock_layer_ms[r.clock_layer_ms.size() - n + l];
+      js << "]";
+    }
     js << "}";
   }
   js << "\n], \"timelines\": [";
