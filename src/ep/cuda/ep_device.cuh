@@ -64,7 +64,21 @@ __device__ __forceinline__ uint64_t wait_flag(const EpArgs& a, const uint64_t* f
 // waits for that kernel (and everything before it) before it reads any state, then lets the next
 // kernel on the stream be scheduled. Without the launch attribute both are no-ops. Thread 0 of
 // each CTA stamps the stage clock when the CTA starts its work.
+//
+// The dispatch receive is the exception: the kernel before it is this rank's own dispatch send,
+// and everything the receive reads of a send (its own included) it reads behind that send's flag,
+// with acquire loads; what else it touches the send never writes. So it does not wait for the
+// send kernel to complete (a grid's completion behind its system-scope fences took 4.5 us at
+// decode sizes, stage clock), only for its flags. What comes after it still waits for it, and the
+// flag's release covers every write of the send (the self slab too), so the chain stays ordered.
+// (The trigger is safe here too: the send triggered only after its own wait, so every kernel
+// before the send is complete when a kernel after the receive is scheduled.)
 __device__ __forceinline__ void begin_ep_kernel(const EpArgs& a, int phase) {
+  if (phase == kPhaseDispatchRecv) {
+    ptx::launch_dependents();
+    if (threadIdx.x == 0 && a.stamps) stamp_start(a.stamps + 2 * phase);
+    return;
+  }
   begin_kernel(a.stamps ? a.stamps + 2 * phase : nullptr);
 }
 
