@@ -89,7 +89,7 @@ all(r['coverage'] == 1 and r['dedup_targets'] is None and r['comm_ms'] is None a
     close(r['weight_read_ms'], 1e9*2/3/2e12*1e3) for r in j['rows']) and j['padding'] is None and j['is_moe'] is False"
 run_ok "custom dense spec: table" "$tmp/dense.txt" plan --model "$tmp/toy-dense.json" --gpu "$tmp/toy-gpu.json" --ep 3 --batch 1,100
 
-# --- EPLB gain (MISSION.md §6): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
+# --- EPLB gain (docs/theory.md §EPLB gain): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
 run_ok "eplb gain 1.10" "$tmp/g1" plan --eplb-gain --f 0.6 --speedup 1.18
 grep -q "= 1.101x" "$tmp/g1" && pass "eplb gain prints 1.101x" || { fail "eplb gain prints 1.101x"; cat "$tmp/g1"; }
 run_ok "eplb gain 2.10 json" "$tmp/g2.json" plan --eplb-gain --f 0.85 --speedup 2.6 --json

@@ -1,5 +1,6 @@
-// The reference placement: EPLB.md's test vector entry for entry, then properties that must
-// hold on many random loads (checked by independent counting, not by re-running the algorithm).
+// The reference placement: the reference example (docs/eplb.md §The reference example) entry for
+// entry, then properties that must hold on many random loads (checked by independent counting, not
+// by re-running the algorithm).
 #include <gtest/gtest.h>
 
 #include <algorithm>

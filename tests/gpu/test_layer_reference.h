@@ -32,8 +32,9 @@ using namespace moekit;
 namespace fs = std::filesystem;
 
 inline constexpr int kBatch = 64;  // B, all ranks together
-// End to end, GPU against the CPU layer (and the float64 oracle). DESIGN.md's 3e-3 bounds one
-// GEMM; a layer re-quantises GEMM1's output to FP8, which amplifies the tensor core's rounding:
+// End to end, GPU against the CPU layer (and the float64 oracle). The 3e-3 of docs/design.md
+// §Numerics and their bounds bounds one GEMM; a layer re-quantises GEMM1's output to FP8, which
+// amplifies the tensor core's rounding:
 // about 10% of the GPU GEMM's bf16 outputs are one ulp off the reference (docs/gemm.md), a
 // bf16 ulp (2^-8) moves an FP8 value across a rounding boundary with probability ~2^-8 / 2^-3.5,
 // so ~0.5% of the activations land one FP8 step (~9%) apart: sqrt(0.005) * 0.09 = 6e-3 relative,
