@@ -118,8 +118,8 @@ PlanRow plan_row(const PlanInput& input, int64_t batch);
 // docs/theory.md §EPLB gain: end-to-end 1 / (f/S + 1 − f); f in [0, 1], S > 0.
 double eplb_gain(double f, double speedup);
 
-// Closed forms shared with the simulator (docs/theory.md §Coverage, §All-to-all bytes,
-// §Statistical skew). k ≤ E, P ≥ 1, B ≥ 1.
+// Closed forms shared with the simulator, k ≤ E, P ≥ 1, B ≥ 1. Derived in
+// docs/theory.md §Coverage, §All-to-all bytes and §Statistical skew.
 double coverage_closed_form(int num_experts, int topk, double batch);  // 1 − (1 − k/E)^B
 double dedup_targets_closed_form(int num_ranks, int topk);             // P·[1 − (1 − 1/P)^k]
 double cv_expert_closed_form(int num_experts, int topk, double batch); // sqrt((1 − k/E)/(B·k/E))

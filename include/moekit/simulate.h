@@ -1,5 +1,5 @@
-// moekit/simulate.h: Monte Carlo routing, to check the closed forms of docs/theory.md (§Coverage,
-// §All-to-all bytes, §Statistical skew).
+// moekit/simulate.h: Monte Carlo routing, to check the closed forms of the planner
+// (docs/theory.md §Coverage, §All-to-all bytes, §Statistical skew).
 //
 // One sample is one decode step: B tokens each pick k distinct experts out of E by a routing
 // distribution; experts sit on P GPUs contiguously (expert e on GPU e / (E/P)). Over `trials`
