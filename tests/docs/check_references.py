@@ -154,7 +154,7 @@ def self_test():
         "<D>b<M>": "# B\n\n```\n## not a heading\n```\n\n## Second\n",
         "<D>img/p.png": "png",
         "src/x.cpp": "// <D>a<M> <S>First part; <D>b<M> <S>Second, <S>Second too\n"
-                     "// DESIGN<M> <S>2 and <U>shared/notes.txt and https://example.org/c<M>\n"
+                     "// PLANNING<M> <S>2 and <U>outside/notes.txt and https://example.org/c<M>\n"
                      "// a bare <S>First part\n// <D>b<M> <S>not a heading\n",
         "README<M>": "<D>a<M> and a<M> (a bare name found in <D>), <U>elsewhere/notes.txt\n",
     }
@@ -163,7 +163,7 @@ def self_test():
         "<D>a<M>:6: '<S>Secondary,",
         "<D>a<M>:6: names '<D>gone<M>'",
         "<D>a<M>:6: names the <D> path '<D>img/q.png'",
-        "src/x.cpp:2: names 'DESIGN<M>'",
+        "src/x.cpp:2: names 'PLANNING<M>'",
         "README<M>:1: names the path '<U>elsewhere/notes.txt'",
         "src/x.cpp:3: '<S>First part' follows no document",
         "src/x.cpp:4: '<S>not a heading' names no heading of <D>b<M>",
