@@ -1,7 +1,8 @@
 // moekit/gating.h: the router on the CPU (the reference the CUDA gating matches).
 //
-// Two steps, as DESIGN.md draws them: the router GEMM x[T, d] -> logits[T, E], then the
-// top-k selection logits -> topk_idx[T, k], topk_weights[T, k], driven by a RouterSpec.
+// Two steps, as docs/design.md §Decode data flow draws them: the router GEMM
+// x[T, d] -> logits[T, E], then the top-k selection logits -> topk_idx[T, k], topk_weights[T, k],
+// driven by a RouterSpec.
 //
 // router_logits: logits[t, e] = sum_i x[t, i] * router_weight[e, i], each dot product summed
 //   in float64 and rounded once to fp32 (so the result does not depend on summation order).

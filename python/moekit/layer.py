@@ -4,8 +4,8 @@
     layer = moekit.MoELayer("tiny-moe", "weights/", num_ranks=2, max_tokens=8)
     outs = layer.forward_all([x0, x1])                             # x_r [T_r, hidden] bf16, rank r's tokens
 
-One step runs the whole of DESIGN.md's decode step on every rank: gate, replica choice, dispatch,
-GEMM1, SiLU·up + FP8, GEMM2, combine, plus the shared expert.
+One step runs the whole decode step of docs/design.md §Decode data flow on every rank: gate,
+replica choice, dispatch, GEMM1, SiLU·up + FP8, GEMM2, combine, plus the shared expert.
 
 device="cuda" runs the GPU layer (layer.h): the P ranks are virtual ranks on the current GPU and
 every kernel of a step goes on PyTorch's current stream, so `forward_all` can be captured by

@@ -1,4 +1,5 @@
-// The reference EPLB placement (DeepSeek's eplb.py, as EPLB.md describes it), in plain loops.
+// The reference EPLB placement (DeepSeek's eplb.py, as docs/eplb.md §The reference algorithm (exact)
+// describes it), in plain loops.
 // Two greedy primitives (balanced packing, replication) composed by the hierarchical policy;
 // the global policy is the same routine with one group and one node.
 #include <fmt/format.h>

@@ -1,5 +1,5 @@
 // The roofline planner (see include/moekit/plan.h). Every formula of the plan is in this file,
-// each next to the MISSION.md section it comes from; nothing here does I/O.
+// each next to the docs/theory.md section that derives it; nothing here does I/O.
 #include "moekit/plan.h"
 
 #include <fmt/format.h>
@@ -16,35 +16,35 @@ namespace moekit {
 // ---------------------------------------------------------------------------------------------
 // Closed forms shared with the simulator.
 
-// MISSION.md §2 (coverage): C(B) = 1 − (1 − k/E)^B, the expected share of experts hit by B
+// docs/theory.md §Coverage: C(B) = 1 − (1 − k/E)^B, the expected share of experts hit by B
 // tokens. Written as −expm1(B·log1p(−k/E)) so a small k/E keeps its digits.
 double coverage_closed_form(int num_experts, int topk, double batch) {
   if (topk >= num_experts) return 1.0;  // every expert every step (log1p(−1) would be −inf)
   return -std::expm1(batch * std::log1p(-double(topk) / num_experts));
 }
 
-// MISSION.md §4: C = P·[1 − (1 − 1/P)^k] distinct target ranks per token after de-duplication.
+// docs/theory.md §All-to-all bytes: C = P·[1 − (1 − 1/P)^k] distinct target ranks per token after de-duplication.
 // It treats the k picks as independent uniform ranks (sampling with replacement).
 double dedup_targets_closed_form(int num_ranks, int topk) {
   if (num_ranks == 1) return 1.0;
   return num_ranks * -std::expm1(topk * std::log1p(-1.0 / num_ranks));
 }
 
-// MISSION.md §6: CV_e = sqrt((1 − k/E)/(B·k/E)), the coefficient of variation of one expert's
+// docs/theory.md §Statistical skew: CV_e = sqrt((1 − k/E)/(B·k/E)), the coefficient of variation of one expert's
 // load when each of B tokens picks it with probability p = k/E (Binomial(B, p): σ/μ = sqrt((1 − p)/(B·p))).
 double cv_expert_closed_form(int num_experts, int topk, double batch) {
   double p = double(topk) / num_experts;
   return std::sqrt((1.0 - p) / (batch * p));
 }
 
-// MISSION.md §6: S₀ ≈ 1 + sqrt(2 ln P)·CV_gpu with CV_gpu = CV_e/sqrt(e), e = E/P experts per GPU.
+// docs/theory.md §Statistical skew: S₀ ≈ 1 + sqrt(2 ln P)·CV_gpu with CV_gpu = CV_e/sqrt(e), e = E/P experts per GPU.
 double imbalance_closed_form(int num_experts, int topk, int num_ranks, double batch) {
   double e = double(num_experts) / num_ranks;
   return 1.0 + std::sqrt(2.0 * std::log(double(num_ranks))) * cv_expert_closed_form(num_experts, topk, batch) /
                    std::sqrt(e);
 }
 
-// MISSION.md §6: the MoE layer speeds up S = S₀/S₁; end to end 1 / (f/S + 1 − f).
+// docs/theory.md §EPLB gain: the MoE layer speeds up S = S₀/S₁; end to end 1 / (f/S + 1 − f).
 double eplb_gain(double f, double speedup) {
   MOEKIT_CHECK(std::isfinite(f) && f >= 0 && f <= 1,
                fmt::format("--f = {} must be in [0, 1] (the balanceable share of step time)", f));
@@ -149,7 +149,7 @@ double dense_flops(const GpuSpec& gpu, ComputeDtype dtype) { return dtype == Com
 // Tokens a sequence verifies per step: its N drafts and the one it would decode anyway.
 int64_t tokens_per_sequence(const PlanInput& in) { return int64_t(in.mtp) + 1; }
 
-// Bytes of all routed experts, whole model (MISSION.md §2, W_routed·bpp):
+// Bytes of all routed experts, whole model (docs/theory.md §Weight traffic and the floor, W_routed·bpp):
 // num_moe_layers·E·3·hidden·moe_inter·bpp (gate, up and down projections of a SwiGLU expert).
 double routed_weight_bytes(const ModelSpec& m) {
   return double(m.num_moe_layers) * m.num_routed_experts * m.params_per_expert() * m.weight_bytes_per_param;
@@ -215,7 +215,7 @@ int64_t batch_sla(const PlanInput& in, double sla_ms) {
 }
 
 PaddingRow padding_row(int bm, double expected_m) {
-  // MISSION.md §5: a tile with at least one real row computes all BM rows, so the FLOP waste
+  // docs/theory.md §Padding: a tile with at least one real row computes all BM rows, so the FLOP waste
   // is ⌈M_e/BM⌉·BM/M_e; padding every expert to M_max computes ⌈M_max/BM⌉·BM rows.
   auto waste = [bm](double rows_computed_for, double m) { return std::ceil(rows_computed_for / bm) * bm / m; };
   PaddingRow r;
@@ -249,7 +249,7 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
   r.tokens_per_step = tokens;
   r.tokens_per_gpu = T / P;
 
-  // MISSION.md §2 (coverage): weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
+  // docs/theory.md §Weight traffic and the floor: weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
   // evenly over the P GPUs. A dense model reads every weight every step (C = 1).
   const double routed = routed_weight_bytes(m);
   const double other = m.total_params * bpp - routed;
@@ -257,28 +257,28 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
   r.step_weight_bytes_per_gpu = (r.coverage * routed + other) / P;
   r.weight_read_ms = r.step_weight_bytes_per_gpu / g.hbm_bandwidth * 1e3;
 
-  // MISSION.md §2 (knee): compute of a step is 2·N_active FLOP per token.
+  // docs/theory.md §Weight traffic and the floor: compute of a step is 2·N_active FLOP per token.
   r.compute_ms = 2.0 * m.active_params * T / (P * F) * 1e3;
-  // MISSION.md §2–§3: the floor is the larger of the two (communication is reported apart).
+  // docs/theory.md §Weight traffic and the floor: the floor is the larger of the two (communication is reported apart).
   r.floor_ms = std::max(r.weight_read_ms, r.compute_ms);
 
   if (m.is_moe()) {
     const double E = m.num_routed_experts;
     const double k = m.num_experts_per_token;
-    // MISSION.md §2 (rows per expert): each token sends k rows spread over E experts.
+    // docs/theory.md §Padding (rows per expert): each token sends k rows spread over E experts.
     r.expected_rows_per_expert = T * k / E;
-    // MISSION.md §4: bytes per GPU and MoE layer. Dispatch sends one FP8 copy per distinct target
+    // docs/theory.md §All-to-all bytes: bytes per GPU and MoE layer. Dispatch sends one FP8 copy per distinct target
     // rank (1 B per element; the 1×128 scales, d/32 B more, are left out); combine returns BF16,
     // one message per expert (k), or one per target rank when a rank sums its experts first.
     r.dedup_targets = dedup_targets_closed_form(in.ep, m.num_experts_per_token);
     r.dispatch_bytes_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 1.0;
     r.combine_bytes_per_gpu = r.tokens_per_gpu * k * d * 2.0;
     r.combine_bytes_prereduced_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 2.0;
-    // MISSION.md §6: statistical skew S₀ = 1 + sqrt(2 ln P)·CV_e/sqrt(E/P).
+    // docs/theory.md §Statistical skew: S₀ = 1 + sqrt(2 ln P)·CV_e/sqrt(E/P).
     r.cv_expert = cv_expert_closed_form(m.num_routed_experts, m.num_experts_per_token, T);
     r.imbalance_stat = imbalance_closed_form(m.num_routed_experts, m.num_experts_per_token, in.ep, T);
-    // MISSION.md §4: communication time of a step, every MoE layer doing one dispatch and one
-    // combine (pre-reduced, as moekit's combine sends: DESIGN.md). Only the bytes that leave
+    // docs/theory.md §Communication time: the time of a step, every MoE layer doing one dispatch and one
+    // combine (pre-reduced, as moekit's combine sends: docs/design.md §Decode data flow). Only the bytes that leave
     // the GPU cost link time: under uniform routing a (P − 1)/P share of the target ranks are
     // remote. Each collective pays the link latency α once. Over NVLink inside one node
     // (P <= gpus_per_node), else over the network (the slowest link decides the all-to-all).
@@ -316,7 +316,7 @@ PlanResult plan(const PlanInput& in) {
   res.input = in;
   res.is_moe = m.is_moe();
   res.flops = dense_flops(g, in.dtype);
-  // MISSION.md notation: Ridge = F/BW, FLOP per byte.
+  // docs/theory.md §Notation: Ridge = F/BW, FLOP per byte.
   res.ridge = res.flops / g.hbm_bandwidth;
   res.routed_weight_bytes = routed_weight_bytes(m);
   res.other_weight_bytes = m.total_params * bpp - res.routed_weight_bytes;
@@ -335,25 +335,25 @@ PlanResult plan(const PlanInput& in) {
     res.rows_no_mtp.push_back(plan_row(no_mtp, b));
   }
 
-  // The knee B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
+  // docs/theory.md §The knee: B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
   // same sharding); a sequence verifies N + 1 of them, so the knee in sequences is that / (N + 1).
   res.knee_batch = res.ridge * m.total_params * bpp / (2.0 * m.active_params) / double(tokens_per_sequence(in));
-  // The TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
+  // docs/theory.md §The operating point: the TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
   if (in.tpot_sla_ms) res.batch_sla = batch_sla(in, *in.tpot_sla_ms);
-  // MISSION.md §2 (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
+  // docs/theory.md §The operating point (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
   // weights, over the KV bytes of one sequence of `context` tokens. The N drafted tokens of a
   // step are a few more KV rows per sequence, not N + 1 sequences: B_mem does not depend on N.
   res.batch_mem = (in.ep * g.hbm_bytes * in.mem_fraction - m.total_params * bpp) /
                   (m.kv_bytes_per_token * double(in.context));
 
-  // MISSION.md §2: the operating point is min(B*, B_SLA, B_max_mem); ties go to the first named.
+  // docs/theory.md §The operating point: min(B*, B_SLA, B_max_mem); ties go to the first named.
   double op = res.knee_batch;
   res.binding = "knee";
   if (res.batch_sla && double(*res.batch_sla) < op) op = double(*res.batch_sla), res.binding = "sla";
   if (res.batch_mem < op) op = res.batch_mem, res.binding = "memory";
   res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, 9007199254740992.0)));
 
-  // MISSION.md §5: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
+  // docs/theory.md §Padding: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
   res.bm_star = res.ridge * bpp / 2.0;
   if (m.is_moe()) {
     // The expert GEMM of a step sees the operating point's B·(N + 1) tokens.

@@ -301,7 +301,7 @@ void run_chunks(const SimulateInput& in, int64_t num_samples, int64_t chunk, con
   if (progress) progress(num_samples, num_samples);
 }
 
-// MISSION.md §4 for top-k *without* replacement: a GPU holding e = E/P experts receives none of
+// docs/theory.md §All-to-all bytes, for top-k *without* replacement: a GPU holding e = E/P experts receives none of
 // a token's k distinct picks with probability C(E − e, k)/C(E, k) = Π_{i<k} (E − e − i)/(E − i).
 double dedup_targets_exact_uniform(int E, int k, int P) {
   const int e = E / P;
@@ -310,7 +310,7 @@ double dedup_targets_exact_uniform(int E, int k, int P) {
   return P * (1.0 - none);
 }
 
-// MISSION.md §6 refined for uniform top-k. One GPU's load sums B independent hypergeometric
+// docs/theory.md §Statistical skew, refined for uniform top-k. One GPU's load sums B independent hypergeometric
 // counts (k draws from E holding e of its experts): variance B·k·(e/E)(1 − e/E)(E − k)/(E − 1).
 // The P loads sum to exactly B·k, so as Gaussians they are σ·sqrt(P/(P − 1))·(Z_i − Z̄) and
 // E[max] = mean + σ·sqrt(P/(P − 1))·E[max of P standard normals].

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `moekit eplb` end to end: EPLB.md's example through JSON and CSV, --current and --trace,
-# and every bad-input case: exit status 2, an error naming the value, and --out untouched.
+# `moekit eplb` end to end: the reference example (docs/eplb.md §The reference example) through JSON
+# and CSV, --current and --trace, and every bad-input case: exit status 2, an error naming the
+# value, and --out untouched.
 # Usage: bash tests/cli/eplb.sh <path-to-moekit> <source-dir>
 set -u
 source "$(dirname "$0")/lib.bash"
@@ -28,7 +29,7 @@ cat > "$tmp/ex.json" << 'J'
 {"layers": [[ 90, 132,  40,  61, 104, 165,  39,   4,  73,  56, 183,  86],
             [ 20, 107, 104,  64,  19, 197, 187, 157, 172,  86,  16,  27]]}
 J
-printf '# the EPLB.md example\n90,132,40,61,104,165,39,4,73,56,183,86\n\n20,107,104,64,19,197,187,157,172,86,16,27\n' > "$tmp/ex.csv"
+printf '# the reference EPLB example\n90,132,40,61,104,165,39,4,73,56,183,86\n\n20,107,104,64,19,197,187,157,172,86,16,27\n' > "$tmp/ex.csv"
 TOPO=(--slots 16 --groups 4 --nodes 2 --gpus 8)
 WANT='[[5,6,5,7,8,4,3,4,10,9,10,2,0,1,11,1],[7,10,6,8,6,11,8,9,2,4,5,1,5,0,3,1]]'
 

@@ -158,7 +158,7 @@ run_ok "mtp: table, default L" "$tmp/mt4" plan --model qwen3.5-397b-a17b --batch
 grep -q "L = 4 on average (N + 1: the optimistic bound" "$tmp/mt4" && pass "mtp: table names the optimistic bound" ||
   { fail "mtp: table names the optimistic bound"; cat "$tmp/mt4"; }
 
-# --- EPLB gain (MISSION.md §6): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
+# --- EPLB gain (docs/theory.md §EPLB gain): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
 run_ok "eplb gain 1.10" "$tmp/g1" plan --eplb-gain --f 0.6 --speedup 1.18
 grep -q "= 1.101x" "$tmp/g1" && pass "eplb gain prints 1.101x" || { fail "eplb gain prints 1.101x"; cat "$tmp/g1"; }
 run_ok "eplb gain 2.10 json" "$tmp/g2.json" plan --eplb-gain --f 0.85 --speedup 2.6 --json

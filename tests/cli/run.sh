@@ -105,4 +105,9 @@ shard=$(ls "$tmp"/ckpt/*.safetensors | head -1)
 truncate -s -64 "$shard"
 expect_error "truncated shard" "$(basename "$shard")" --model "$tmp/small.json" --weights "$tmp/ckpt"
 
+# --check names its bound and the section of the project's docs that derives it.
+"$MOEKIT" run --model "$tmp/small.json" --ep 2 --batch 8 --check > "$tmp/check.txt" 2> "$tmp/stderr"
+grep -qF "(bound 0.003: docs/design.md §Numerics and their bounds)" "$tmp/check.txt" &&
+  pass "--check cites its bound's section" || { fail "--check cites its bound's section"; cat "$tmp/check.txt" "$tmp/stderr"; }
+
 finish "run CLI"

@@ -39,7 +39,7 @@ TEST(Spec, DeepSeekFigures) {
   EXPECT_EQ(m.router.num_groups, 8);
   EXPECT_EQ(m.router.topk_groups, 4);
   EXPECT_DOUBLE_EQ(m.router.routed_scaling_factor, 2.5);
-  EXPECT_NEAR(m.params_per_expert(), 44.04e6, 0.01e6);  // MODELS.md: 44.04M per expert
+  EXPECT_NEAR(m.params_per_expert(), 44.04e6, 0.01e6);  // 3 · 7168 · 2048 = 44.04M per expert
   EXPECT_FALSE(load_model_spec("llama-3-70b").is_moe());
 }
 

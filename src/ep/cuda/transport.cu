@@ -14,7 +14,8 @@
 //
 // NCCL is opened at run time (dlopen), so moekit links no NCCL and the local transport runs
 // where NCCL is absent. MOEKIT_NCCL_LIBRARY names the library; the default is libnccl.so.2 on the
-// loader's path (on the GPU machine: PyTorch's nvidia/nccl/lib, put on LD_LIBRARY_PATH).
+// loader's path (a system NCCL, or PyTorch's nvidia/nccl/lib, which scripts/gpu-host puts on
+// LD_LIBRARY_PATH when the loader has none).
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
