@@ -16,7 +16,9 @@
 // and no expert-parallel all-to-all: the MoE-only figures are std::nullopt (null in JSON).
 //
 // Bad input (P < 1, P not dividing E, no batches, a batch < 1, mem_fraction outside (0, 1],
-// context < 1, a non-positive SLA) throws moekit::Error naming the value.
+// context < 1, a non-positive SLA, and P, B or context past moekit/limits.h) throws
+// moekit::Error naming the value. Within those bounds and the spec's ranges (spec.h) every
+// figure is finite.
 #pragma once
 
 #include <cstdint>

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "moekit/check.h"
+#include "moekit/limits.h"
 
 namespace moekit {
 
@@ -81,6 +82,7 @@ int64_t parse_batch_value(std::string_view item, std::string_view whole) {
                fmt::format("--batch '{}': '{}' is not an integer (expected a list like 1,8,64 or a range 1..1024)",
                            whole, item));
   MOEKIT_CHECK(v >= 1, fmt::format("--batch '{}': batch {} must be >= 1 (tokens per decode step)", whole, v));
+  MOEKIT_CHECK(v <= kMaxPlanBatch, fmt::format("--batch '{}': batch {} must be <= {}", whole, v, kMaxPlanBatch));
   return v;
 }
 
@@ -158,14 +160,17 @@ void validate(const PlanInput& in) {
   parse_model_spec(to_json(in.model), fmt::format("model '{}'", in.model.name));
   parse_gpu_spec(to_json(in.gpu), fmt::format("gpu '{}'", in.gpu.name));
   MOEKIT_CHECK(in.ep >= 1, fmt::format("--ep = {} must be >= 1 (expert-parallel GPUs)", in.ep));
+  MOEKIT_CHECK(in.ep <= kMaxRanks, fmt::format("--ep = {} must be <= {} (expert-parallel GPUs)", in.ep, kMaxRanks));
   if (in.model.is_moe())
     MOEKIT_CHECK(in.model.num_routed_experts % in.ep == 0,
                  fmt::format("--ep = {} must divide num_routed_experts = {} of model '{}' (experts are placed E/P "
                              "per GPU); try one of its divisors",
                              in.ep, in.model.num_routed_experts, in.model.name));
   MOEKIT_CHECK(!in.batches.empty(), std::string("--batch: no batch sizes given"));
-  for (int64_t b : in.batches) MOEKIT_CHECK(b >= 1, fmt::format("--batch: batch {} must be >= 1", b));
+  for (int64_t b : in.batches)
+    MOEKIT_CHECK(b >= 1 && b <= kMaxPlanBatch, fmt::format("--batch: batch {} must be >= 1 and <= {}", b, kMaxPlanBatch));
   MOEKIT_CHECK(in.context >= 1, fmt::format("--context = {} must be >= 1 (tokens of KV cache per sequence)", in.context));
+  MOEKIT_CHECK(in.context <= kMaxContext, fmt::format("--context = {} must be <= {}", in.context, kMaxContext));
   MOEKIT_CHECK(std::isfinite(in.mem_fraction) && in.mem_fraction > 0 && in.mem_fraction <= 1,
                fmt::format("--mem-fraction = {} must be in (0, 1]", in.mem_fraction));
   if (in.tpot_sla_ms)
