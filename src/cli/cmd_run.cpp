@@ -432,7 +432,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R instead of the router (synthetic skew)");
   cmd->add_option("--protocol", o.protocol, "low-latency (decode, masked) | normal (prefill, contiguous)")->capture_default_str();
   cmd->add_option("--redundant", o.redundant, "redundant experts placed by EPLB")->capture_default_str();
-  cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->check(kUint64)->capture_default_str();
   cmd->add_flag("--check", o.check, "compare the output with the float64 oracle (slow on large models)");
   cmd->add_flag("--json", o.json, "print JSON instead of the tables");
   cmd->callback([] {

@@ -186,10 +186,9 @@ void validate(const PlanInput& in) {
 int64_t batch_sla(const PlanInput& in, double sla_ms) {
   if (plan_row(in, 1).floor_ms > sla_ms) return 0;
   const double flops = dense_flops(in.gpu, in.dtype);
-  constexpr double kMaxBatch = 9007199254740992.0;  // 2^53
   double hi_real = std::floor(sla_ms * 1e-3 * in.ep * flops / (2.0 * in.model.active_params)) + 1;
   int64_t lo = 1;
-  int64_t hi = int64_t(std::clamp(hi_real, 2.0, kMaxBatch));
+  int64_t hi = int64_t(std::clamp(hi_real, 2.0, double(kMaxPlanBatch)));  // 2^53
   if (plan_row(in, hi).floor_ms <= sla_ms) return hi;  // only at the cap
   while (hi - lo > 1) {  // invariant: floor(lo) <= SLA < floor(hi)
     int64_t mid = lo + (hi - lo) / 2;
@@ -313,7 +312,7 @@ PlanResult plan(const PlanInput& in) {
   res.binding = "knee";
   if (res.batch_sla && double(*res.batch_sla) < op) op = double(*res.batch_sla), res.binding = "sla";
   if (res.batch_mem < op) op = res.batch_mem, res.binding = "memory";
-  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, 9007199254740992.0)));
+  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, double(kMaxPlanBatch))));
 
   // MISSION.md §5: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
   res.bm_star = res.ridge * bpp / 2.0;

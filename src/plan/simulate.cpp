@@ -173,6 +173,7 @@ void validate(const SimulateInput& in) {
   MOEKIT_CHECK(in.trials >= 2, fmt::format("--trials = {} must be >= 2 (a standard error needs two samples)", in.trials));
   MOEKIT_CHECK(in.trials <= kMaxTrials, fmt::format("--trials = {} must be <= {}", in.trials, kMaxTrials));
   MOEKIT_CHECK(in.num_threads >= 0, fmt::format("threads = {} must be >= 0 (0: one per hardware thread)", in.num_threads));
+  MOEKIT_CHECK(in.num_threads <= kMaxThreads, fmt::format("threads = {} must be <= {}", in.num_threads, kMaxThreads));
   expert_weights(in.routing, in.num_experts);  // validates the routing against E
 }
 

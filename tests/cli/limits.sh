@@ -20,6 +20,7 @@ expect_exit2() {
 }
 
 # --- integer flags: range-checked in their type, sums without overflow ---
+echo '{"layers": [[1, 2, 3, 4]]}' > "$tmp/l4.json"
 expect_exit2 "run --first-layer INT_MAX" "--first-layer 2147483647 --layers 1: expected layers inside the model's 4" \
   run --first-layer 2147483647
 expect_exit2 "run --layers INT_MAX" "--first-layer 1 --layers 2147483647: expected layers inside" \
@@ -34,9 +35,16 @@ expect_exit2 "plan --batch INT64_MAX" "batch 9223372036854775807 must be <= 9007
   plan --batch 9223372036854775807
 expect_exit2 "plan --context INT64_MAX" "--context = 9223372036854775807 must be <= 1073741824" \
   plan --context 9223372036854775807
+for cmd in "simulate --trials 2" "run" "eplb --load $tmp/l4.json --slots 4 --groups 1 --nodes 1 --gpus 1"; do
+  # shellcheck disable=SC2086
+  expect_error "${cmd%% *} --seed -1 (CLI11 would wrap it to 2^64 - 1)" "is not an integer in [0, 18446744073709551615]" $cmd --seed -1
+  # shellcheck disable=SC2086
+  expect_error "${cmd%% *} --seed 2^64 (CLI11 would saturate it)" "is not an integer in [0, 18446744073709551615]" \
+    $cmd --seed 18446744073709551616
+done
+expect_exit2 "simulate --threads 1000000" "threads = 1000000 must be <= 1024" simulate --threads 1000000 --trials 2
 
 # --- sizes from flags: bounded before anything is allocated ---
-echo '{"layers": [[1, 2, 3, 4]]}' > "$tmp/l4.json"
 expect_exit2 "eplb --slots 200000000" "num_slots = 200000000 exceeds the limit of 262144" \
   eplb --load "$tmp/l4.json" --slots 200000000 --groups 1 --nodes 1 --gpus 1
 expect_exit2 "simulate --experts INT_MAX" "--experts = 2147483647 must be <= 65536" simulate --experts 2147483647 --topk 1
