@@ -202,6 +202,22 @@ TEST(HostileFiles, DeepJsonInEveryFileKindIsAnErrorNamingTheFile) {
   }
 }
 
+// The depth limit is the safetensors package's (serde_json's): with safetensors 0.8.0 a header
+// whose tensor entry holds an extra field of 125 nested arrays (127 levels in all) opens, one of
+// 126 arrays is refused ("recursion limit exceeded"). moekit draws the line at the same place.
+TEST(HostileFiles, SafetensorsHeaderDepthMatchesThePackage) {
+  const fs::path dir = test_dir();
+  auto file = [&](int arrays) {
+    return write_file(dir / fmt::format("d{}.safetensors", arrays),
+                      safetensors_bytes(R"({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": )" +
+                                            nest(arrays, "") + "}}",
+                                        "x"));
+  };
+  EXPECT_EQ(SafetensorsFile::open(file(125)).tensors().size(), 1u);
+  const std::string p = file(126);
+  expect_error([&] { SafetensorsFile::open(p); }, {p, "nested deeper than 127 levels at a.x[0][0]"});
+}
+
 // Values nested within the limit, or merely long, are quoted in a message by a short prefix.
 TEST(HostileFiles, BadValuesAreQuotedByAShortPrefix) {
   const fs::path dir = test_dir();
