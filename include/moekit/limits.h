@@ -34,6 +34,8 @@ inline constexpr double kMaxLoad = 1e18;
 // the safetensors package applies to a header, so both accept the same files.
 inline constexpr int kMaxJsonDepth = 127;
 // Characters of a bad value quoted in an error message; longer values are cut with "...".
+// Names (tensor names, JSON keys) are quoted up to kMaxQuotedNameChars, longer than any real one.
 inline constexpr size_t kMaxQuotedChars = 64;
+inline constexpr size_t kMaxQuotedNameChars = 256;
 
 }  // namespace moekit

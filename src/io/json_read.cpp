@@ -235,7 +235,7 @@ const json& JsonFields::object(const std::string& key) {
 void JsonFields::reject_unknown() const {
   for (const auto& [key, value] : obj_.items()) {
     if (key == "notes" || key == "source") continue;
-    MOEKIT_CHECK(seen_.count(key), fmt::format("{}: unknown field '{}' (a typo?)", origin_, quote_text(key)));
+    MOEKIT_CHECK(seen_.count(key), fmt::format("{}: unknown field '{}' (a typo?)", origin_, quote_text(key, kMaxQuotedNameChars)));
   }
 }
 

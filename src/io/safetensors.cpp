@@ -139,12 +139,13 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
       MOEKIT_CHECK(v.is_object(), fmt::format("safetensors file '{}': __metadata__ must be an object of strings", path));
       for (const auto& [key, value] : v.items()) {
         MOEKIT_CHECK(value.is_string(), fmt::format("safetensors file '{}': __metadata__ entry '{}' = {} is not a string",
-                                                    path, quote_text(key), quote(value)));
+                                                    path, quote_text(key, kMaxQuotedNameChars), quote(value)));
         f.metadata_[key] = value.get<std::string>();
       }
       continue;
     }
-    const std::string origin = fmt::format("safetensors file '{}': tensor '{}'", path, quote_text(name));
+    const std::string origin =
+        fmt::format("safetensors file '{}': tensor '{}'", path, quote_text(name, kMaxQuotedNameChars));
     MOEKIT_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
                  fmt::format("{}: expected an object with dtype, shape and data_offsets, got {}", origin, quote(v)));
     const auto& jd = v["dtype"];
@@ -372,11 +373,12 @@ Checkpoint Checkpoint::open(const std::string& path) {
                              index_path.string()));
     for (const auto& [name, file] : j["weight_map"].items()) {
       MOEKIT_CHECK(file.is_string(), fmt::format("checkpoint index '{}': weight_map['{}'] = {} is not a file name",
-                                                 index_path.string(), quote_text(name), quote(file)));
+                                                 index_path.string(), quote_text(name, kMaxQuotedNameChars), quote(file)));
       const std::string file_name = file.get<std::string>();
       MOEKIT_CHECK(!file_name.empty() && fs::path(file_name).filename() == file_name,
                    fmt::format("checkpoint index '{}': weight_map['{}'] = '{}' must be a file name in the same directory",
-                               index_path.string(), quote_text(name), quote_text(file_name)));
+                               index_path.string(), quote_text(name, kMaxQuotedNameChars),
+                               quote_text(file_name, kMaxQuotedNameChars)));
       impl.weight_map.emplace(name, file_name);
     }
     return c;

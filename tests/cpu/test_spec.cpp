@@ -129,13 +129,13 @@ TEST(Spec, EveryNumberHasARange) {
   g = h200();
   g["name"] = std::string(300, 'n');
   expect_error([&] { parse_gpu_spec(g.dump(), "t"); }, {"field 'name'", "is longer than 256 bytes"});
-  // Unknown keys are quoted by a short prefix.
+  // Unknown keys are quoted by a prefix of 256 bytes.
   j = deepseek();
   j[std::string(10000, 'k')] = 1;
   try {
     parse_model_spec(j.dump(), "t");
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_LT(std::string(e.what()).size(), 200u) << e.what();
+    EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
   }
 }
