@@ -42,7 +42,7 @@ class BoundedBuilder {
   struct Frame {
     bool array;
     size_t index;     // arrays: the element being read
-    std::string key;  // objects: the last key read
+    std::string key;  // objects: the key whose value is being read ("" between values)
   };
 
   template <class V>
@@ -78,8 +78,14 @@ class BoundedBuilder {
     next();
     return true;
   }
+  // A value is complete: an array moves to its next element, an object waits for its next key.
   void next() {
-    if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+    if (frames_.empty()) return;
+    Frame& f = frames_.back();
+    if (f.array)
+      ++f.index;
+    else
+      f.key.clear();
   }
   std::string where() const {
     std::string path;

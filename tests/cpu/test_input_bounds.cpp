@@ -146,6 +146,8 @@ TEST(JsonRead, ParseErrorsNameTheFileAndTheField) {
   expect_error([] { parse_json(R"({"router": {"num_groups": 1e999}})", "m.json"); },
                {"m.json: malformed JSON at router.num_groups", "number overflow parsing '1e999'"});
   expect_error([] { parse_json(R"({"layers": [[1, 2], [3, x]]})", "l.json"); }, {"l.json: malformed JSON at layers[1][1]"});
+  // Between two fields the path names the object, not the field before.
+  expect_error([] { parse_json(R"({"a": {"b": 1, x}})", "k.json"); }, {"k.json: malformed JSON at a: "});
   // An unterminated string of 1 MB: the message quotes a short prefix of it.
   const std::string msg = error_of([] { parse_json("{\"a\": \"" + std::string(1 << 20, 'z'), "s.json"); });
   EXPECT_NE(msg.find("s.json: malformed JSON at a"), std::string::npos) << msg;
