@@ -21,7 +21,7 @@ inline constexpr int kMaxHiddenSize = 1 << 20;  // hidden_size and the expert in
 inline constexpr int64_t kMaxBatch = int64_t(1) << 24;      // tokens of one step (simulate, run)
 inline constexpr int64_t kMaxPlanBatch = int64_t(1) << 53;  // plan --batch: doubles count integers exactly to here
 inline constexpr int64_t kMaxContext = int64_t(1) << 30;    // plan --context, tokens of KV cache per sequence
-inline constexpr int64_t kMaxTrials = int64_t(1) << 22;     // simulate --trials
+inline constexpr int64_t kMaxTrials = int64_t(1) << 22;     // simulate --trials and --steps
 inline constexpr int kMaxThreads = 1024;                    // simulate --threads
 // Entries of one per-layer table: layers x experts of a load matrix, layers x slots of phy2log,
 // layers x experts x replicas of log2phy, tokens x GPUs of the dual-load search. 2^26 entries
