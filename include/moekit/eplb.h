@@ -66,11 +66,13 @@ struct Placement {
 // float32, so results can differ only where two sums tie to within float32 rounding).
 // log2phy[l][e][r] is the slot of replica rank r, ranks in order of creation.
 // Errors: ragged rows, negative/NaN/infinite loads, num_slots not a multiple of num_gpus or
-// below E, num_groups not dividing E, num_gpus not divisible by num_nodes.
+// below E, num_groups not dividing E, num_gpus not divisible by num_nodes, and sizes past
+// moekit/limits.h (slots, GPUs, layers x slots; log2phy past kMaxTableEntries entries).
 Placement rebalance(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups, int num_nodes,
                     int num_gpus);
 
-// A load matrix: at least one layer, rows of equal non-zero length, every load finite, >= 0.
+// A load matrix: 1 to kMaxLayers layers, rows of equal length in [1, kMaxExperts], at most
+// kMaxTableEntries loads, every load finite and in [0, kMaxLoad] (so every sum stays finite).
 void validate_loads(const std::vector<std::vector<double>>& weight);
 // The checks rebalance() runs, for callers that validate before doing anything else.
 void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups,

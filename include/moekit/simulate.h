@@ -52,6 +52,9 @@ std::string to_string(const Routing& r);
 // Unnormalised weight of each expert; validates the routing against E (H <= E).
 std::vector<double> expert_weights(const Routing& r, int num_experts);
 
+// Bounds (moekit/limits.h): E <= kMaxExperts, P <= kMaxRanks, B <= kMaxBatch, trials and
+// trace steps <= kMaxTrials, trace layers <= kMaxLayers, threads <= kMaxThreads; past them an
+// Error names the value.
 struct SimulateInput {
   int num_experts = 0;  // E
   int topk = 0;         // k

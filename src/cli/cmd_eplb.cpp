@@ -207,7 +207,7 @@ void add_eplb_command(CLI::App& app) {
                 "with --current: hold only the worst layer to the tolerance, not every "
                 "layer (fewer moves, slower good layers)");
   cmd->add_option("--model", a.model, "model spec (name or JSON) for the bytes of one expert");
-  cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)");
+  cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)")->check(kUint64);
   cmd->add_option("--out", a.out, "write the placement JSON to this file");
   cmd->add_flag("--json", a.json_stdout, "print the placement JSON on stdout instead of the table");
   cmd->callback([] { run(a); });

@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <string_view>
 
 #include "cli/commands.h"
 #include "moekit/check.h"
@@ -190,12 +192,15 @@ std::vector<int64_t> plot_grid(int64_t lo, int64_t hi) {
   return grid;
 }
 
-std::string gp_quote(const std::string& s) {  // a gnuplot double-quoted string
+// A gnuplot double-quoted string holding only letters, digits, space and .,:()=+/_- ; any other
+// byte becomes '?'. The text carries model and GPU names from spec files, and gnuplot runs
+// `command` in backquotes even inside double quotes and ends a command at a newline: no
+// escaping rule is as simple to trust as a character set with nothing to escape.
+std::string gp_quote(const std::string& s) {
   std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
+  constexpr std::string_view kPunctuation = " .,:()=+/_-";
+  for (char c : s)
+    out += std::isalnum(static_cast<unsigned char>(c)) || kPunctuation.find(c) != std::string_view::npos ? c : '?';
   return out + "\"";
 }
 
@@ -270,7 +275,7 @@ void write_plot(const PlanResult& r, const std::string& dir) {
   };
 
   gp += "set output \"plan-floor.png\"\n";
-  gp += fmt::format("set title {}\n", gp_quote(what + ": floor of one decode step and its parts"));
+  gp += fmt::format("set title {} noenhanced\n", gp_quote(what + ": floor of one decode step and its parts"));
   gp += "set ylabel \"time per step (ms)\"\nset logscale y\nset format y \"%g\"\nset key bottom right box opaque\n";
   gp += marks(0.96, op_row.floor_ms);
   if (in.tpot_sla_ms)
@@ -286,7 +291,7 @@ void write_plot(const PlanResult& r, const std::string& dir) {
   gp += ", \\\n     \"plan-rows.dat\" using 1:2 with points pt 7 ps 1.2 lc rgb \"black\" title \"rows of the table\"\n";
 
   gp += "set output \"plan-coverage.png\"\n";
-  gp += fmt::format("set title {}\n", gp_quote(what + ": coverage, the share of routed experts hit per step"));
+  gp += fmt::format("set title {} noenhanced\n", gp_quote(what + ": coverage, the share of routed experts hit per step"));
   gp += "unset logscale y\nset format y \"%g%%\"\nset yrange [0:105]\nset ylabel \"coverage C(B) = 1 - (1 - k/E)^B\"\n"
         "set key bottom right box opaque\n";
   gp += marks(0.3, op_row.coverage * 100);

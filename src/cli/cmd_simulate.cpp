@@ -153,7 +153,7 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--ranks", o.ranks, "expert-parallel GPUs P (must divide E)")->capture_default_str();
   cmd->add_option("--batch", o.batch, "tokens per step B, all GPUs together")->capture_default_str();
   cmd->add_option("--trials", o.trials, "simulated steps")->capture_default_str();
-  cmd->add_option("--seed", o.seed, "random seed")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "random seed")->check(kUint64)->capture_default_str();
   cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R (H experts R times as likely)")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "worker threads, 0 = all (results do not depend on it)")

@@ -15,8 +15,10 @@
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <utility>
 
+#include "io/json_read.h"
 #include "moekit/check.h"
 
 namespace moekit {
@@ -128,12 +130,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   f.data_ = f.map_ + 8 + header_len;
   const uint64_t data_size = file_size - 8 - header_len;
 
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("safetensors file '{}': malformed JSON header: {}", path, e.what()));
-  }
+  // Nesting is bounded while parsing (kMaxJsonDepth, the package's own limit).
+  const nlohmann::json j = parse_json(text, fmt::format("safetensors file '{}': header", path));
   MOEKIT_CHECK(j.is_object(), fmt::format("safetensors file '{}': header must be a JSON object, got {}", path, j.type_name()));
 
   for (const auto& [name, v] : j.items()) {
@@ -141,27 +139,28 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
       MOEKIT_CHECK(v.is_object(), fmt::format("safetensors file '{}': __metadata__ must be an object of strings", path));
       for (const auto& [key, value] : v.items()) {
         MOEKIT_CHECK(value.is_string(), fmt::format("safetensors file '{}': __metadata__ entry '{}' = {} is not a string",
-                                                    path, key, value.dump()));
+                                                    path, quote_text(key, kMaxQuotedNameChars), quote(value)));
         f.metadata_[key] = value.get<std::string>();
       }
       continue;
     }
-    const std::string origin = fmt::format("safetensors file '{}': tensor '{}'", path, name);
+    const std::string origin =
+        fmt::format("safetensors file '{}': tensor '{}'", path, quote_text(name, kMaxQuotedNameChars));
     MOEKIT_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
-                 fmt::format("{}: expected an object with dtype, shape and data_offsets, got {}", origin, v.dump()));
+                 fmt::format("{}: expected an object with dtype, shape and data_offsets, got {}", origin, quote(v)));
     const auto& jd = v["dtype"];
     const auto& js = v["shape"];
     const auto& jo = v["data_offsets"];
-    MOEKIT_CHECK(jd.is_string(), fmt::format("{}: dtype {} is not a string", origin, jd.dump()));
+    MOEKIT_CHECK(jd.is_string(), fmt::format("{}: dtype {} is not a string", origin, quote(jd)));
     MOEKIT_CHECK(js.is_array() && std::all_of(js.begin(), js.end(), [](const auto& d) { return d.is_number_unsigned(); }),
-                 fmt::format("{}: shape {} must be an array of non-negative integers", origin, js.dump()));
+                 fmt::format("{}: shape {} must be an array of non-negative integers", origin, quote(js)));
     MOEKIT_CHECK(jo.is_array() && jo.size() == 2 && jo[0].is_number_unsigned() && jo[1].is_number_unsigned(),
-                 fmt::format("{}: data_offsets {} must be [begin, end], non-negative integers", origin, jo.dump()));
+                 fmt::format("{}: data_offsets {} must be [begin, end], non-negative integers", origin, quote(jo)));
     TensorInfo t;
     t.name = name;
     t.dtype = parse_dtype(jd.get<std::string>(), origin);
     for (const auto& d : js) {
-      MOEKIT_CHECK(d.get<uint64_t>() <= uint64_t(INT64_MAX), fmt::format("{}: shape {} is too large", origin, js.dump()));
+      MOEKIT_CHECK(d.get<uint64_t>() <= uint64_t(INT64_MAX), fmt::format("{}: shape {} is too large", origin, quote(js)));
       t.shape.push_back(d.get<int64_t>());
     }
     t.begin = jo[0].get<uint64_t>();
@@ -364,24 +363,22 @@ Checkpoint Checkpoint::open(const std::string& path) {
   impl.dir = path;
   const fs::path index_path = fs::path(path) / kIndexFileName;
   if (fs::exists(index_path)) {
-    std::ifstream in(index_path);
+    std::ifstream in(index_path, std::ios::binary);
     MOEKIT_CHECK(in.good(), fmt::format("checkpoint index '{}': cannot open", index_path.string()));
-    nlohmann::json j;
-    try {
-      in >> j;
-    } catch (const nlohmann::json::exception& e) {
-      throw Error(fmt::format("checkpoint index '{}': malformed JSON: {}", index_path.string(), e.what()));
-    }
+    std::ostringstream text;
+    text << in.rdbuf();
+    const nlohmann::json j = parse_json(text.str(), fmt::format("checkpoint index '{}'", index_path.string()));
     MOEKIT_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
                  fmt::format("checkpoint index '{}': expected an object with \"weight_map\": {{tensor: file}}",
                              index_path.string()));
     for (const auto& [name, file] : j["weight_map"].items()) {
       MOEKIT_CHECK(file.is_string(), fmt::format("checkpoint index '{}': weight_map['{}'] = {} is not a file name",
-                                                 index_path.string(), name, file.dump()));
+                                                 index_path.string(), quote_text(name, kMaxQuotedNameChars), quote(file)));
       const std::string file_name = file.get<std::string>();
       MOEKIT_CHECK(!file_name.empty() && fs::path(file_name).filename() == file_name,
                    fmt::format("checkpoint index '{}': weight_map['{}'] = '{}' must be a file name in the same directory",
-                               index_path.string(), name, file_name));
+                               index_path.string(), quote_text(name, kMaxQuotedNameChars),
+                               quote_text(file_name, kMaxQuotedNameChars)));
       impl.weight_map.emplace(name, file_name);
     }
     return c;

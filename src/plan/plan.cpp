@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "moekit/check.h"
+#include "moekit/limits.h"
 
 namespace moekit {
 
@@ -81,6 +82,7 @@ int64_t parse_batch_value(std::string_view item, std::string_view whole) {
                fmt::format("--batch '{}': '{}' is not an integer (expected a list like 1,8,64 or a range 1..1024)",
                            whole, item));
   MOEKIT_CHECK(v >= 1, fmt::format("--batch '{}': batch {} must be >= 1 (tokens per decode step)", whole, v));
+  MOEKIT_CHECK(v <= kMaxPlanBatch, fmt::format("--batch '{}': batch {} must be <= {}", whole, v, kMaxPlanBatch));
   return v;
 }
 
@@ -161,14 +163,17 @@ void validate(const PlanInput& in) {
   parse_model_spec(to_json(in.model), fmt::format("model '{}'", in.model.name));
   parse_gpu_spec(to_json(in.gpu), fmt::format("gpu '{}'", in.gpu.name));
   MOEKIT_CHECK(in.ep >= 1, fmt::format("--ep = {} must be >= 1 (expert-parallel GPUs)", in.ep));
+  MOEKIT_CHECK(in.ep <= kMaxRanks, fmt::format("--ep = {} must be <= {} (expert-parallel GPUs)", in.ep, kMaxRanks));
   if (in.model.is_moe())
     MOEKIT_CHECK(in.model.num_routed_experts % in.ep == 0,
                  fmt::format("--ep = {} must divide num_routed_experts = {} of model '{}' (experts are placed E/P "
                              "per GPU); try one of its divisors",
                              in.ep, in.model.num_routed_experts, in.model.name));
   MOEKIT_CHECK(!in.batches.empty(), std::string("--batch: no batch sizes given"));
-  for (int64_t b : in.batches) MOEKIT_CHECK(b >= 1, fmt::format("--batch: batch {} must be >= 1", b));
+  for (int64_t b : in.batches)
+    MOEKIT_CHECK(b >= 1 && b <= kMaxPlanBatch, fmt::format("--batch: batch {} must be >= 1 and <= {}", b, kMaxPlanBatch));
   MOEKIT_CHECK(in.context >= 1, fmt::format("--context = {} must be >= 1 (tokens of KV cache per sequence)", in.context));
+  MOEKIT_CHECK(in.context <= kMaxContext, fmt::format("--context = {} must be <= {}", in.context, kMaxContext));
   MOEKIT_CHECK(std::isfinite(in.mem_fraction) && in.mem_fraction > 0 && in.mem_fraction <= 1,
                fmt::format("--mem-fraction = {} must be in (0, 1]", in.mem_fraction));
   if (in.tpot_sla_ms)
@@ -202,7 +207,7 @@ int64_t batch_sla(const PlanInput& in, double sla_ms) {
   const double flops = dense_flops(in.gpu, in.dtype);
   const double L = accept_length(in);
   const double per_seq = double(tokens_per_sequence(in));
-  const double max_batch = std::floor(9007199254740992.0 / per_seq);  // 2^53 tokens
+  const double max_batch = std::floor(double(kMaxPlanBatch) / per_seq);  // 2^53 tokens
   double hi_real = std::floor(sla_ms * 1e-3 * in.ep * flops * L / (2.0 * in.model.active_params * per_seq)) + 1;
   int64_t lo = 1;
   int64_t hi = int64_t(std::clamp(hi_real, 2.0, max_batch));
@@ -351,7 +356,7 @@ PlanResult plan(const PlanInput& in) {
   res.binding = "knee";
   if (res.batch_sla && double(*res.batch_sla) < op) op = double(*res.batch_sla), res.binding = "sla";
   if (res.batch_mem < op) op = res.batch_mem, res.binding = "memory";
-  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, 9007199254740992.0)));
+  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, double(kMaxPlanBatch))));
 
   // docs/theory.md §Padding: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
   res.bm_star = res.ridge * bpp / 2.0;

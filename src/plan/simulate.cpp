@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "moekit/check.h"
+#include "moekit/limits.h"
 #include "moekit/plan.h"
 
 namespace moekit {
@@ -159,17 +160,20 @@ class TopkSampler {
 
 void validate(const SimulateInput& in) {
   MOEKIT_CHECK(in.num_experts >= 1, fmt::format("--experts = {} must be >= 1", in.num_experts));
+  MOEKIT_CHECK(in.num_experts <= kMaxExperts, fmt::format("--experts = {} must be <= {}", in.num_experts, kMaxExperts));
   MOEKIT_CHECK(in.topk >= 1 && in.topk <= in.num_experts,
                fmt::format("--topk = {} must be in [1, E = {}]", in.topk, in.num_experts));
   MOEKIT_CHECK(in.num_ranks >= 1, fmt::format("--ranks = {} must be >= 1", in.num_ranks));
+  MOEKIT_CHECK(in.num_ranks <= kMaxRanks, fmt::format("--ranks = {} must be <= {}", in.num_ranks, kMaxRanks));
   MOEKIT_CHECK(in.num_experts % in.num_ranks == 0,
                fmt::format("--ranks = {} must divide E = {} (experts are placed E/P per GPU, contiguously)",
                            in.num_ranks, in.num_experts));
   MOEKIT_CHECK(in.batch >= 1, fmt::format("--batch = {} must be >= 1 (tokens per step)", in.batch));
-  MOEKIT_CHECK(in.batch <= (int64_t(1) << 40) / in.topk,
-               fmt::format("--batch = {} is too large: B·k must stay below 2^40", in.batch));
+  MOEKIT_CHECK(in.batch <= kMaxBatch, fmt::format("--batch = {} must be <= {} (tokens per step)", in.batch, kMaxBatch));
   MOEKIT_CHECK(in.trials >= 2, fmt::format("--trials = {} must be >= 2 (a standard error needs two samples)", in.trials));
+  MOEKIT_CHECK(in.trials <= kMaxTrials, fmt::format("--trials = {} must be <= {}", in.trials, kMaxTrials));
   MOEKIT_CHECK(in.num_threads >= 0, fmt::format("threads = {} must be >= 0 (0: one per hardware thread)", in.num_threads));
+  MOEKIT_CHECK(in.num_threads <= kMaxThreads, fmt::format("threads = {} must be <= {}", in.num_threads, kMaxThreads));
   expert_weights(in.routing, in.num_experts);  // validates the routing against E
 }
 
@@ -414,8 +418,10 @@ SimulateResult simulate(const SimulateInput& in, const ProgressFn& progress) {
 
 RoutingTrace sample_trace(const SimulateInput& in, int num_layers, int64_t num_steps) {
   validate(in);
-  MOEKIT_CHECK(num_layers >= 1, fmt::format("--layers = {} must be >= 1", num_layers));
-  MOEKIT_CHECK(num_steps >= 1, fmt::format("--steps = {} must be >= 1", num_steps));
+  MOEKIT_CHECK(num_layers >= 1 && num_layers <= kMaxLayers,
+               fmt::format("--layers = {} must be >= 1 and <= {}", num_layers, kMaxLayers));
+  MOEKIT_CHECK(num_steps >= 1 && num_steps <= kMaxTrials,
+               fmt::format("--steps = {} must be >= 1 and <= {}", num_steps, kMaxTrials));
   MOEKIT_CHECK(in.batch % in.num_ranks == 0,
                fmt::format("--save-trace: --batch = {} must be a multiple of --ranks = {} (a trace spreads a step's "
                            "tokens evenly over the ranks)",

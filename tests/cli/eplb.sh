@@ -102,7 +102,7 @@ expect_error "--current of another shape" "--current" --load "$tmp/ex.json" --sl
 expect_error "unknown model" "deepseek-v9" --load "$tmp/ex.json" "${TOPO[@]}" --current "$tmp/p.json" --model deepseek-v9
 expect_error "tolerance out of range" "--tolerance 2" --load "$tmp/ex.json" "${TOPO[@]}" --current "$tmp/p.json" --tolerance 2
 echo '{"format": "moekit-trace", "num_experts": 8, "topk": 2, "num_ranks": 2, "layers": [[[[0,9],[0,2]]]]}' > "$tmp/badtrace.json"
-expect_error "trace expert id out of range" "expert id 9 out of range" --trace "$tmp/badtrace.json" --slots 8 --groups 1 --nodes 1 --gpus 4
+expect_error "trace expert id out of range" "expert id 9 is not an integer in [0, 8)" --trace "$tmp/badtrace.json" --slots 8 --groups 1 --nodes 1 --gpus 4
 echo '{"num_experts": 12, "num_groups": 4, "num_nodes": 2, "num_gpus": 8, "phy2log": [[0,1,2,3,4,5,6,7,8,9,10,10,10,10,10,10],[0,1,2,3,4,5,6,7,8,9,10,11,0,0,0,0]]}' > "$tmp/hole_placement.json"
 expect_error "--current missing an expert" "layer 0 expert 11 has no replica" --load "$tmp/ex.json" "${TOPO[@]}" --current "$tmp/hole_placement.json"
 
