@@ -3,9 +3,9 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "io/file_io.h"
 #include "moekit/check.h"
 
 namespace moekit {
@@ -33,11 +33,10 @@ void validate_trace(const RoutingTrace& t) {
 }
 
 RoutingTrace read_trace(const std::string& path) {
-  std::ifstream in(path);
-  MOEKIT_CHECK(in.good(), fmt::format("cannot open trace file '{}'", path));
+  const std::string text = read_regular_file(path, "trace file");
   nlohmann::json j;
   try {
-    in >> j;
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("trace '{}': malformed JSON: {}", path, e.what()));
   }
@@ -69,27 +68,27 @@ RoutingTrace read_trace(const std::string& path) {
 
 void write_trace(const RoutingTrace& t, const std::string& path) {
   validate_trace(t);
-  std::ofstream out(path);
-  MOEKIT_CHECK(out.good(), fmt::format("cannot write trace file '{}'", path));
+  OutputFile out(path, "trace file");
   // Written by hand, one token per array, so large traces stay compact and streamable.
-  out << "{\"format\": \"moekit-trace\", \"num_experts\": " << t.num_experts << ", \"topk\": " << t.topk
-      << ", \"num_ranks\": " << t.num_ranks << ", \"layers\": [";
+  out.write(fmt::format("{{\"format\": \"moekit-trace\", \"num_experts\": {}, \"topk\": {}, \"num_ranks\": {}, \"layers\": [",
+                        t.num_experts, t.topk, t.num_ranks));
+  std::string buf;
   for (size_t l = 0; l < t.layers.size(); ++l) {
-    out << (l ? ",\n[" : "\n[");
+    out.write(l ? ",\n[" : "\n[");
     for (size_t s = 0; s < t.layers[l].size(); ++s) {
-      out << (s ? ",\n [" : "\n [");
+      buf = s ? ",\n [" : "\n [";
       const auto& step = t.layers[l][s];
       for (size_t i = 0; i < step.size(); ++i) {
-        if (i % t.topk == 0) out << (i ? "],[" : "[");
-        else out << ",";
-        out << step[i];
+        buf += i % t.topk == 0 ? (i ? "],[" : "[") : ",";
+        buf += std::to_string(step[i]);
       }
-      out << (step.empty() ? "]" : "]]");
+      buf += step.empty() ? "]" : "]]";
+      out.write(buf);
     }
-    out << "]";
+    out.write("]");
   }
-  out << "]}\n";
-  MOEKIT_CHECK(out.good(), fmt::format("writing trace file '{}' failed", path));
+  out.write("]}\n");
+  out.commit();
 }
 
 }  // namespace moekit

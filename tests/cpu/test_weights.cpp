@@ -359,6 +359,41 @@ TEST(RandomWeights, DeterministicAndIndependentOfSubsetAndSharding) {
   EXPECT_NE(std::memcmp(other.bytes(g, Dtype::kF8E4M3, shape).data(), a.bytes(g, Dtype::kF8E4M3, shape).data(), 128 * 256), 0);
 }
 
+// Item: regenerating into a directory and being interrupted left shards of two runs and no
+// index, which opened as "a directory of *.safetensors" mixing both seeds.
+TEST(RandomWeights, AnInterruptedRegenerationIsRefusedNotGuessedAt) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = small_spec();
+  const RandomWeightsOptions first = {.seed = 1, .max_shard_bytes = 300000};
+  const RandomWeightsPlan plan = write_random_weights(spec, first, dir.string());
+  ASSERT_GE(plan.shards.size(), 4u);
+  EXPECT_NO_THROW(Checkpoint::open(dir.string()));
+
+  // The second run (another seed) stops half-way: the progress callback plays the interrupt.
+  struct Interrupted {};
+  const RandomWeightsOptions second = {.seed = 2, .max_shard_bytes = 300000};
+  EXPECT_THROW(write_random_weights(spec, second, dir.string(),
+                                    [&](uint64_t done, uint64_t total) {
+                                      if (done > total / 2) throw Interrupted{};
+                                    }),
+               Interrupted);
+  EXPECT_FALSE(fs::exists(dir / kIndexFileName)) << "the old index must go before any shard is replaced";
+  for (const auto& e : fs::directory_iterator(dir)) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+  // Shard 1 is the second run's, the last shard still the first run's.
+  EXPECT_EQ(SafetensorsFile::open((dir / plan.shards.front().file_name).string()).metadata().at("seed"), "2");
+  EXPECT_EQ(SafetensorsFile::open((dir / plan.shards.back().file_name).string()).metadata().at("seed"), "1");
+  expect_error([&] { Checkpoint::open(dir.string()); },
+               {"checkpoint '" + dir.string() + "'", plan.shards.front().file_name, "was written by moekit random weights",
+                "has no model.safetensors.index.json", "interrupted write"});
+
+  // Run to the end, the directory opens again, all of it the second seed.
+  write_random_weights(spec, second, dir.string());
+  const Checkpoint c = Checkpoint::open(dir.string());
+  for (const auto& s : plan.shards) EXPECT_EQ(c.file_of(s.tensors.front().name).metadata().at("seed"), "2");
+  // A single shard named directly is complete and opens (it was renamed into place when whole).
+  EXPECT_NO_THROW(Checkpoint::open((dir / plan.shards.back().file_name).string()));
+}
+
 TEST(RandomWeights, ShapesThatAreNotMultiplesOf128) {
   const fs::path dir = test_dir();
   const ModelSpec spec = odd_spec();
