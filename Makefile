@@ -3,7 +3,10 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: demo test build setup clean gpu-build
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+
+.PHONY: demo test build setup clean gpu-build fuzz-smoke
 
 setup:
 	@bash scripts/setup
@@ -21,6 +24,11 @@ test: build
 # Installs what is missing, builds, runs the main job on the embedded default.
 demo: build
 	@bash scripts/demo $(BUILD)
+
+# Builds the libFuzzer harnesses of fuzz/ with clang, ASan and UBSan (installing clang if missing)
+# and runs each for FUZZ_SECONDS; fails when one finds a crash (docs/fuzzing.md).
+fuzz-smoke:
+	@bash fuzz/run $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD)

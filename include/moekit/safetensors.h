@@ -54,7 +54,7 @@ namespace moekit {
 // (a tensor of them must hold a whole number of bytes); every other dtype holds whole bytes.
 enum class Dtype {
   kBool, kU8, kI8, kF8E4M3, kF8E5M2, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kI64, kU64, kF64,
-  kF4, kF6E2M3, kF6E3M2, kF8E8M0, kC64
+  kF4, kF6E2M3, kF6E3M2, kF8E8M0, kF8E4M3FNUZ, kF8E5M2FNUZ, kC64
 };
 
 std::string_view dtype_name(Dtype dtype);  // as in the header: "F8_E4M3", "BF16", ...

@@ -92,6 +92,8 @@ TEST(Dtype, NamesAndSizes) {
   EXPECT_THROW(dtype_size(Dtype::kF4), Error);
   EXPECT_EQ(parse_dtype("F32", "x"), Dtype::kF32);
   EXPECT_EQ(parse_dtype("F8_E8M0", "x"), Dtype::kF8E8M0);
+  EXPECT_EQ(parse_dtype("F8_E4M3FNUZ", "x"), Dtype::kF8E4M3FNUZ);
+  EXPECT_EQ(dtype_size(Dtype::kF8E5M2FNUZ), 1u);
   EXPECT_THROW(parse_dtype("F2", "x"), Error);
   const int64_t shape[] = {2048, 7168};
   EXPECT_EQ(shape_string(shape), "[2048, 7168]");

@@ -617,3 +617,81 @@ TEST(PythonInterop, GeneratedCheckpointsReadByThePackage) {
     }
   }
 }
+
+// The differential mode (issue: "accepts exactly what the package accepts"): a few hundred files
+// made by mutating small valid ones (header bytes, lengths, offsets, dtypes, shapes, NUL, byte
+// order mark, whitespace, repeated names and fields, nesting, truncation; see the script), each
+// opened by moekit and by the package. moekit must refuse exactly the files the package refuses,
+// with a moekit::Error, and read the same tensors and metadata from the others. The one allowed
+// difference is a dimension above 2^63 - 1 in an empty tensor (shapes are int64_t here).
+TEST(PythonInterop, MutatedFilesAcceptedExactlyAsThePackageAcceptsThem) {
+  const fs::path dir = test_dir();
+  // MOEKIT_MUTANTS=COUNT:SEED runs another corpus (docs/fuzzing.md); the default is fixed.
+  int num_mutants = 600;
+  uint64_t seed = 20261130;
+  if (const char* env = std::getenv("MOEKIT_MUTANTS")) {
+    ASSERT_EQ(std::sscanf(env, "%d:%lu", &num_mutants, &seed), 2) << env;
+  }
+  RUN_PYTHON(r, fmt::format("mutants {} {} {}", quoted(dir), num_mutants, seed));
+  std::ifstream in(dir / "verdicts.json");
+  const auto verdicts = nlohmann::json::parse(in);
+  ASSERT_EQ(verdicts.size(), size_t(num_mutants));
+  int accepted = 0, refused = 0;
+  std::vector<std::string> mismatches;
+  for (const auto& v : verdicts) {
+    const std::string file = v["file"].get<std::string>();
+    const std::string what = file + " (" + v["mutations"].dump() + ")";
+    std::optional<SafetensorsFile> f;
+    std::string error;
+    try {
+      f.emplace(SafetensorsFile::open((dir / file).string()));
+    } catch (const Error& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      mismatches.push_back(what + ": threw something other than moekit::Error: " + e.what());
+      continue;
+    }
+    if (!v["accepted"].get<bool>()) {
+      ++refused;
+      if (f) mismatches.push_back(what + ": the package refuses it (" + v["error"].get<std::string>() + "), moekit opens it");
+      continue;
+    }
+    ++accepted;
+    if (v["int64_deviation"].get<bool>()) {
+      if (f || error.find("is above 2^63 - 1") == std::string::npos)
+        mismatches.push_back(what + ": a dimension above 2^63 - 1 must be refused as such, got: " + (f ? "opened" : error));
+      continue;
+    }
+    if (!f) {
+      mismatches.push_back(what + ": the package accepts it, moekit refuses: " + error);
+      continue;
+    }
+    const auto& want = v["tensors"];
+    std::string diff;
+    if (f->tensors().size() != want.size()) diff += fmt::format(" {} tensors, the package {};", f->tensors().size(), want.size());
+    for (const auto& [name, t] : want.items()) {
+      if (!f->contains(name)) {
+        diff += " no tensor '" + name + "';";
+        continue;
+      }
+      const TensorInfo& info = f->info(name);
+      auto bytes = f->bytes(name);
+      std::string hex;
+      for (uint8_t b : bytes) hex += fmt::format("{:02x}", b);
+      if (dtype_name(info.dtype) != t["dtype"].get<std::string>() || info.shape != t["shape"].get<std::vector<int64_t>>() ||
+          hex != t["hex"].get<std::string>())
+        diff += " tensor '" + name + "' differs;";
+    }
+    const std::map<std::string, std::string> meta =
+        v["metadata"].is_null() ? std::map<std::string, std::string>{} : v["metadata"].get<std::map<std::string, std::string>>();
+    if (f->metadata() != meta) diff += " metadata differs;";
+    if (!diff.empty()) mismatches.push_back(what + ":" + diff);
+  }
+  EXPECT_TRUE(mismatches.empty()) << mismatches.size() << " of " << num_mutants << " files differ, the first:\n"
+                                  << fmt::format("{}", fmt::join(mismatches.begin(),
+                                                                 mismatches.begin() + std::min<size_t>(mismatches.size(), 20), "\n"));
+  // A corpus that tests both sides: many files of each kind.
+  EXPECT_GE(accepted, num_mutants / 10);
+  EXPECT_GE(refused, num_mutants / 2);
+  std::cout << "mutants: " << accepted << " accepted and " << refused << " refused by both\n";
+}
