@@ -495,9 +495,9 @@ Checkpoint Checkpoint::open(const std::string& path) {
   MOEKIT_CHECK(!names.empty(), fmt::format("checkpoint '{}': directory holds neither {} nor *.safetensors files", path,
                                            kIndexFileName));
   std::sort(names.begin(), names.end());
+  // moekit's generator writes the index last: its files without one are an interrupted write
+  // (checked before the files' tensors, which may well clash between two runs' shards).
   for (const auto& n : names) {
-    add_file(n);
-    // moekit's generator writes the index last: its files without one are an interrupted write.
     const auto& meta = impl.file(n).metadata();
     auto gen = meta.find("generator");
     MOEKIT_CHECK(gen == meta.end() || gen->second != kGeneratorName,
@@ -507,6 +507,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
                              path, n, kGeneratorName, meta.count("seed") ? meta.at("seed") : "?", kIndexFileName,
                              kIndexFileName));
   }
+  for (const auto& n : names) add_file(n);
   return c;
 }
 

@@ -392,6 +392,15 @@ TEST(RandomWeights, AnInterruptedRegenerationIsRefusedNotGuessedAt) {
   for (const auto& s : plan.shards) EXPECT_EQ(c.file_of(s.tensors.front().name).metadata().at("seed"), "2");
   // A single shard named directly is complete and opens (it was renamed into place when whole).
   EXPECT_NO_THROW(Checkpoint::open((dir / plan.shards.back().file_name).string()));
+
+  // Interrupted again with another shard size: the file names differ from the old ones, so the
+  // two runs' files hold the same tensors; still the interrupted write is what the error says.
+  EXPECT_THROW(write_random_weights(spec, {.seed = 3, .max_shard_bytes = 700000}, dir.string(),
+                                    [&](uint64_t done, uint64_t total) {
+                                      if (done > total / 2) throw Interrupted{};
+                                    }),
+               Interrupted);
+  expect_error([&] { Checkpoint::open(dir.string()); }, {"was written by moekit random weights", "interrupted write"});
 }
 
 TEST(RandomWeights, ShapesThatAreNotMultiplesOf128) {
