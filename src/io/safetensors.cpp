@@ -118,6 +118,7 @@ HeaderMembers parse_header_members(std::string_view text, const std::string& pat
   std::string key;            // the current top-level key
   std::string meta_key;       // the current key inside __metadata__
   bool seen_metadata = false;
+  bool metadata_is_object = false;
   std::vector<std::string> fields;  // dtype / shape / data_offsets seen in the current entry
   auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
     using E = json::parse_event_t;
@@ -128,7 +129,8 @@ HeaderMembers parse_header_members(std::string_view text, const std::string& pat
       h.top_type = event == E::object_start ? "object" : event == E::array_start ? "array" : parsed.type_name();
     if (depth == 0 && event == E::object_start) h.is_object = true;
     if (!h.is_object) return true;
-    const bool in_metadata = key == "__metadata__";
+    const bool in_metadata = key == "__metadata__" && metadata_is_object;
+    if (depth == 1 && event == E::object_start && key == "__metadata__") metadata_is_object = true;
     if (depth == 1 && event == E::key) {
       key = parsed.get<std::string>();
       fields.clear();

@@ -265,6 +265,7 @@ TEST(Safetensors, HeaderAcceptedExactlyAsThePackageAcceptsIt) {
   EXPECT_EQ(accepted(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4],"x":1,"x":2}})", "1234").tensors().size(), 1u);
   refused(R"({"__metadata__":{"k":1,"k":"x"}})", "", {"__metadata__ entry 'k' = 1 is not a string"});
   EXPECT_EQ(accepted(R"({"__metadata__":{"k":"y","k":"x"}})", "").metadata().at("k"), "x");
+  refused(R"({"__metadata__":[1]})", "", {"__metadata__ must be an object of strings, got array"});
 
   // Nesting: 127 levels pass, 128 do not (serde_json's limit).
   auto nested = [&](int levels) {
