@@ -79,7 +79,7 @@ else
 fi
 
 # --- SIGINT and SIGTERM -------------------------------------------------------------------------
-# `moekit run` writes tiny-moe's 4 layers (205 MB) of random weights to a temporary directory;
+# `moekit run` writes tiny-moe's first 2 layers (103 MB) of random weights to a temporary directory;
 # the signal comes as soon as the directory holds a file being written.
 # wait_for GLOB PID: waits (up to 60 s) until a path matches GLOB, or the process has ended.
 wait_for() {
@@ -96,7 +96,7 @@ set -m  # background jobs keep SIGINT (a non-interactive shell would start them 
 for sig in TERM INT; do
   td="$tmp/tmpdir_$sig"
   mkdir "$td"
-  TMPDIR="$td" "$MOEKIT" run --model tiny-moe --layers 4 > /dev/null 2> "$tmp/stderr_$sig" &
+  TMPDIR="$td" "$MOEKIT" run --model tiny-moe --layers 2 > /dev/null 2> "$tmp/stderr_$sig" &
   pid=$!
   if wait_for "$td/moekit-run-*/*.tmp" $pid; then
     kill -s "$sig" $pid
@@ -117,13 +117,13 @@ done
 # --- an interrupted --save-weights --------------------------------------------------------------
 # The second run removes the first run's index, is stopped while writing, and the directory is then
 # refused: without an index its files would open as a checkpoint holding the first run's seed.
-run_ok "save weights" "$tmp/r1.txt" run --model tiny-moe --layers 4 --save-weights "$tmp/w" --seed 1
-"$MOEKIT" run --model tiny-moe --layers 4 --save-weights "$tmp/w" --seed 2 > /dev/null 2>&1 &
+run_ok "save weights" "$tmp/r1.txt" run --model tiny-moe --layers 2 --save-weights "$tmp/w" --seed 1
+"$MOEKIT" run --model tiny-moe --layers 2 --save-weights "$tmp/w" --seed 2 > /dev/null 2>&1 &
 pid=$!
 if wait_for "$tmp/w/*.tmp" $pid; then
   kill -s TERM $pid
   wait $pid
-  expect_error_in "an interrupted --save-weights is refused" 60 "holds an interrupted write" run --model tiny-moe --layers 4 --weights "$tmp/w"
+  expect_error_in "an interrupted --save-weights is refused" 60 "holds an interrupted write" run --model tiny-moe --layers 2 --weights "$tmp/w"
   if compgen -G "$tmp/w/*.tmp" > /dev/null; then fail "the interrupted shard's .tmp is left"; else pass "the interrupted shard's .tmp is removed"; fi
 else
   wait $pid
