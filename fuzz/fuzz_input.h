@@ -19,7 +19,8 @@
 
 namespace moekit::fuzz {
 
-// This process's scratch directory, removed at exit.
+// This process's scratch directory under TMPDIR, removed at a normal exit (libFuzzer's own exits
+// skip that; fuzz/run empties its TMPDIR after each harness).
 inline const std::filesystem::path& scratch_dir() {
   static const std::filesystem::path dir = [] {
     const char* base = std::getenv("TMPDIR");
