@@ -4,7 +4,10 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 BENCH_OUT ?= bench-out
 
-.PHONY: demo test test-gpu bench build setup clean
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+
+.PHONY: demo test test-gpu bench build setup clean fuzz-smoke
 
 setup:
 	@bash scripts/setup
@@ -37,6 +40,11 @@ bench:
 # Installs what is missing, builds, runs the main job on the embedded default.
 demo: build
 	@bash scripts/demo $(BUILD)
+
+# Builds the libFuzzer harnesses of fuzz/ with clang, ASan and UBSan (installing clang if missing)
+# and runs each for FUZZ_SECONDS; fails when one finds a crash (docs/fuzzing.md).
+fuzz-smoke:
+	@bash fuzz/run $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD)

@@ -16,6 +16,7 @@
 #include <random>
 
 #include "cli/commands.h"
+#include "io/file_io.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "cli/cuda/run_cuda.h"
 #endif
@@ -49,13 +50,15 @@ struct RunOptions {
   bool json = false;
 };
 
-// A temporary checkpoint directory, removed when the run ends (also on error).
+// A temporary checkpoint directory, removed when the run ends (also on error, SIGINT and SIGTERM).
 struct TempDir {
   std::string path;
+  std::optional<InterruptCleanup> on_interrupt;
   TempDir() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "moekit-run-XXXXXX").string();
     MOEKIT_CHECK(mkdtemp(tmpl.data()) != nullptr, fmt::format("cannot create a temporary directory {}", tmpl));
     path = tmpl;
+    on_interrupt.emplace(path);
   }
   ~TempDir() {
     std::error_code ec;

@@ -5,10 +5,10 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "io/file_io.h"
 #include "io/json_read.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
@@ -20,11 +20,7 @@ namespace {
 using nlohmann::json;
 
 std::string read_text(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  MOEKIT_CHECK(in.good(), fmt::format("cannot open {} file '{}'", what, path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return read_regular_file(path, fmt::format("{} file", what));
 }
 
 std::string trim(const std::string& s) {

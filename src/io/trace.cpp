@@ -3,10 +3,10 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "io/file_io.h"
 #include "io/json_read.h"
 #include "moekit/check.h"
 #include "moekit/limits.h"
@@ -43,12 +43,8 @@ void validate_trace(const RoutingTrace& t) {
 }
 
 RoutingTrace read_trace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  MOEKIT_CHECK(in.good(), fmt::format("cannot open trace file '{}'", path));
-  std::ostringstream text;
-  text << in.rdbuf();
   const std::string origin = fmt::format("trace '{}'", path);
-  const nlohmann::json j = parse_json(text.str(), origin);
+  const nlohmann::json j = parse_json(read_regular_file(path, "trace file"), origin);
   JsonFields f(j, origin);
   const std::string format = f.str("format");
   MOEKIT_CHECK(format == "moekit-trace", fmt::format("{}: field 'format' = \"{}\" must be \"moekit-trace\"", origin,
@@ -100,27 +96,27 @@ RoutingTrace read_trace(const std::string& path) {
 
 void write_trace(const RoutingTrace& t, const std::string& path) {
   validate_trace(t);
-  std::ofstream out(path);
-  MOEKIT_CHECK(out.good(), fmt::format("cannot write trace file '{}'", path));
+  OutputFile out(path, "trace file");
   // Written by hand, one token per array, so large traces stay compact and streamable.
-  out << "{\"format\": \"moekit-trace\", \"num_experts\": " << t.num_experts << ", \"topk\": " << t.topk
-      << ", \"num_ranks\": " << t.num_ranks << ", \"layers\": [";
+  out.write(fmt::format("{{\"format\": \"moekit-trace\", \"num_experts\": {}, \"topk\": {}, \"num_ranks\": {}, \"layers\": [",
+                        t.num_experts, t.topk, t.num_ranks));
+  std::string buf;
   for (size_t l = 0; l < t.layers.size(); ++l) {
-    out << (l ? ",\n[" : "\n[");
+    out.write(l ? ",\n[" : "\n[");
     for (size_t s = 0; s < t.layers[l].size(); ++s) {
-      out << (s ? ",\n [" : "\n [");
+      buf = s ? ",\n [" : "\n [";
       const auto& step = t.layers[l][s];
       for (size_t i = 0; i < step.size(); ++i) {
-        if (i % t.topk == 0) out << (i ? "],[" : "[");
-        else out << ",";
-        out << step[i];
+        buf += i % t.topk == 0 ? (i ? "],[" : "[") : ",";
+        buf += std::to_string(step[i]);
       }
-      out << (step.empty() ? "]" : "]]");
+      buf += step.empty() ? "]" : "]]";
+      out.write(buf);
     }
-    out << "]";
+    out.write("]");
   }
-  out << "]}\n";
-  MOEKIT_CHECK(out.good(), fmt::format("writing trace file '{}' failed", path));
+  out.write("]}\n");
+  out.commit();
 }
 
 }  // namespace moekit

@@ -3,10 +3,11 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
+#include "io/file_io.h"
 #include "io/json_read.h"
 #include "moekit/check.h"
 #include "moekit/limits.h"
@@ -139,13 +140,7 @@ bool looks_like_path(std::string_view s) {
   return s.find('/') != std::string_view::npos || (s.size() > 5 && s.substr(s.size() - 5) == ".json");
 }
 
-std::string read_file(std::string_view path) {
-  std::ifstream in{std::string(path)};
-  MOEKIT_CHECK(in.good(), fmt::format("cannot open spec file '{}'", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_file(std::string_view path) { return read_regular_file(std::string(path), "spec file"); }
 
 std::string_view find_embedded(const std::vector<detail::EmbeddedSpec>& specs, std::string_view name,
                                const char* kind) {
