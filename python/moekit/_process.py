@@ -27,11 +27,12 @@ def check_transport(transport):
 
 def check_group(group, what):
     """`group` must be a torch.distributed ProcessGroup; TypeError naming what it is otherwise."""
-    torch = _torch()
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{what}: group must be a torch.distributed ProcessGroup (one process per GPU, e.g. "
-                        f"torch.distributed.group.WORLD after init_process_group), got {type(group).__name__}")
+    if _torch() is not None:  # a ProcessGroup exists only where PyTorch was imported
+        import torch.distributed as dist
+        if dist.is_available() and isinstance(group, dist.ProcessGroup):
+            return
+    raise TypeError(f"{what}: group must be a torch.distributed ProcessGroup (one process per GPU, e.g. "
+                    f"torch.distributed.group.WORLD after init_process_group), got {type(group).__name__}")
 
 
 def disagreement(entries, what):

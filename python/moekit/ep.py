@@ -216,6 +216,16 @@ class Buffer:
     group_size = num_ranks  # DeepEP's name
 
     @property
+    def protocol(self):
+        """"low-latency" or "normal": the mode of a CUDA buffer's layout (the CPU group serves both)."""
+        return self._ep.protocol
+
+    @property
+    def num_local_experts(self):
+        """E_loc: the slots this rank holds, [rank * E_loc, (rank + 1) * E_loc)."""
+        return self._ep.core.num_local_experts
+
+    @property
     def max_recv_rows(self):
         """CUDA, normal mode: the rows of the contiguous receive tensors, the shape
         [max_recv_rows, hidden] that combine's x (the contiguous GEMM's output) must have."""
