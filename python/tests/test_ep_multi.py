@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -47,10 +48,10 @@ def _skip_reason():
         return "needs PyTorch (not installed)"
     if not moekit.with_cuda:
         return "needs moekit built with CUDA"
-    import torch.distributed
-    if not torch.distributed.is_available():
+    import torch.distributed as dist  # binds `dist` only; also makes torch.distributed an attribute
+    if not dist.is_available():
         return "needs torch.distributed (this PyTorch has none)"
-    if not torch.distributed.is_nccl_available():
+    if not dist.is_nccl_available():
         return "needs NCCL in torch.distributed"
     gpus = torch.cuda.device_count()
     if gpus < P:
@@ -104,6 +105,83 @@ def test_ranks_that_disagree_are_named():
     failed = {"args": args, "error": "NCCL: cannot load libnccl.so.2"}
     assert _process.disagreement([failed, other], "moekit.Buffer") == (  # a failure is named before a mismatch
         "moekit.Buffer: rank 0 failed before connecting: NCCL: cannot load libnccl.so.2")
+
+
+class _Group:
+    """Stands in for a ProcessGroup: rank() and size()."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def _fake_torch(monkeypatch, answer):
+    """A stand-in for torch with what _process uses: distributed.all_gather_object fills `out` with
+    answer(obj), every rank's object; cuda.current_device() is 3. Gone after the test."""
+    import types
+    fake = types.ModuleType("torch")
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = answer(obj)
+    fake.distributed = types.SimpleNamespace(all_gather_object=all_gather_object)
+    fake.cuda = types.SimpleNamespace(current_device=lambda: 3)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(_process, "use_pytorch_nccl", lambda: None)
+
+
+def test_exchange_over_a_group(monkeypatch):
+    """What connect_args makes of the group: rank, size, device; nvlink an all-gather of bytes in rank
+    order, nccl rank 0's unique id on every rank; a failure or a mismatch on any rank raised on all."""
+    args = dict(hidden=256, transport="nvlink")
+
+    def peer(obj, **change):  # another rank's entry of the argument all-gather
+        return dict(obj, **change) if isinstance(obj, dict) else b"<rank 0>"
+    _fake_torch(monkeypatch, lambda obj: [peer(obj), obj])
+    got = _process.connect_args(_Group(1, 2), "nvlink", args, "moekit.Buffer")
+    assert {k: v for k, v in got.items() if k != "all_gather"} == dict(
+        rank=1, num_ranks=2, device=3, transport="nvlink", nccl_unique_id=b"")
+    assert got["all_gather"](b"<rank 1>") == b"<rank 0><rank 1>"
+
+    def no_id():
+        raise AssertionError("only rank 0 makes the NCCL unique id")
+    monkeypatch.setattr(_process._core, "nccl_unique_id", no_id, raising=False)
+    _fake_torch(monkeypatch, lambda obj: [peer(obj, nccl_unique_id=b"I" * 128), obj])
+    got = _process.connect_args(_Group(1, 2), "nccl", args, "moekit.Buffer")
+    assert got["nccl_unique_id"] == b"I" * 128 and got["all_gather"] is None
+
+    monkeypatch.setattr(_process._core, "nccl_unique_id", lambda: b"J" * 128, raising=False)
+    _fake_torch(monkeypatch, lambda obj: [obj, peer(obj, nccl_unique_id=b"")])
+    assert _process.connect_args(_Group(0, 2), "nccl", args, "moekit.Buffer")["nccl_unique_id"] == b"J" * 128
+
+    def fails():
+        raise moekit.Error("NCCL: cannot load libnccl.so.2")
+    monkeypatch.setattr(_process._core, "nccl_unique_id", fails, raising=False)
+    _fake_torch(monkeypatch, lambda obj: [obj, peer(obj)])
+    with pytest.raises(moekit.Error, match="moekit.Buffer: rank 0 failed before connecting: NCCL: cannot load"):
+        _process.connect_args(_Group(0, 2), "nccl", args, "moekit.Buffer")
+
+    _fake_torch(monkeypatch, lambda obj: [obj, peer(obj, args=dict(args, hidden=512))])
+    with pytest.raises(moekit.Error, match="rank 1 has hidden = 512, rank 0 has 256"):
+        _process.connect_args(_Group(0, 2), "nvlink", args, "moekit.Buffer")
+
+
+@pytest.mark.skipif(not moekit.with_cuda, reason="needs moekit built with CUDA (the binding of connect)")
+def test_the_exchange_reaches_the_core(monkeypatch, tmp_path):
+    """Buffer and MoELayer hand the exchange and their sizes to the core's connect by name: a bad
+    hidden size, or an unknown model, comes back as the core's moekit.Error (a misnamed argument would
+    be nanobind's TypeError), before any CUDA call."""
+    monkeypatch.setattr(_process, "check_group", lambda group, what: None)
+    monkeypatch.setattr(_process, "connect_args", lambda group, transport, args, what: dict(
+        rank=0, num_ranks=2, device=0, transport=transport, nccl_unique_id=b"", all_gather=None))
+    with pytest.raises(moekit.Error, match="hidden"):
+        moekit.Buffer(_Group(0, 2), T_MAX, 200, SLOTS, K, protocol="normal", max_recv_rows=256)
+    with pytest.raises(moekit.Error, match="no-such-model"):
+        moekit.MoELayer("no-such-model", tmp_path, max_tokens=4, device="cuda", group=_Group(0, 2))
 
 
 # ---- One GPU: the core checks what the caller's group swapped ---------------------------------------
