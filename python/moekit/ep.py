@@ -217,7 +217,7 @@ class Buffer:
 
     @property
     def protocol(self):
-        """"low-latency" or "normal": the mode of a CUDA buffer's layout (the CPU group serves both)."""
+        """The mode of a CUDA buffer's layout, "low-latency" or "normal" (the CPU group serves both)."""
         return self._ep.protocol
 
     @property

@@ -39,7 +39,7 @@ from test_layer import MODEL, expert_f64
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ep_two_process.py"
 INTER = 128
 PROTOCOLS = ("low-latency", "normal")
-SPAWN_LIMIT_S = 300.0   # a spawned test that runs longer is killed and fails
+SPAWN_LIMIT_S = 180.0   # a spawned test that runs longer is killed and fails
 FAULT_TIMEOUT_S = 2.0   # the fault test's Buffer timeout_s
 
 
