@@ -115,6 +115,7 @@ class ProcessTransport : public EpExchange {
   ~ProcessTransport() override {
     for (int r = 0; r < int(peer_base_.size()); ++r)
       if (r != rank_ && peer_base_[r]) cudaIpcCloseMemHandle(peer_base_[r]);
+    for (void* p : mapped_) cudaIpcCloseMemHandle(p);
     if (staging_) cudaFree(staging_);
     if (symmetric_) cudaFree(symmetric_);
     if (comm_) nccl().comm_destroy(comm_);
@@ -157,6 +158,14 @@ class ProcessTransport : public EpExchange {
     comm_ = nullptr;  // aborted communicators are not destroyed
     nccl_check(nccl().comm_abort(comm), "ncclCommAbort");
   }
+  std::vector<void*> map_peer_allocations(void* mine) override {
+    MOEKIT_CHECK(kind_ == EpTransport::kNvlink,
+                 fmtr("EP rank {}: the {} transport maps no peer memory", rank_, ep_transport_name(kind_)));
+    std::vector<void*> peers = open_allocations(mine);
+    for (int r = 0; r < num_ranks_; ++r)
+      if (r != rank_) mapped_.push_back(peers[r]);
+    return peers;
+  }
 
  private:
   // Staged inbox for peer r at staging + staged_at + r * bytes goes to r's inbox for this rank;
@@ -175,26 +184,32 @@ class ProcessTransport : public EpExchange {
     nccl_check(n.group_end(), "ncclGroupEnd");
   }
 
-  void open_peers() {
-    cudaIpcMemHandle_t mine;
-    MOEKIT_CUDA_CHECK(cudaIpcGetMemHandle(&mine, symmetric_));
+  // Every rank's allocation `mine`, opened in this process (this rank's own at its index): the
+  // IPC handles are all-gathered through NCCL. Collective.
+  std::vector<void*> open_allocations(void* mine) {
+    MOEKIT_CHECK(comm_ != nullptr, fmtr("EP rank {}: the NCCL communicator was aborted", rank_));
+    cudaIpcMemHandle_t handle;
+    MOEKIT_CUDA_CHECK(cudaIpcGetMemHandle(&handle, mine));
     void* dev = nullptr;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&dev, sizeof(mine) * (num_ranks_ + 1)));
-    MOEKIT_CUDA_CHECK(cudaMemcpy(dev, &mine, sizeof(mine), cudaMemcpyHostToDevice));
-    uint8_t* all = static_cast<uint8_t*>(dev) + sizeof(mine);
-    nccl_check(nccl().all_gather(dev, all, sizeof(mine), ncclUint8, comm_, nullptr), "ncclAllGather");
+    MOEKIT_CUDA_CHECK(cudaMalloc(&dev, sizeof(handle) * (num_ranks_ + 1)));
+    MOEKIT_CUDA_CHECK(cudaMemcpy(dev, &handle, sizeof(handle), cudaMemcpyHostToDevice));
+    uint8_t* all = static_cast<uint8_t*>(dev) + sizeof(handle);
+    nccl_check(nccl().all_gather(dev, all, sizeof(handle), ncclUint8, comm_, nullptr), "ncclAllGather");
     std::vector<cudaIpcMemHandle_t> handles(num_ranks_);
-    MOEKIT_CUDA_CHECK(cudaMemcpy(handles.data(), all, sizeof(mine) * num_ranks_, cudaMemcpyDeviceToHost));
+    MOEKIT_CUDA_CHECK(cudaMemcpy(handles.data(), all, sizeof(handle) * num_ranks_, cudaMemcpyDeviceToHost));
     MOEKIT_CUDA_CHECK(cudaFree(dev));
-    peer_base_.assign(num_ranks_, nullptr);
+    std::vector<void*> out(num_ranks_, nullptr);
     for (int r = 0; r < num_ranks_; ++r) {
       if (r == rank_) {
-        peer_base_[r] = symmetric_;
+        out[r] = mine;
         continue;
       }
-      MOEKIT_CUDA_CHECK(cudaIpcOpenMemHandle(&peer_base_[r], handles[r], cudaIpcMemLazyEnablePeerAccess));
+      MOEKIT_CUDA_CHECK(cudaIpcOpenMemHandle(&out[r], handles[r], cudaIpcMemLazyEnablePeerAccess));
     }
+    return out;
   }
+
+  void open_peers() { peer_base_ = open_allocations(symmetric_); }
 
   EpTransport kind_;
   int rank_, num_ranks_;
@@ -203,6 +218,7 @@ class ProcessTransport : public EpExchange {
   void* symmetric_ = nullptr;
   void* staging_ = nullptr;
   std::vector<void*> peer_base_;
+  std::vector<void*> mapped_;  // peers' allocations opened by map_peer_allocations
 };
 
 }  // namespace
