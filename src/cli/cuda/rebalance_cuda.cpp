@@ -93,8 +93,13 @@ class CudaBackend : public RebalanceBackend {
                                      cudaMemcpyHostToDevice));
       }
     }
-    // The step: every layer, every rank, on one stream, timed by events (copies of a move in
-    // flight run beside it on the layers' copy streams).
+    // A move's chunks for this step go out right before it, so that they run beside its kernels
+    // (on the layers' copy streams), as they would beside a serving loop's next step.
+    copied_ = 0;
+    if (copying_)
+      for (auto& layer : layers_)
+        for (auto& rank : layer) copied_ += double(rank->advance_moves(budget_));
+    // The step: every layer, every rank, on one stream, timed by events.
     MOEKIT_CUDA_CHECK(cudaEventRecord(start_, stream_));
     for (int l = 0; l < L; ++l) {
       auto tokens = [&](int r) { return first_token(r + 1, P_, T) - first_token(r, P_, T); };
@@ -149,28 +154,31 @@ class CudaBackend : public RebalanceBackend {
                                     : std::numeric_limits<size_t>::max() / 2;
     for (int l = 0; l < int(layers_.size()); ++l)
       for (auto& layer : layers_[l]) layer->begin_moves(plan.placement, l, plan.moves, &weights_[l], stream_);
+    copying_ = true;
     barrier_ = false;
+    copied_ = 0;
   }
 
-  // Copies until every rank's are issued; then the stream waits for them and one more step runs
-  // (the barrier); after it, the switch.
+  // At each boundary: once every rank's chunks are out (run_step issues them), the stream waits
+  // for them and the next step is the barrier; after the barrier step, the switch.
   Progress advance_moves(double) override {
     Progress p;
     if (barrier_) {
       for (auto& layer : layers_)
         for (auto& rank : layer) rank->commit_moves(stream_);
+      barrier_ = false;
       p.switched = true;
       return p;
     }
+    p.bytes_copied = copied_;  // issued right before the step that just ran
+    copied_ = 0;
     bool all = true;
     for (auto& layer : layers_)
-      for (auto& rank : layer) {
-        p.bytes_copied += double(rank->advance_moves(budget_));
-        all = all && rank->moves_issued();
-      }
-    if (all) {
+      for (auto& rank : layer) all = all && rank->moves_issued();
+    if (copying_ && all) {
       for (auto& layer : layers_)
         for (auto& rank : layer) rank->wait_moves(stream_);
+      copying_ = false;
       barrier_ = true;
     }
     return p;
@@ -194,7 +202,8 @@ class CudaBackend : public RebalanceBackend {
   cudaEvent_t start_ = nullptr, end_ = nullptr;
   double last_step_s_ = 0;
   size_t budget_ = 0;
-  bool barrier_ = false;
+  bool copying_ = false, barrier_ = false;  // chunks still to issue; the next step is the barrier
+  double copied_ = 0;                       // bytes issued before the last step
 };
 
 }  // namespace

@@ -1,7 +1,8 @@
 // `moekit run --rebalance --backend cuda`: the loop's backend on one GPU (run_rebalance.h). The L
 // layers run as P virtual ranks over the `local` transport on one stream; a plan's moves are the
-// layers' staged moves (layer.h begin_moves .. commit_moves) from the peers' slots, in chunks of
-// at most --copy-gbps x the last step's time per step, the barrier step, then the switch.
+// layers' staged moves (layer.h begin_moves .. commit_moves) from the peers' slots: before each
+// step, chunks of at most --copy-gbps x the last step's time, issued right before its kernels so
+// that they run beside it; once all are out, one barrier step, then the switch.
 #pragma once
 
 #include <memory>
