@@ -49,7 +49,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "moekit/eplb.h"
