@@ -201,6 +201,15 @@ class EpBuffer {
   // array of 8 the caller resets. Null (the default) records nothing.
   void set_timeline(unsigned long long* stamps);
 
+  // Maps one device allocation of every rank of the group into this process, for copies between
+  // GPUs outside the EP protocol (a rebalance's weight moves, layer.h). Collective: every rank
+  // calls it with the base pointer of one of its own cudaMalloc allocations, the ranks' calls in
+  // the same order. nvlink: the CUDA IPC handles travel through the group's NCCL all-gather and
+  // are opened here (closed when this buffer goes); entry r is rank r's allocation as this
+  // process addresses it, entry rank() is `mine`. local and nccl: moekit::Error (local ranks
+  // share one process, so their pointers are already valid everywhere; nccl maps no peer memory).
+  std::vector<void*> map_peer_allocations(void* mine);
+
   struct Impl;
 
  private:

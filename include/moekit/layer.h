@@ -60,6 +60,7 @@ namespace moekit {
 struct MoeLayerWeights;  // weights.h
 struct Placement;        // eplb.h
 class LoadRecorder;      // eplb.h
+struct ExpertMove;       // rebalance.h
 }  // namespace moekit
 
 namespace moekit::gpu {
@@ -92,6 +93,21 @@ struct GpuLayerConfig {
   bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
   GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
   bool merge_shared = true;    // fused: the shared expert as expert E_loc of the routed GEMMs where it fits
+  // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
+  // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
+  int staging_slots = 0;
+  size_t move_chunk_bytes = size_t(4) << 20;  // one copy of a move's chunked transfer
+};
+
+// Where one rank's expert slots live, as this process addresses them: device pointers of this
+// GPU, or of a peer's mapped into this process. W1 [E_loc, 2 inter, d] fp8 and its scales
+// [E_loc, 2 inter/128, d/128], W2 [E_loc, d, inter] fp8 and its scales [E_loc, d/128, inter/128].
+struct GpuExpertSlots {
+  const uint8_t* w1 = nullptr;
+  const float* w1_scales = nullptr;
+  const uint8_t* w2 = nullptr;
+  const float* w2_scales = nullptr;
+  bool valid() const { return w1 && w1_scales && w2 && w2_scales; }
 };
 
 // The EP configuration a layer of `model` needs for P ranks holding num_slots physical experts.
@@ -176,6 +192,61 @@ class GpuMoeLayer {
   // step. Returns the number of local slots whose weights moved.
   int set_placement(const Placement& placement, int placement_layer, const MoeLayerWeights& weights,
                     cudaStream_t stream);
+
+  // ---- EPLB while serving: staged weight moves (rebalance.h; docs/eplb.md "the move protocol") ----
+  // A plan's moves are copied from a GPU that already holds each expert (this GPU, else a peer
+  // through the mapping below, else the host weights) into staging slots, in chunks on the
+  // layer's own copy stream, while steps run on the old placement; the live slots and the
+  // replica table change only at commit_moves(), between two steps, in stream order on the step
+  // stream. No pointer changes, so captured graphs stay valid. Every rank runs the same schedule:
+  //   boundary b0            begin_moves(...) on every rank (after a step: copies follow it)
+  //   every boundary         advance_moves(budget): at most `budget` more bytes of copies
+  //   once all are issued    wait_moves(stream): the next step's kernels wait for this rank's
+  //                          copies on the device (no host wait); then run that step
+  //   the boundary after it  commit_moves(stream) on every rank: the new placement from the next step
+  // That step's all-to-all cannot finish on any rank before every rank's sends, which follow its
+  // copies, so when a rank commits (overwriting slots a peer may have copied from) every peer's
+  // copies have landed. A step never reads a staging slot, and the live slots are written only
+  // by the commit, in the stream order of the steps: no step reads a half-copied expert.
+
+  // This layer's expert slots (for the ranks of the `local` transport: every rank reads them).
+  GpuExpertSlots expert_slots() const;
+  // Collective over the EP group (nvlink transport, one process per GPU): maps every rank's slots
+  // into this process through EpBuffer::map_peer_allocations; returns them by rank.
+  std::vector<GpuExpertSlots> map_peer_slots();
+  // Where the moves may copy from: peers[r] is rank r's slots as this process can read them, or
+  // invalid (all null) where it cannot (the `nccl` transport: copies then come from the host
+  // weights given to begin_moves). This rank's own entry is ignored (its own slots are used).
+  void set_peer_slots(const std::vector<GpuExpertSlots>& peers);
+  // Starts moving to `placement` (the same slots; layer `placement_layer`, which must be the one
+  // this layer serves) with the plan's `moves` (validate_moves() checks them; only the moves whose
+  // destination is this rank are copied here). host_weights: all E experts of the layer, for
+  // moves whose source rank has no valid entry in the peers (else may be null; pageable host
+  // memory makes those copies synchronous for the host). stream: the step stream; the copies start
+  // after the work issued on it so far. Refused during a step, while moves are in flight, on a
+  // layer that shares its weights, or when this rank's moved slots exceed staging_slots.
+  void begin_moves(const Placement& placement, int placement_layer, const std::vector<ExpertMove>& moves,
+                   const MoeLayerWeights* host_weights, cudaStream_t stream);
+  // Issues whole chunks, at least one while any is left, until `max_bytes` more would be passed;
+  // returns the bytes issued (0 when all were issued before).
+  size_t advance_moves(size_t max_bytes);
+  bool moves_issued() const;  // every chunk of the plan is issued (or there were none)
+  // `stream` waits on the device for every copy issued so far; call it once all are issued,
+  // before issuing the step that serves as the barrier.
+  void wait_moves(cudaStream_t stream);
+  // The switch, after that step: synchronises `stream` once and checks the layer and its EP buffer
+  // (a peer that died during the moves shows as the EP's named timeout: then it throws and the
+  // old placement stays; call abort_moves()); else copies the staged weights into the live slots
+  // and writes the new replica table on `stream`. Returns the number of this rank's slots switched.
+  int commit_moves(cudaStream_t stream);
+  void abort_moves();     // drops the plan (after the copies in flight land); the old placement stays
+  bool moving() const;    // begin_moves() was called and neither commit_moves() nor abort_moves()
+  size_t move_bytes() const;  // this rank's bytes to copy in the current plan
+  // How many advance_moves(max_bytes) calls rank `rank`'s layer of this model and config needs to
+  // issue its chunks of `moves` (layer `placement_layer`; 0 when it receives none). Every rank can
+  // compute it for every rank from the plan alone: with one budget for all, the largest count is
+  // the boundary after which every rank calls wait_moves, agreed without a message.
+  int advance_calls(int rank, const std::vector<ExpertMove>& moves, int placement_layer, size_t max_bytes) const;
 
   // Runs the shared expert on the side stream (true, the default of GpuLayerConfig) or in line on
   // the caller's stream, from the next step on (to measure what the overlap hides).

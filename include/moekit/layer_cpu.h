@@ -42,6 +42,7 @@ namespace moekit {
 
 struct MoeLayerWeights;  // weights.h
 struct Placement;        // eplb.h
+struct ExpertMove;       // rebalance.h
 
 enum class EpProtocol { kLowLatency, kNormal };
 const char* protocol_name(EpProtocol protocol);  // "low-latency" | "normal"
@@ -95,6 +96,15 @@ class CpuMoeLayer {
                const int32_t* routing_idx = nullptr, const float* routing_weights = nullptr);
 
   const RankStep& last_step(int rank) const;
+
+  // EPLB while serving, between two steps (no rank inside forward()): switches to `placement`
+  // (the same layer index, slots and ranks as the current one) by copying into every moved slot
+  // of this layer the weights of the move's source slot, on whichever rank it lives; sources hold
+  // their expert in the current placement (rebalance.h plan_moves), and every source is read
+  // before any slot is written, as the GPU layer stages them. validate_moves() runs first:
+  // a move that does not fit both placements is an Error and nothing changes. Returns the bytes
+  // copied (W1, W2 and their scales of each moved slot).
+  int64_t apply_moves(const Placement& placement, const std::vector<ExpertMove>& moves);
 
   // The last step's receive side and expert outputs on `rank`, for tests. Low-latency: masked
   // layout [E_loc, M_max, ...] (rows < recv_count valid); normal: contiguous rows (row_expert >= 0 valid).

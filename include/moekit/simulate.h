@@ -16,7 +16,10 @@
 // reaches follow the hypergeometric law and the GPU loads sum to exactly B·k.
 //
 // Routing: uniform; zipf:S (expert i has weight (i + 1)^−S); hot:H:R (experts 0 … H−1 are R
-// times as likely as the rest: they sit on the first GPUs, the worst contiguous placement).
+// times as likely as the rest: they sit on the first GPUs, the worst contiguous placement);
+// drift:H:R:PERIOD (hot:H:R whose hot block moves on by H experts every PERIOD steps: at step s
+// the hot experts are (⌊s/PERIOD⌋·H + j) mod E, j < H; a step's tokens are those of hot:H:R
+// with every id rotated by that shift, so each phase has exactly hot:H:R's law).
 // k distinct experts per token are drawn by successive sampling without replacement (each
 // next expert with probability proportional to its weight among those not yet picked), the
 // rule of a top-k over Gumbel-perturbed log-weights.
@@ -39,18 +42,25 @@
 namespace moekit {
 
 struct Routing {
-  enum class Kind { uniform, zipf, hot };
+  enum class Kind { uniform, zipf, hot, drift };
   Kind kind = Kind::uniform;
   double zipf_s = 0;     // zipf: weight of expert i is (i + 1)^-s, s >= 0
-  int hot_count = 0;     // hot: experts 0 … hot_count−1 …
+  int hot_count = 0;     // hot, drift: experts 0 … hot_count−1 …
   double hot_ratio = 1;  // … are hot_ratio times as likely as the others (> 0)
+  int64_t drift_period = 0;  // drift: steps between two moves of the hot block (>= 1)
 };
 
-// "uniform" | "zipf:S" | "hot:H:R"; malformed text is an Error naming it and the expected forms.
+// "uniform" | "zipf:S" | "hot:H:R" | "drift:H:R:PERIOD"; malformed text is an Error naming it and
+// the expected forms.
 Routing parse_routing(std::string_view s);
 std::string to_string(const Routing& r);
-// Unnormalised weight of each expert; validates the routing against E (H <= E).
+// Unnormalised weight of each expert; validates the routing against E (H <= E). For drift, the
+// weights of its first phase (steps 0 … PERIOD−1).
 std::vector<double> expert_weights(const Routing& r, int num_experts);
+// The rotation of the expert ids at `step`: ⌊step/PERIOD⌋·H mod E for drift, 0 otherwise.
+int routing_shift(const Routing& r, int num_experts, int64_t step);
+// The weights at `step`: expert_weights() rotated by routing_shift().
+std::vector<double> expert_weights_at(const Routing& r, int num_experts, int64_t step);
 
 // Bounds (moekit/limits.h): E <= kMaxExperts, P <= kMaxRanks, B <= kMaxBatch, trials and
 // trace steps <= kMaxTrials, trace layers <= kMaxLayers, threads <= kMaxThreads; past them an
@@ -89,11 +99,13 @@ using ProgressFn = std::function<void(int64_t done, int64_t total)>;
 
 SimulateResult simulate(const SimulateInput& input, const ProgressFn& progress = {});
 
-// The top-k indices of sample i, row-major [B][k]: the samples simulate() draws.
+// The top-k indices of sample i, row-major [B][k]: the samples simulate() draws. Sample i is
+// step i (a drifting routing's phase).
 std::vector<int32_t> sample_step(const SimulateInput& input, int64_t sample_index);
 
-// A trace of `num_layers` × `num_steps` samples: layers[l][s] is sample s·num_layers + l, so
-// with one layer and num_steps = trials it holds exactly the samples simulate() used.
+// A trace of `num_layers` × `num_steps` samples: layers[l][s] is sample s·num_layers + l, drawn
+// at step s (every layer of a step in the same phase of a drifting routing), so with one layer
+// and num_steps = trials it holds exactly the samples simulate() used.
 // num_ranks of the trace is P; B must be a multiple of P (the trace spreads tokens evenly).
 RoutingTrace sample_trace(const SimulateInput& input, int num_layers, int64_t num_steps);
 

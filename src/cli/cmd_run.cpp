@@ -17,6 +17,7 @@
 
 #include "cli/commands.h"
 #include "io/file_io.h"
+#include "cli/run_rebalance.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "cli/cuda/run_cuda.h"
 #endif
@@ -48,6 +49,7 @@ struct RunOptions {
   uint64_t seed = 1;
   bool check = false;
   bool json = false;
+  RebalanceRunOptions rebalance;  // --rebalance and its flags (run_rebalance.h)
 };
 
 // A temporary checkpoint directory, removed when the run ends (also on error, SIGINT and SIGTERM).
@@ -190,6 +192,8 @@ void run(const RunOptions& o) {
   check_memory(o, spec, int(num_slots));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);
+  std::optional<RoutingTrace> trace;  // --rebalance: read or sampled before any weight is written
+  if (o.rebalance.on) trace = rebalance_trace(o.rebalance, routing.value_or(Routing{}), spec, P, B, o.layers, o.seed);
   const bool tty = isatty(STDERR_FILENO) == 1 && !o.json;
 
   // Weights: the given checkpoint, or random ones written in the checkpoint format and read back.
@@ -226,6 +230,13 @@ void run(const RunOptions& o) {
   const EpProtocol protocol = o.protocol == "normal" ? EpProtocol::kNormal : EpProtocol::kLowLatency;
   std::vector<MoeLayerWeights> layer_weights;
   for (int l = 0; l < o.layers; ++l) layer_weights.push_back(load_moe_layer(ckpt, spec, o.first_layer + l, 0, E));
+  if (trace) {
+    RebalanceRunInput in{&spec, o.backend, P, o.protocol, o.pipeline == "fused", o.seed, &layer_weights, &placement,
+                         &*trace, o.rebalance.trace.empty() ? to_string(routing.value_or(Routing{})) : o.rebalance.trace,
+                         o.check, o.json, o.rebalance};
+    run_rebalance(in);
+    return;
+  }
 
   // Inputs: N(0, 1) hidden states in bf16; synthetic routing from the simulator's sampler.
   std::mt19937_64 rng(o.seed);
@@ -436,7 +447,8 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--first-layer", o.first_layer, "index of the first layer in the checkpoint")->capture_default_str();
   cmd->add_option("--weights", o.weights, "checkpoint (safetensors file or directory); default: random weights");
   cmd->add_option("--save-weights", o.save_weights, "write the random weights into this directory and keep them");
-  cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R instead of the router (synthetic skew)");
+  cmd->add_option("--routing", o.routing,
+                  "uniform | zipf:S | hot:H:R | drift:H:R:PERIOD instead of the router (synthetic skew)");
   cmd->add_option("--protocol", o.protocol, "low-latency (decode, masked) | normal (prefill, contiguous)")->capture_default_str();
   cmd->add_option("--redundant", o.redundant, "redundant experts placed by EPLB")->capture_default_str();
   cmd->add_option("--pipeline", o.pipeline, "staged | fused: the CUDA decode step's kernels (docs/layer-gpu.md)")
@@ -444,6 +456,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->check(kUint64)->capture_default_str();
   cmd->add_flag("--check", o.check, "compare the output with the float64 oracle (slow on large models)");
   cmd->add_flag("--json", o.json, "print JSON instead of the tables");
+  add_rebalance_options(cmd, o.rebalance);
   cmd->callback([] {
     MOEKIT_CHECK(o.backend == "cpu" || o.backend == "cuda", fmt::format("--backend '{}': expected cpu or cuda", o.backend));
     MOEKIT_CHECK(o.pipeline == "staged" || o.pipeline == "fused",

@@ -154,7 +154,9 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--batch", o.batch, "tokens per step B, all GPUs together")->capture_default_str();
   cmd->add_option("--trials", o.trials, "simulated steps")->capture_default_str();
   cmd->add_option("--seed", o.seed, "random seed")->check(kUint64)->capture_default_str();
-  cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R (H experts R times as likely)")
+  cmd->add_option("--routing", o.routing,
+                  "uniform | zipf:S | hot:H:R (H experts R times as likely) | drift:H:R:PERIOD (the hot block moves on "
+                  "by H experts every PERIOD steps)")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "worker threads, 0 = all (results do not depend on it)")
       ->capture_default_str();

@@ -13,6 +13,7 @@
 #include "moekit/eplb.h"
 #include "moekit/gating.h"
 #include "moekit/layout.h"
+#include "moekit/rebalance.h"
 #include "moekit/weights.h"
 
 namespace moekit {
@@ -145,6 +146,47 @@ EpConfig CpuMoeLayer::ep_config() const {
   c.block_m = config_.block_m;
   c.timeout_s = config_.timeout_s;
   return c;
+}
+
+int64_t CpuMoeLayer::apply_moves(const Placement& placement, const std::vector<ExpertMove>& moves) {
+  validate_moves(*placement_, placement, placement_layer_, moves);
+  const int e_loc = num_local_experts();
+  // One slot's operands: W1 = [gate; up] [2 inter, d] and W2 [d, inter] in FP8, with 1x128 block scales.
+  struct Operand {
+    std::vector<uint8_t> Rank::*w;
+    std::vector<float> Rank::*scales;
+    size_t w_per, s_per;
+  };
+  const Operand operands[2] = {
+      {&Rank::w1, &Rank::w1_scales, size_t(2) * inter_ * hidden_, size_t(2 * inter_ / kQuantBlock) * (hidden_ / kQuantBlock)},
+      {&Rank::w2, &Rank::w2_scales, size_t(hidden_) * inter_, size_t(hidden_ / kQuantBlock) * (inter_ / kQuantBlock)}};
+  // Read every source first (a slot can be one move's source and another's destination).
+  std::vector<const ExpertMove*> mine;
+  for (const ExpertMove& m : moves)
+    if (m.layer == placement_layer_) mine.push_back(&m);
+  std::vector<std::vector<uint8_t>> w(mine.size() * 2);
+  std::vector<std::vector<float>> sc(mine.size() * 2);
+  for (size_t i = 0; i < mine.size(); ++i)
+    for (int o = 0; o < 2; ++o) {
+      const Rank& src = *ranks_[mine[i]->src_gpu];
+      const size_t at = size_t(mine[i]->src_slot % e_loc);
+      const Operand& op = operands[o];
+      w[2 * i + o].assign((src.*op.w).begin() + at * op.w_per, (src.*op.w).begin() + (at + 1) * op.w_per);
+      sc[2 * i + o].assign((src.*op.scales).begin() + at * op.s_per, (src.*op.scales).begin() + (at + 1) * op.s_per);
+    }
+  int64_t bytes = 0;
+  for (size_t i = 0; i < mine.size(); ++i)
+    for (int o = 0; o < 2; ++o) {
+      Rank& dst = *ranks_[mine[i]->dst_gpu];
+      const size_t at = size_t(mine[i]->slot % e_loc);
+      const Operand& op = operands[o];
+      std::copy(w[2 * i + o].begin(), w[2 * i + o].end(), (dst.*op.w).begin() + at * op.w_per);
+      std::copy(sc[2 * i + o].begin(), sc[2 * i + o].end(), (dst.*op.scales).begin() + at * op.s_per);
+      bytes += int64_t(op.w_per + op.s_per * sizeof(float));
+    }
+  *placement_ = placement;
+  phy2log_.assign(placement.phy2log_row(placement_layer_), placement.phy2log_row(placement_layer_) + num_slots_);
+  return bytes;
 }
 
 const RankStep& CpuMoeLayer::last_step(int rank) const {

@@ -206,11 +206,13 @@ struct SampleStats {
   }
 };
 
-// Works one sample at a time with buffers reused across samples.
+// Works one sample at a time with buffers reused across samples. Sample i is drawn at step
+// i / samples_per_step (a trace's layers of one step share the step's drift phase).
 class Worker {
  public:
-  explicit Worker(const SimulateInput& in)
+  explicit Worker(const SimulateInput& in, int64_t samples_per_step = 1)
       : in_(in),
+        samples_per_step_(samples_per_step),
         sampler_(expert_weights(in.routing, in.num_experts), in.topk),
         experts_per_rank_(in.num_experts / in.num_ranks),
         loads_(in.num_experts),
@@ -221,12 +223,15 @@ class Worker {
   void run(int64_t i, SampleStats* stats, int32_t* out) {
     const int E = in_.num_experts, k = in_.topk, P = in_.num_ranks;
     std::mt19937_64 rng = sample_rng(in_.seed, i);
+    const int shift = routing_shift(in_.routing, E, i / samples_per_step_);
     sampler_.reset();
     std::fill(loads_.begin(), loads_.end(), 0);
     int64_t distinct_sum = 0;
     for (int64_t t = 0; t < in_.batch; ++t) {
       int32_t* idx = out ? out + t * k : token_idx_.data();
       sampler_.draw(rng, idx);
+      if (shift)
+        for (int j = 0; j < k; ++j) idx[j] = (idx[j] + shift) % E;
       ++stamp_;
       for (int j = 0; j < k; ++j) {
         ++loads_[idx[j]];
@@ -257,6 +262,7 @@ class Worker {
 
  private:
   const SimulateInput& in_;
+  int64_t samples_per_step_;
   TopkSampler sampler_;
   int experts_per_rank_;
   std::vector<int64_t> loads_;
@@ -268,7 +274,8 @@ class Worker {
 // Runs fn(worker, chunk) over fixed chunks of samples on `threads` threads; calls progress
 // from this thread.
 template <class Fn>
-void run_chunks(const SimulateInput& in, int64_t num_samples, int64_t chunk, const ProgressFn& progress, Fn&& fn) {
+void run_chunks(const SimulateInput& in, int64_t num_samples, int64_t chunk, const ProgressFn& progress, Fn&& fn,
+                int64_t samples_per_step = 1) {
   const int64_t num_chunks = (num_samples + chunk - 1) / chunk;
   int threads = in.num_threads > 0 ? in.num_threads : int(std::max(1u, std::thread::hardware_concurrency()));
   threads = int(std::min<int64_t>(threads, num_chunks));
@@ -279,7 +286,7 @@ void run_chunks(const SimulateInput& in, int64_t num_samples, int64_t chunk, con
   std::exception_ptr error;
   auto body = [&] {
     try {
-      Worker w(in);
+      Worker w(in, samples_per_step);
       for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
         fn(w, c);
         done += std::min(chunk, num_samples - c * chunk);
@@ -443,7 +450,7 @@ RoutingTrace sample_trace(const SimulateInput& in, int num_layers, int64_t num_s
       step.resize(size_t(in.batch) * in.topk);
       w.run(i, nullptr, step.data());
     }
-  });
+  }, num_layers);
   return t;
 }
 

@@ -23,14 +23,8 @@ expect_error() {
   pass "$name"
 }
 
-# A small model so each run takes well under a second: d = 256, 16 experts, top-4, one shared.
-cat > "$tmp/small.json" << 'J'
-{"name": "small-moe", "hidden_size": 256, "num_layers": 2, "num_moe_layers": 2,
- "moe_intermediate_size": 128, "num_routed_experts": 16, "num_experts_per_token": 4,
- "num_shared_experts": 1, "shared_intermediate_size": 128,
- "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 1.0, "kv_bytes_per_token": 1024,
- "router": {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "normalize_topk": true}}
-J
+# A small model so each run takes well under a second: d = 256, 16 experts, top-4, one shared (tests/cli/data/small-moe.json).
+cp "$2/tests/cli/data/small-moe.json" "$tmp/small.json"
 
 # The default (tiny-moe, EP 4, batch 64) prints every section.
 if "$MOEKIT" run > "$tmp/default.txt" 2> "$tmp/stderr"; then

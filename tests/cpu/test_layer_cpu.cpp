@@ -23,6 +23,7 @@
 #include "moekit/eplb.h"
 #include "moekit/gating.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/rebalance.h"
 #include "moekit/reference.h"
 #include "moekit/simulate.h"
 #include "moekit/weights.h"
@@ -252,6 +253,58 @@ TEST(Layer, ReplicasServeTokens) {
   r.topk_idx = idx;
   r.topk_weights = w;
   EXPECT_LE(error_vs_oracle(r), 3e-3);
+}
+
+// apply_moves() between two steps gives the layer a fresh layer's weights for the new
+// placement: the same step afterwards has the same output bits. A move with a wrong source is
+// refused and the layer keeps serving the old placement.
+TEST(Layer, MovesBetweenStepsEqualAFreshLayer) {
+  const int p = 4;
+  const Fixture& f = fixture();
+  const int d = int(f.model.hidden_size), inter = int(f.model.moe_intermediate_size);
+  std::vector<double> load(16, 1.0);
+  for (int e = 8; e < 12; ++e) load[e] = 8.0;
+  const Placement before = redundant_placement(p), after = balanced_placement(load, 16, p);
+  const std::vector<ExpertMove> moves = plan_moves(before, after);
+  ASSERT_GT(moves.size(), 4u);
+  CpuLayerConfig cfg;
+  cfg.num_ranks = p;
+  cfg.max_tokens = kTokens / p;
+  auto step = [&](CpuMoeLayer& layer) {
+    LocalEpGroup group(layer.ep_config());
+    std::vector<uint16_t> out(f.x.size());
+    run_ranks(group, [&](int r) {
+      const int t0 = r * kTokens / p;
+      layer.forward(group, r, kTokens / p, t0, f.x.data() + size_t(t0) * d, out.data() + size_t(t0) * d);
+    });
+    return out;
+  };
+  CpuMoeLayer fresh_before(f.model, f.weights, before, 0, cfg), fresh_after(f.model, f.weights, after, 0, cfg);
+  CpuMoeLayer layer(f.model, f.weights, before, 0, cfg);
+  const std::vector<uint16_t> out_before = step(layer);
+  EXPECT_EQ(out_before, step(fresh_before));
+  std::vector<int32_t> slots_before;
+  for (int r = 0; r < p; ++r)
+    slots_before.insert(slots_before.end(), layer.last_step(r).topk_slot.begin(), layer.last_step(r).topk_slot.end());
+
+  std::vector<ExpertMove> wrong = moves;
+  while (before.phy2log_row(0)[wrong.back().src_slot] == wrong.back().expert)
+    wrong.back().src_slot = (wrong.back().src_slot + 1) % before.num_slots;
+  wrong.back().src_gpu = wrong.back().src_slot / before.slots_per_gpu();
+  EXPECT_THROW(layer.apply_moves(after, wrong), Error);
+  EXPECT_EQ(step(layer), out_before);  // nothing changed
+
+  const int64_t bytes = layer.apply_moves(after, moves);
+  const int64_t per_expert = 3 * int64_t(inter) * d + 3 * int64_t(inter / 128) * (d / 128) * 4;
+  EXPECT_EQ(bytes, int64_t(moves.size()) * per_expert);
+  const std::vector<uint16_t> out_after = step(layer);
+  EXPECT_EQ(out_after, step(fresh_after));
+  std::vector<int32_t> slots_after;
+  for (int r = 0; r < p; ++r) {
+    EXPECT_EQ(layer.last_step(r).topk_slot, fresh_after.last_step(r).topk_slot);
+    slots_after.insert(slots_after.end(), layer.last_step(r).topk_slot.begin(), layer.last_step(r).topk_slot.end());
+  }
+  EXPECT_NE(slots_after, slots_before);  // the step did run on other slots
 }
 
 // The layer's measured distinct-target count, on the simulator's own routing samples, equals the

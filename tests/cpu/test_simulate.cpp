@@ -324,6 +324,55 @@ TEST(SimulateParse, Routing) {
   expect_error([] { expert_weights(parse_routing("hot:300:2"), 256); }, {"H = 300", "exceeds E = 256"});
 }
 
+// drift:H:R:PERIOD: hot:H:R whose hot block moves on by H experts every PERIOD steps.
+TEST(SimulateParse, DriftRouting) {
+  const Routing d = parse_routing("drift:2:4.5:10");
+  EXPECT_EQ(d.kind, Routing::Kind::drift);
+  EXPECT_EQ(d.hot_count, 2);
+  EXPECT_DOUBLE_EQ(d.hot_ratio, 4.5);
+  EXPECT_EQ(d.drift_period, 10);
+  EXPECT_EQ(to_string(d), "drift:2:4.5:10");
+  EXPECT_EQ(expert_weights(d, 6), (std::vector<double>{4.5, 4.5, 1, 1, 1, 1}));
+  EXPECT_EQ(routing_shift(d, 6, 9), 0);
+  EXPECT_EQ(routing_shift(d, 6, 10), 2);
+  EXPECT_EQ(routing_shift(d, 6, 29), 4);
+  EXPECT_EQ(routing_shift(d, 6, 30), 0);  // (3 * 2) mod 6
+  EXPECT_EQ(expert_weights_at(d, 6, 25), (std::vector<double>{1, 1, 1, 1, 4.5, 4.5}));
+  EXPECT_EQ(routing_shift(parse_routing("hot:2:4.5"), 6, 25), 0);
+  expect_error([] { parse_routing("drift:2:3"); }, {"'drift:2:3'", "expected drift:H:R:PERIOD"});
+  expect_error([] { parse_routing("drift:2:3:x"); }, {"PERIOD 'x' is not an integer"});
+  expect_error([] { parse_routing("drift:2:3:0"); }, {"drift:2:3:0", "PERIOD (steps between two drifts) must be >= 1"});
+  expect_error([] { parse_routing("drift:0:3:5"); }, {"H (hot experts) must be >= 1"});
+  expect_error([] { parse_routing("drift:2:-1:5"); }, {"R (how much likelier a hot expert is) must be > 0"});
+  expect_error([] { expert_weights(parse_routing("drift:9:2:5"), 8); }, {"H = 9", "exceeds E = 8"});
+}
+
+// A drifting trace: every step's most picked experts are the hot block of the step's phase,
+// in every layer; each phase's samples are hot:H:R's with the ids rotated.
+TEST(SimulateTrace, DriftMovesTheHotBlock) {
+  SimulateInput in = sim_input(16, 2, 4, 64, 2, "drift:2:50:3", 7);
+  const RoutingTrace t = sample_trace(in, 2, 9);
+  for (int l = 0; l < 2; ++l)
+    for (int s = 0; s < 9; ++s) {
+      std::vector<int> count(16, 0);
+      for (int32_t e : t.layers[l][s]) ++count[e];
+      const int first = (s / 3) * 2 % 16;
+      std::vector<int> order(16);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return count[a] > count[b]; });
+      EXPECT_EQ(std::set<int>({order[0], order[1]}), std::set<int>({first, first + 1})) << "layer " << l << " step " << s;
+    }
+  // Phase 1 of the trace is phase 0's law rotated by 2: sample 2·3 + 1 (step 3, layer 1) of the
+  // drift equals the same sample of hot:2:50 with every id + 2.
+  SimulateInput hot = in;
+  hot.routing = parse_routing("hot:2:50");
+  const RoutingTrace h = sample_trace(hot, 2, 9);
+  std::vector<int32_t> rotated = h.layers[1][3];
+  for (int32_t& e : rotated) e = (e + 2) % 16;
+  EXPECT_EQ(t.layers[1][3], rotated);
+  EXPECT_EQ(t.layers[0][0], h.layers[0][0]);
+}
+
 TEST(SimulateParse, BadInputIsNamed) {
   expect_error([] { simulate(sim_input(256, 8, 3, 64, 10)); }, {"--ranks = 3", "divide E = 256"});
   expect_error([] { simulate(sim_input(256, 0, 8, 64, 10)); }, {"--topk = 0"});

@@ -3,7 +3,9 @@
 // written by the checkpoint generator and read back, fresh random tokens, outputs poisoned first.
 // Decode and prefill for P in {1, 2, 4, 8} virtual ranks (the `local` transport), with and without
 // redundant experts; a whole step of P ranks captured in one CUDA Graph and replayed with new data
-// and new routing; the layer's kernels alone against the reference kernels; bad input.
+// and new routing; the layer's kernels alone against the reference kernels; bad input; staged
+// weight moves while serving (every step before the switch on the old placement, after it on the
+// new one, eager and from a graph), their errors, and an aborted move.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,6 +26,7 @@
 #include "moekit/gating.h"
 #include "moekit/layer.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/rebalance.h"
 #include "moekit/reference.h"
 #include "moekit/weights.h"
 #include "test_layer_reference.h"
@@ -601,6 +604,190 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
       EXPECT_GE(at(gpu::GpuStage::kCombineSend).start_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
     }
   }
+}
+
+// ---- Staged weight moves while serving (layer.h begin_moves .. commit_moves) -----------------
+
+// Runs the move protocol on `rig` (serving `a`) towards `b` with `budget` bytes per step, every
+// step checked against the CPU layer under the placement it must use: `a` while the copies run
+// and for the barrier step, `b` after the commit (with each stage, so the moved slots hold b's
+// experts). peers: the ranks copy from each other's slots (the local transport's pointers);
+// else from the host weights. graph: every step replays one graph captured before the moves.
+// Returns the steps that ran while copies were in flight, and their mean time next to the steps'.
+struct MoveTimes {
+  int steps_during = 0;
+  double during_us = 0, without_us = 0;
+};
+MoveTimes move_and_check(GpuRig& rig, const Placement& a, const Placement& b, size_t budget, bool peers, bool graph,
+                         const std::string& name, uint64_t seed) {
+  const Fixture& f = fixture();
+  const int P = rig.P;
+  std::mt19937 rng(seed + 1000);
+  std::unique_ptr<CapturedStep> captured;
+  cudaEvent_t t0, t1;
+  MOEKIT_CUDA_CHECK(cudaEventCreate(&t0));
+  MOEKIT_CUDA_CHECK(cudaEventCreate(&t1));
+  double without_us = 0, during_us = 0;
+  int without = 0;
+  auto step = [&](const Placement& want, const std::string& what, bool stages, double* time_us) {
+    const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+    rig.load(x, nullptr, nullptr);
+    MOEKIT_CUDA_CHECK(cudaEventRecord(t0, rig.stream));
+    if (graph)
+      MOEKIT_CUDA_CHECK(cudaGraphLaunch(captured->exec, rig.stream));
+    else
+      rig.issue(false);
+    MOEKIT_CUDA_CHECK(cudaEventRecord(t1, rig.stream));
+    rig.check();
+    float ms = 0;
+    MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    if (time_us) *time_us += 1e3 * ms;
+    const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, want, x, nullptr, nullptr, seed);
+    compare_step(rig, cpu, x, true, what.c_str());
+    if (stages)
+      for (int r = 0; r < P; ++r) check_stages(rig, r, want, true, what.c_str());
+  };
+  if (graph) {
+    rig.load(random_tokens(kBatch, int(f.model.hidden_size), rng), nullptr, nullptr);
+    captured = std::make_unique<CapturedStep>(rig, false);
+  }
+  for (int i = 0; i < 3; ++i, ++without) step(a, name + ": before the moves", i == 0, &without_us);
+
+  const std::vector<ExpertMove> moves = plan_moves(a, b);
+  std::vector<gpu::GpuExpertSlots> slots;
+  for (int r = 0; r < P; ++r) slots.push_back(rig.layers[r]->expert_slots());
+  int calls = 0;
+  for (int r = 0; r < P; ++r) {
+    if (peers) rig.layers[r]->set_peer_slots(slots);
+    rig.layers[r]->begin_moves(b, 0, moves, peers ? nullptr : &f.weights, rig.stream);
+    calls = std::max(calls, rig.layers[0]->advance_calls(r, moves, 0, budget));
+  }
+  MoveTimes out;
+  for (int i = 0; i < calls; ++i) {
+    for (int r = 0; r < P; ++r) rig.layers[r]->advance_moves(budget);
+    step(a, name + ": copies in flight, step " + std::to_string(i), i == 0, &during_us);
+    ++out.steps_during;
+  }
+  for (int r = 0; r < P; ++r) {
+    EXPECT_TRUE(rig.layers[r]->moves_issued()) << name << ": rank " << r << " not done after " << calls << " calls";
+    rig.layers[r]->wait_moves(rig.stream);
+  }
+  step(a, name + ": the barrier step", true, nullptr);
+  int switched = 0;
+  for (int r = 0; r < P; ++r) switched += rig.layers[r]->commit_moves(rig.stream);
+  EXPECT_EQ(switched, int(moves.size())) << name;
+  for (int r = 0; r < P; ++r) {
+    EXPECT_FALSE(rig.layers[r]->moving()) << name;
+    EXPECT_EQ(slots_not_holding(*rig.layers[r], b, r), 0) << name << ": rank " << r << " after the switch";
+  }
+  for (int i = 0; i < 2; ++i) step(b, name + ": after the switch", i == 0, nullptr);
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  out.during_us = out.steps_during ? during_us / out.steps_during : 0;
+  out.without_us = without_us / without;
+  std::printf("[layer-moves] %s: %zu moves, %d steps with copies in flight (%zu bytes per step): step %.1f us during "
+              "the copies, %.1f us before\n",
+              name.c_str(), moves.size(), out.steps_during, budget, out.during_us, out.without_us);
+  return out;
+}
+
+// Moves from peers' slots (the local transport: every rank's pointers are valid here), eager and
+// from a graph captured before the moves, both pipelines: staged copies never show in a step, and
+// the switch takes effect at the commit, graph included (no pointer changed).
+TEST(GpuLayerMoves, StagedMovesSwitchAtTheCommitOnly) {
+  const int P = 4;
+  const auto placements = drifted_placements(P);
+  const Placement &a = placements.first, &b = placements.second;
+  const uint64_t seed = 41;
+  for (gpu::GpuPipeline pipeline : {gpu::GpuPipeline::kStaged, kFused})
+    for (bool graph : {false, true}) {
+      const int e_loc = a.slots_per_gpu();
+      GpuRig rig(P, gpu::EpMode::kLowLatency, a, seed, nullptr, pipeline, true, e_loc, size_t(64) << 10);
+      const std::string name = std::string("peers, ") + gpu::gpu_pipeline_name(pipeline) + (graph ? ", graph" : ", eager");
+      const MoveTimes t = move_and_check(rig, a, b, size_t(512) << 10, true, graph, name, seed);
+      EXPECT_GE(t.steps_during, 2) << name << ": the copies did not span several steps";
+    }
+}
+
+// The host fallback (a transport with no peer mapping): the same protocol from the host weights.
+TEST(GpuLayerMoves, HostCopiesWhenNoPeerIsMapped) {
+  const int P = 4;
+  const auto placements = drifted_placements(P);
+  const Placement &a = placements.first, &b = placements.second;
+  GpuRig rig(P, gpu::EpMode::kLowLatency, a, 43, nullptr, gpu::GpuPipeline::kStaged, true, a.slots_per_gpu(),
+             size_t(64) << 10);
+  move_and_check(rig, a, b, size_t(1) << 20, false, false, "host copies", 43);
+}
+
+// An aborted move leaves the old placement serving; a later plan still goes through.
+TEST(GpuLayerMoves, AbortKeepsTheOldPlacement) {
+  const Fixture& f = fixture();
+  const int P = 2;
+  const auto placements = drifted_placements(P);
+  const Placement &a = placements.first, &b = placements.second;
+  const uint64_t seed = 45;
+  GpuRig rig(P, gpu::EpMode::kLowLatency, a, seed, nullptr, gpu::GpuPipeline::kStaged, true, a.slots_per_gpu(),
+             size_t(64) << 10);
+  const std::vector<ExpertMove> moves = plan_moves(a, b);
+  for (int r = 0; r < P; ++r) {
+    rig.layers[r]->begin_moves(b, 0, moves, &f.weights, rig.stream);
+    rig.layers[r]->advance_moves(size_t(256) << 10);
+  }
+  for (int r = 0; r < P; ++r) {
+    rig.layers[r]->abort_moves();
+    EXPECT_EQ(slots_not_holding(*rig.layers[r], a, r), 0) << "rank " << r << " after abort";
+  }
+  std::mt19937 rng(5);
+  const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
+  rig.load(x, nullptr, nullptr);
+  rig.issue(false);
+  rig.check();
+  compare_step(rig, run_cpu(P, EpProtocol::kLowLatency, a, x, nullptr, nullptr, seed), x, true, "after abort");
+  for (int r = 0; r < P; ++r) check_stages(rig, r, a, true, "after abort");
+  move_and_check(rig, a, b, size_t(1) << 20, false, false, "after an aborted plan", seed);
+}
+
+TEST(GpuLayerMoves, BadUseIsNamed) {
+  const Fixture& f = fixture();
+  const int P = 2;
+  const auto placements = drifted_placements(P);
+  const Placement &a = placements.first, &b = placements.second;
+  const std::vector<ExpertMove> moves = plan_moves(a, b);
+  auto expect = [](auto&& call, const std::string& fragment) {
+    try {
+      call();
+      ADD_FAILURE() << "no error, expected '" << fragment << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  {
+    GpuRig plain(P, gpu::EpMode::kLowLatency, a, 1);
+    expect([&] { plain.layers[0]->begin_moves(b, 0, moves, &f.weights, plain.stream); }, "staging_slots = 0");
+  }
+  GpuRig small(P, gpu::EpMode::kLowLatency, a, 1, nullptr, gpu::GpuPipeline::kStaged, true, 1);
+  expect([&] { small.layers[0]->begin_moves(b, 0, moves, &f.weights, small.stream); }, "more than its staging_slots = 1");
+  GpuRig rig(P, gpu::EpMode::kLowLatency, a, 1, nullptr, gpu::GpuPipeline::kStaged, true, a.slots_per_gpu(),
+             size_t(64) << 10);
+  gpu::GpuMoeLayer& layer = *rig.layers[0];
+  expect([&] { layer.begin_moves(b, 0, moves, nullptr, rig.stream); }, "no host weights were given");
+  std::vector<ExpertMove> wrong = moves;
+  wrong.pop_back();
+  expect([&] { layer.begin_moves(b, 0, wrong, &f.weights, rig.stream); }, "no move fills it");
+  expect([&] { layer.begin_moves(b, 1, moves, &f.weights, rig.stream); }, "for placement layer 1, but this layer serves layer 0");
+  expect([&] { layer.commit_moves(rig.stream); }, "without moves in flight");
+  expect([&] { layer.set_peer_slots({}); }, "set_peer_slots with 0 entries, expected one per rank (2)");
+  layer.begin_moves(b, 0, moves, &f.weights, rig.stream);
+  expect([&] { layer.begin_moves(b, 0, moves, &f.weights, rig.stream); }, "still in flight");
+  expect([&] { layer.set_placement(b, 0, f.weights, rig.stream); }, "while moves are in flight");
+  if (layer.move_bytes() > (size_t(64) << 10)) {
+    layer.advance_moves(1);
+    expect([&] { layer.wait_moves(rig.stream); }, "issue every chunk first");
+  }
+  while (!layer.moves_issued()) layer.advance_moves(size_t(1) << 30);
+  expect([&] { layer.commit_moves(rig.stream); }, "call wait_moves and run one step first");
+  layer.abort_moves();
+  EXPECT_FALSE(layer.moving());
 }
 
 }  // namespace

@@ -11,6 +11,11 @@
 // Decode and prefill over both transports, fresh tokens every step (the router's routing, then a
 // caller's hot-spot routing), a placement with redundant experts, and over nvlink steps replayed
 // from CUDA Graphs (one captured with the router, one with caller routing) with new data.
+// Staged weight moves while serving (layer.h begin_moves .. commit_moves): over nvlink from the
+// peers' slots (mapped with CUDA IPC), over nccl from the host weights; every step before the
+// switch equals the CPU layer under the old placement, every step after it under the new one; and
+// a rank that stops stepping while the copies run: the others end in the EP's named timeout and
+// keep the old placement's weights, bit for bit.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
@@ -32,6 +37,7 @@
 #include "moekit/eplb.h"
 #include "moekit/layer.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/rebalance.h"
 #include "test_layer_reference.h"
 
 using namespace moekit;
@@ -50,6 +56,7 @@ struct RankSync {
   std::atomic<int> arrived{0};
   std::atomic<int> generation{0};
   std::atomic<int> failed{0};
+  std::atomic<int> released{0};  // moves: the stalled rank may leave
   int num_ranks = 0;
 
   void wait() {
@@ -83,8 +90,10 @@ std::string case_name(const MultiCase& c) {
          (c.redundant ? "Redundant" : "") + (c.graph ? "Graph" : "") + (c.fused ? "Fused" : "");
 }
 
-struct RankArgs {
-  MultiCase c;
+// What launch_case hands every rank process: its case and the page the ranks share.
+template <class Case>
+struct CaseArgs {
+  Case c;
   RankSync* sync;
 };
 
@@ -245,13 +254,15 @@ int run_rank(const gpu::EpProcessGroup& g, const MultiCase& c, RankSync& sync) {
   return ::testing::Test::HasFailure() ? 1 : 0;
 }
 
-int rank_body(const gpu::EpProcessGroup& g, void* arg) {
+// A rank process's body: runs Run(g, case, sync) and prints its verdict; a rank that fails raises
+// `failed`, so its peers stop at their next barrier.
+template <class Case, int (*Run)(const gpu::EpProcessGroup&, const Case&, RankSync&), std::string (*Name)(const Case&)>
+int case_body(const gpu::EpProcessGroup& g, void* arg) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines appear even if the rank is killed
-  const RankArgs& a = *static_cast<const RankArgs*>(arg);
+  const CaseArgs<Case>& a = *static_cast<const CaseArgs<Case>*>(arg);
   try {
-    const int rc = run_rank(g, a.c, *a.sync);
-    std::printf("[layer-multi] %s rank %d of %d: %s\n", case_name(a.c).c_str(), g.rank, g.num_ranks,
-                rc ? "FAILED" : "ok");
+    const int rc = Run(g, a.c, *a.sync);
+    std::printf("[layer-multi] %s rank %d of %d: %s\n", Name(a.c).c_str(), g.rank, g.num_ranks, rc ? "FAILED" : "ok");
     if (rc) a.sync->failed.store(1, std::memory_order_release);
     return rc;
   } catch (...) {
@@ -260,24 +271,145 @@ int rank_body(const gpu::EpProcessGroup& g, void* arg) {
   }
 }
 
+// Forks P rank processes running `body` on case `c` with one RankSync page between them (mapped
+// before the fork); returns how many failed.
+template <class Case>
+int launch_case(int P, const Case& c, int (*body)(const gpu::EpProcessGroup&, void*)) {
+  fixture();  // written and read here, before the fork: the ranks share it
+  void* page = mmap(nullptr, sizeof(RankSync), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  MOEKIT_CHECK(page != MAP_FAILED, std::string("mmap of the shared page failed"));
+  RankSync* sync = new (page) RankSync();
+  sync->num_ranks = P;
+  CaseArgs<Case> args{c, sync};
+  std::fflush(nullptr);  // nothing buffered here is printed again by the ranks
+  const int failed = gpu::launch_ranks(P, kRankTimeout, body, &args);
+  sync->~RankSync();
+  munmap(page, sizeof(RankSync));
+  return failed;
+}
+
 class GpuLayerMulti : public ::testing::TestWithParam<MultiCase> {};
 
 TEST_P(GpuLayerMulti, EqualsCpuLayerAndLocalTransport) {
   static const int gpus = gpu::count_devices_in_child();
   if (gpus < 2) GTEST_SKIP() << gpus << " GPU(s): one process per GPU needs at least 2";
   const int P = std::min(gpus, 8);
-  fixture();  // written and read here, before the fork: the ranks share it
-  void* page = mmap(nullptr, sizeof(RankSync), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(page, MAP_FAILED) << "mmap of the shared page failed";
-  RankSync* sync = new (page) RankSync();
-  sync->num_ranks = P;
-  RankArgs args{GetParam(), sync};
-  std::fflush(nullptr);  // nothing buffered here is printed again by the ranks
-  const int failed = gpu::launch_ranks(P, kRankTimeout, rank_body, &args);
-  sync->~RankSync();
-  munmap(page, sizeof(RankSync));
+  const int failed = launch_case(P, GetParam(), case_body<MultiCase, run_rank, case_name>);
   EXPECT_EQ(failed, 0) << failed << " of " << P << " ranks failed, see their messages above";
 }
+
+// ---- Staged weight moves across processes ---------------------------------------------------
+
+struct MoveCase {
+  gpu::EpTransport transport;
+  bool stall;  // the last rank stops stepping once the copies are under way
+};
+
+std::string move_case_name(const MoveCase& c) {
+  return std::string(c.transport == gpu::EpTransport::kNvlink ? "Nvlink" : "Nccl") + (c.stall ? "RankStalls" : "");
+}
+
+int run_moves_rank(const gpu::EpProcessGroup& g, const MoveCase& c, RankSync& sync) {
+  const Fixture& f = fixture();
+  const int P = g.num_ranks, me = g.rank, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
+  const auto placements = drifted_placements(P);
+  const Placement &a = placements.first, &b = placements.second;
+  const uint64_t seed = 23;
+  const int t_max = (kBatch + P - 1) / P, t0 = first_token(me, P, kBatch), T = first_token(me + 1, P, kBatch) - t0;
+  const std::string name = "moves " + move_case_name(c) + " P=" + std::to_string(P) + " rank " + std::to_string(me);
+  gpu::EpConfig ec = gpu::layer_ep_config(f.model, a.num_slots, P, t_max, gpu::EpMode::kLowLatency);
+  ec.timeout_s = kWaitTimeout;
+  std::unique_ptr<gpu::EpBuffer> ep = gpu::connect_ep(ec, g, c.transport);
+  gpu::GpuLayerConfig cfg;
+  cfg.max_tokens = t_max;
+  cfg.replica_seed = seed;
+  cfg.staging_slots = a.slots_per_gpu();
+  cfg.move_chunk_bytes = size_t(64) << 10;
+  gpu::GpuMoeLayer layer(f.model, f.weights, a, 0, *ep, cfg);
+  if (c.transport == gpu::EpTransport::kNvlink) layer.set_peer_slots(layer.map_peer_slots());  // collective
+  DeviceArray<uint16_t> x(size_t(t_max) * d), out(size_t(t_max) * d);
+  Stream stream;
+  std::mt19937 rng(300 + int(c.transport));  // the same tokens on every rank
+  auto step = [&](const Placement& want, const std::string& what, bool barrier) {
+    const std::vector<uint16_t> x_all = random_tokens(kBatch, d, rng);
+    x.upload(x_all.data() + size_t(t0) * d, size_t(T) * d);
+    if (barrier) sync.wait();
+    layer.forward_decode(x.ptr, T, t0, out.ptr, stream.s);
+    layer.check(stream.s);
+    const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, want, x_all, nullptr, nullptr, seed);
+    const std::vector<int32_t> cpu_idx(cpu.topk_idx.begin() + size_t(t0) * k, cpu.topk_idx.begin() + size_t(t0 + T) * k);
+    EXPECT_EQ(download(layer.topk_idx(), size_t(T) * k), cpu_idx) << what;
+    EXPECT_EQ(download(ep->recv_count(), size_t(layer.num_local_experts())), cpu.recv_count[me]) << what;
+    const std::vector<uint16_t> cpu_out(cpu.out.begin() + size_t(t0) * d, cpu.out.begin() + size_t(t0 + T) * d);
+    const double err = rel_error(out.download(size_t(T) * d), to_double(cpu_out));
+    EXPECT_LE(err, kLayerTolerance) << what;
+    std::printf("[layer-moves-multi] %s: vs the CPU layer %.3e\n", what.c_str(), err);
+  };
+  step(a, name + ": before the moves", true);
+
+  const std::vector<ExpertMove> moves = plan_moves(a, b);
+  const size_t budget = size_t(512) << 10;
+  layer.begin_moves(b, 0, moves, &f.weights, stream.s);
+  int calls = 0;
+  for (int r = 0; r < P; ++r) calls = std::max(calls, layer.advance_calls(r, moves, 0, budget));
+  if (c.stall && me == P - 1) {
+    // This rank's copies start, then it serves no more steps until the others are done.
+    layer.advance_moves(budget);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kBarrierTimeout);
+    while (!sync.released.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    layer.abort_moves();
+    return 0;
+  }
+  if (c.stall) {
+    // The next step waits for the stalled rank's send: the EP's named timeout, and no switch.
+    layer.advance_moves(budget);
+    try {
+      step(a, name + ": copies in flight, a peer stalled", false);
+      ADD_FAILURE() << name << ": a step with a stalled peer completed";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("timed out after"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("waiting for rank " + std::to_string(P - 1)), std::string::npos) << msg;
+    }
+    layer.abort_moves();
+    EXPECT_FALSE(layer.moving()) << name;
+    EXPECT_EQ(slots_not_holding(layer, a, me), 0) << name << ": the old placement's weights were touched";
+    sync.released.store(1, std::memory_order_release);
+    return ::testing::Test::HasFailure() ? 1 : 0;
+  }
+  for (int i = 0; i < calls; ++i) {
+    layer.advance_moves(budget);
+    step(a, name + ": copies in flight, step " + std::to_string(i), true);
+  }
+  EXPECT_TRUE(layer.moves_issued()) << name;
+  layer.wait_moves(stream.s);
+  step(a, name + ": the barrier step", true);
+  const int switched = layer.commit_moves(stream.s);
+  int mine = 0;
+  for (const ExpertMove& m : moves) mine += m.dst_gpu == me;
+  EXPECT_EQ(switched, mine) << name;
+  EXPECT_EQ(slots_not_holding(layer, b, me), 0) << name << ": after the switch";
+  for (int i = 0; i < 2; ++i) step(b, name + ": after the switch", true);
+  sync.wait();
+  return ::testing::Test::HasFailure() ? 1 : 0;
+}
+
+class GpuLayerMultiMoves : public ::testing::TestWithParam<MoveCase> {};
+
+TEST_P(GpuLayerMultiMoves, SwitchAtTheCommitOrKeepTheOldPlacement) {
+  static const int gpus = gpu::count_devices_in_child();
+  if (gpus < 2) GTEST_SKIP() << gpus << " GPU(s): one process per GPU needs at least 2";
+  const int P = std::min(gpus, 8);
+  const int failed = launch_case(P, GetParam(), case_body<MoveCase, run_moves_rank, move_case_name>);
+  EXPECT_EQ(failed, 0) << failed << " of " << P << " ranks failed, see their messages above";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, GpuLayerMultiMoves,
+                         ::testing::Values(MoveCase{gpu::EpTransport::kNvlink, false},
+                                           MoveCase{gpu::EpTransport::kNccl, false},
+                                           MoveCase{gpu::EpTransport::kNvlink, true}),
+                         [](const ::testing::TestParamInfo<MoveCase>& info) { return move_case_name(info.param); });
 
 using gpu::EpTransport;
 INSTANTIATE_TEST_SUITE_P(Transports, GpuLayerMulti,

@@ -8,11 +8,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -137,6 +139,38 @@ inline Placement make_placement(int num_ranks, bool redundant) {
   return balanced_placement(load, slots - E, num_ranks);
 }
 
+// Two placements of the same E + 8 slots over P ranks with different hot experts (the first 8,
+// the last 8): a rebalance between them moves replicas between ranks and inside ranks.
+inline std::pair<Placement, Placement> drifted_placements(int num_ranks) {
+  const int E = fixture().model.num_routed_experts;
+  std::vector<double> load_a(E, 1.0), load_b(E, 1.0);
+  for (int e = 0; e < 8; ++e) load_a[e] = 8.0, load_b[E - 1 - e] = 8.0;
+  return {balanced_placement(load_a, 8, num_ranks), balanced_placement(load_b, 8, num_ranks)};
+}
+
+// How many of rank `rank`'s live slots do not hold, bit for bit, the W1, W2 and scales of the
+// logical expert `placement` (layer 0) puts there.
+inline int slots_not_holding(const gpu::GpuMoeLayer& layer, const Placement& placement, int rank) {
+  const MoeLayerWeights& w = fixture().weights;
+  const gpu::GpuExpertSlots slots = layer.expert_slots();
+  const int e_loc = layer.num_local_experts();
+  int bad = 0;
+  for (int i = 0; i < e_loc; ++i) {
+    const size_t e = size_t(placement.phy2log_row(0)[rank * e_loc + i]);
+    bool same = true;
+    auto compare = [&](const auto* device, const auto& host, size_t per) {
+      const auto got = download(device + i * per, per);
+      same = same && std::equal(got.begin(), got.end(), host.begin() + e * per);
+    };
+    compare(slots.w1, w.w1.w, w.w1.w.size() / w.w1.layout.num_experts);
+    compare(slots.w1_scales, w.w1.scales, w.w1.scales.size() / w.w1.layout.num_experts);
+    compare(slots.w2, w.w2.w, w.w2.w.size() / w.w2.layout.num_experts);
+    compare(slots.w2_scales, w.w2.scales, w.w2.scales.size() / w.w2.layout.num_experts);
+    bad += !same;
+  }
+  return bad;
+}
+
 // The CPU layer's step over all B tokens: the oracle's output and routing.
 struct CpuResult {
   std::vector<uint16_t> out;
@@ -184,9 +218,11 @@ struct GpuRig {
   cudaStream_t stream{};
 
   // share: a rig of the same P and placement whose layers' weights these layers use.
-  // pipeline: GpuLayerConfig::pipeline (decode).
+  // pipeline: GpuLayerConfig::pipeline (decode). staging_slots, move_chunk_bytes: the layers'
+  // staged moves (GpuLayerConfig; 0: none).
   GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
-         gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true)
+         gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true, int staging_slots = 0,
+         size_t move_chunk_bytes = size_t(4) << 20)
       : P(num_ranks), mode(m) {
     const Fixture& f = fixture();
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
@@ -196,6 +232,8 @@ struct GpuRig {
     cfg.replica_seed = seed;
     cfg.pipeline = pipeline;
     cfg.merge_shared = merge_shared;
+    cfg.staging_slots = staging_slots;
+    cfg.move_chunk_bytes = move_chunk_bytes;
     for (int r = 0; r < P; ++r) {
       layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg,
                                                            share ? share->layers[r].get() : nullptr));

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 
+#include "cli/cuda/device_array.h"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
@@ -18,22 +19,6 @@
 namespace moekit::cli {
 
 namespace {
-
-template <class T>
-struct DeviceArray {
-  T* ptr = nullptr;
-  explicit DeviceArray(size_t n) { MOEKIT_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T))); }
-  ~DeviceArray() { cudaFree(ptr); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
-
-template <class T>
-std::vector<T> download(const T* p, size_t n) {
-  std::vector<T> h(n);
-  if (n) MOEKIT_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
 // The EP figures of ep_cpu.h's EpStats, from the routing: one message per (token, distinct target
 // rank) of message_bytes, one bf16 vector [d] back per message.

@@ -266,6 +266,21 @@ EpBuffer::~EpBuffer() {
   if (impl_->private_mem) cudaFree(impl_->private_mem);
 }
 
+std::vector<void*> EpExchange::map_peer_allocations(void*) {
+  throw Error("map_peer_allocations: this transport maps no peer memory");
+}
+
+std::vector<void*> EpBuffer::map_peer_allocations(void* mine) {
+  const Impl& m = *impl_;
+  MOEKIT_CHECK(mine != nullptr, fmtr("rank {}: map_peer_allocations of a null pointer", m.rank));
+  MOEKIT_CHECK(m.transport == EpTransport::kNvlink && m.exchange,
+               fmtr("rank {}: map_peer_allocations needs the nvlink transport, this buffer's is {} ({})", m.rank,
+                    ep_transport_name(m.transport),
+                    m.transport == EpTransport::kLocal ? "in-process ranks: pass their pointers directly"
+                                                       : "no peer memory is mapped: copy through the host"));
+  return m.exchange->map_peer_allocations(mine);
+}
+
 const EpConfig& EpBuffer::config() const { return impl_->config; }
 int EpBuffer::rank() const { return impl_->rank; }
 EpTransport EpBuffer::transport() const { return impl_->transport; }

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -120,6 +121,8 @@ class EpExchange {
   // Ends the exchange's in-flight and future work (its waiting kernels return); the buffer is
   // unusable afterwards, and its next receive times out naming the peer that sent nothing.
   virtual void abort() = 0;
+  // EpBuffer::map_peer_allocations (nvlink); the default refuses, naming the transport.
+  virtual std::vector<void*> map_peer_allocations(void* mine);
 };
 
 // Kernel launchers (dispatch.cu, combine.cu). Each launches one kernel on the stream.

@@ -96,6 +96,7 @@ class ProcessTransport : public EpExchange {
  public:
   ProcessTransport(const EpConfig& config, const EpProcessGroup& group, EpTransport kind)
       : kind_(kind), rank_(group.rank), num_ranks_(group.num_ranks), sizes_(ep_sizes(config)) {
+    caller_all_gather_ = group.all_gather;
     try {
       // nvlink with the caller's all-gather needs no communicator.
       if (kind == EpTransport::kNccl || !group.all_gather) init_comm(group.nccl_unique_id);
@@ -106,7 +107,7 @@ class ProcessTransport : public EpExchange {
         MOEKIT_CUDA_CHECK(cudaMalloc(&staging_, staging));
         MOEKIT_CUDA_CHECK(cudaMemset(staging_, 0, staging));
       } else {
-        open_peers(group);
+        open_peers();
       }
       MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     } catch (...) {
@@ -154,6 +155,14 @@ class ProcessTransport : public EpExchange {
     comm_ = nullptr;  // aborted communicators are not destroyed
     nccl_check(nccl().comm_abort(comm), "ncclCommAbort");
   }
+  std::vector<void*> map_peer_allocations(void* mine) override {
+    MOEKIT_CHECK(kind_ == EpTransport::kNvlink,
+                 fmtr("EP rank {}: the {} transport maps no peer memory", rank_, ep_transport_name(kind_)));
+    std::vector<void*> peers = open_allocations(mine);
+    for (int r = 0; r < num_ranks_; ++r)
+      if (r != rank_) mapped_.push_back(peers[r]);
+    return peers;
+  }
 
  private:
   // Staged inbox for peer r at staging + staged_at + r * bytes goes to r's inbox for this rank;
@@ -185,6 +194,8 @@ class ProcessTransport : public EpExchange {
     for (int r = 0; r < int(peer_base_.size()); ++r)
       if (r != rank_ && peer_base_[r]) cudaIpcCloseMemHandle(peer_base_[r]);
     peer_base_.clear();
+    for (void* p : mapped_) cudaIpcCloseMemHandle(p);
+    mapped_.clear();
     if (staging_) cudaFree(staging_);
     if (symmetric_) cudaFree(symmetric_);
     staging_ = symmetric_ = nullptr;
@@ -192,14 +203,16 @@ class ProcessTransport : public EpExchange {
     comm_ = nullptr;
   }
 
-  // Every rank's `mine`, in rank order, through the caller's all-gather or NCCL's. A result that is
-  // not P pieces with this rank's own at position rank means the group's ranks are not moekit's.
-  std::vector<uint8_t> all_gather(const EpProcessGroup& group, const std::vector<uint8_t>& mine) {
+  // Every rank's `mine`, in rank order, through the caller's all-gather (kept from the group the
+  // buffer was connected with) or NCCL's. A result that is not P pieces with this rank's own at
+  // position rank means the group's ranks are not moekit's.
+  std::vector<uint8_t> all_gather(const std::vector<uint8_t>& mine) {
     const size_t n = mine.size(), P = size_t(num_ranks_);
     std::vector<uint8_t> all;
-    if (group.all_gather) {
-      all = group.all_gather(mine);
+    if (caller_all_gather_) {
+      all = caller_all_gather_(mine);
     } else {
+      MOEKIT_CHECK(comm_ != nullptr, fmtr("EP rank {}: the NCCL communicator was aborted", rank_));
       void* dev = nullptr;
       MOEKIT_CUDA_CHECK(cudaMalloc(&dev, n * (P + 1)));
       uint8_t* gathered = static_cast<uint8_t*>(dev) + n;
@@ -217,22 +230,28 @@ class ProcessTransport : public EpExchange {
     return all;
   }
 
-  void open_peers(const EpProcessGroup& group) {
-    cudaIpcMemHandle_t mine;
-    MOEKIT_CUDA_CHECK(cudaIpcGetMemHandle(&mine, symmetric_));
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&mine);
-    const std::vector<uint8_t> all = all_gather(group, std::vector<uint8_t>(bytes, bytes + sizeof(mine)));
-    peer_base_.assign(num_ranks_, nullptr);
+  // Every rank's allocation `mine`, opened in this process (this rank's own at its index) from
+  // all-gathered CUDA IPC handles. Collective. The one place peers' memory is mapped: the EP
+  // buffer's symmetric regions, and later allocations (map_peer_allocations).
+  std::vector<void*> open_allocations(void* mine) {
+    cudaIpcMemHandle_t handle;
+    MOEKIT_CUDA_CHECK(cudaIpcGetMemHandle(&handle, mine));
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&handle);
+    const std::vector<uint8_t> all = all_gather(std::vector<uint8_t>(bytes, bytes + sizeof(handle)));
+    std::vector<void*> out(num_ranks_, nullptr);
     for (int r = 0; r < num_ranks_; ++r) {
       if (r == rank_) {
-        peer_base_[r] = symmetric_;
+        out[r] = mine;
         continue;
       }
-      cudaIpcMemHandle_t handle;
-      std::memcpy(&handle, all.data() + size_t(r) * sizeof(handle), sizeof(handle));
-      MOEKIT_CUDA_CHECK(cudaIpcOpenMemHandle(&peer_base_[r], handle, cudaIpcMemLazyEnablePeerAccess));
+      cudaIpcMemHandle_t peer;
+      std::memcpy(&peer, all.data() + size_t(r) * sizeof(peer), sizeof(peer));
+      MOEKIT_CUDA_CHECK(cudaIpcOpenMemHandle(&out[r], peer, cudaIpcMemLazyEnablePeerAccess));
     }
+    return out;
   }
+
+  void open_peers() { peer_base_ = open_allocations(symmetric_); }
 
   EpTransport kind_;
   int rank_, num_ranks_;
@@ -241,6 +260,8 @@ class ProcessTransport : public EpExchange {
   void* symmetric_ = nullptr;
   void* staging_ = nullptr;
   std::vector<void*> peer_base_;
+  std::vector<void*> mapped_;  // peers' allocations opened by map_peer_allocations
+  std::function<std::vector<uint8_t>(const std::vector<uint8_t>&)> caller_all_gather_;  // EpProcessGroup::all_gather
 };
 
 }  // namespace
