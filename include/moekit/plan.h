@@ -28,7 +28,7 @@
 //
 // Bad input (P < 1, P not dividing E, no batches, a batch < 1, mem_fraction outside (0, 1],
 // context < 1, a non-positive SLA, N outside [0, kMaxMtp], L outside [1, N + 1], B·(N + 1)
-// beyond int64, and P, B or context past moekit/limits.h) throws moekit::Error naming the value.
+// beyond 2^53, and P, B or context past moekit/limits.h) throws moekit::Error naming the value.
 // Within those bounds and the spec's ranges (spec.h) every figure is finite.
 #pragma once
 

@@ -260,6 +260,16 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   MOEKIT_CHECK(!text.starts_with("\xEF\xBB\xBF"),
                fmt::format("safetensors file '{}': the header starts with a UTF-8 byte order mark, which the format "
                            "does not allow", path));
+  // The shared JSON reader first: it bounds the nesting while parsing and names the path of a
+  // value too deep, and its tree quotes a bad metadata value by a short prefix. The member walk
+  // below then sees what a finished tree cannot (repeated keys, every entry of a repeated name).
+  {
+    const nlohmann::json tree = parse_json(text, fmt::format("safetensors file '{}': header", path));
+    if (tree.is_object() && tree.contains("__metadata__") && tree["__metadata__"].is_object())
+      for (const auto& [k, v] : tree["__metadata__"].items())
+        MOEKIT_CHECK(v.is_string(), fmt::format("safetensors file '{}': __metadata__ entry '{}' = {} is not a string",
+                                                path, quote_text(k, kMaxQuotedNameChars), quote(v)));
+  }
   const HeaderMembers header = parse_header_members(text, path);
   MOEKIT_CHECK(header.is_object,
                fmt::format("safetensors file '{}': header must be a JSON object, got {}", path, header.top_type));

@@ -190,9 +190,10 @@ void validate(const PlanInput& in) {
                              "advances per step: at least the one it always decodes, at most every draft accepted)",
                              L, in.mtp + 1, in.mtp));
   }
+  // The step's tokens, B·(N + 1), are counted in doubles: they must stay within 2^53 as B does.
   for (int64_t b : in.batches)
-    MOEKIT_CHECK(b <= std::numeric_limits<int64_t>::max() / tokens_per_sequence(in),
-                 fmt::format("--batch: batch {} with --mtp {} verifies {} x {} tokens per step, beyond int64", b,
+    MOEKIT_CHECK(b <= kMaxPlanBatch / tokens_per_sequence(in),
+                 fmt::format("--batch: batch {} with --mtp {} verifies {} x {} tokens per step, beyond 2^53", b,
                              in.mtp, b, tokens_per_sequence(in)));
 }
 
