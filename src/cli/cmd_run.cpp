@@ -151,10 +151,14 @@ void run(const RunOptions& o) {
                            E + o.redundant, P));
   MOEKIT_CHECK(o.protocol == "low-latency" || o.protocol == "normal",
                fmt::format("--protocol '{}': expected low-latency or normal", o.protocol));
-  // Checked here too so that no weights are written for a model the layer cannot run.
-  MOEKIT_CHECK(d % 128 == 0 && spec.moe_intermediate_size % 128 == 0,
+  // Checked here too so that no weights are written for a model the layer cannot run. MXFP4 weights
+  // are padded to multiples of 128 at load time (weights.h).
+  MOEKIT_CHECK(spec.expert_format == "mxfp4" || (d % 128 == 0 && spec.moe_intermediate_size % 128 == 0),
                fmt::format("--model {}: hidden_size {} and moe_intermediate_size {} must be multiples of 128 (the FP8 "
                            "block size)", spec.name, d, spec.moe_intermediate_size));
+  MOEKIT_CHECK(o.backend != "cuda" || spec.expert_format == "fp8",
+               fmt::format("--model {} --backend cuda: its MXFP4 experts have no GPU kernels yet; use --backend cpu",
+                           spec.name));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);
   const bool tty = isatty(STDERR_FILENO) == 1 && !o.json;
@@ -256,11 +260,11 @@ void run(const RunOptions& o) {
         idx.insert(idx.end(), st.topk_idx.begin(), st.topk_idx.end());
         w.insert(w.end(), st.topk_weights.begin(), st.topk_weights.end());
       }
-      const auto w64 = dequantize_layer_f64(layer_weights[l]);
+      const LayerOracle oracle(spec, layer_weights[l]);
       std::vector<float> xf(size_t(B) * d);
       for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(x[l][i]);
       std::vector<double> want(xf.size()), got(xf.size());
-      ref::moe_layer_f64(xf.data(), int(B), idx.data(), w.data(), k, w64->view, want.data());
+      oracle.run(xf.data(), int(B), idx.data(), w.data(), want.data());
       for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_float(out[l][i]);
       figs[l].error_vs_oracle = ref::relative_frobenius_error(got.data(), want.data(), got.size());
     }
