@@ -129,12 +129,16 @@ std::vector<float> read_float_tensor(const Checkpoint& ckpt, const std::string& 
   return out;
 }
 
-void check_finite_bias(const Checkpoint& ckpt, const std::string& name, const std::vector<float>& bias, int64_t cols) {
+// bias: rows [first_row, ...) of a [*, cols] tensor, or a vector when cols == 0.
+void check_finite_bias(const Checkpoint& ckpt, const std::string& name, const std::vector<float>& bias, int64_t cols,
+                       int64_t first_row = 0) {
   for (size_t i = 0; i < bias.size(); ++i)
-    MOEKIT_CHECK(std::isfinite(bias[i]), fmt::format("tensor '{}' in '{}': element {} holds {}, expected a finite bias", name,
-                                                     ckpt.file_of(name).path(),
-                                                     cols > 0 ? fmt::format("[{}, {}]", i / cols, i % cols) : fmt::format("[{}]", i),
-                                                     bias[i]));
+    MOEKIT_CHECK(std::isfinite(bias[i]),
+                 fmt::format("tensor '{}' in '{}': element {} holds {}, expected a finite bias", name,
+                             ckpt.file_of(name).path(),
+                             cols > 0 ? fmt::format("[{}, {}]", first_row + int64_t(i) / cols, int64_t(i) % cols)
+                                      : fmt::format("[{}]", i),
+                             bias[i]));
 }
 
 Mxfp4ExpertWeights make_mxfp4_weights(int num_experts, int64_t n, int64_t k, bool with_bias) {
@@ -178,9 +182,12 @@ void load_mxfp4_matrix(const Checkpoint& ckpt, int layer, std::string_view proj,
   const std::string bias_name = gpt_oss_expert_tensor_name(layer, proj, "bias");
   const int64_t bias_shape[] = {num_experts, rows};
   const std::vector<float> bias = read_float_tensor(ckpt, bias_name, bias_shape);
-  check_finite_bias(ckpt, bias_name, bias, rows);
+  // Only the local experts' part is checked, as for the scales.
+  const auto local = std::vector<float>(bias.begin() + ptrdiff_t(first_expert * rows),
+                                        bias.begin() + ptrdiff_t((first_expert + l.num_experts) * rows));
+  check_finite_bias(ckpt, bias_name, local, rows, first_expert);
   for (int i = 0; i < l.num_experts; ++i)
-    for (int64_t r = 0; r < rows; ++r) dst.bias[size_t(i) * l.n + row_of(r)] = bias[size_t((first_expert + i) * rows + r)];
+    for (int64_t r = 0; r < rows; ++r) dst.bias[size_t(i) * l.n + row_of(r)] = local[size_t(i * rows + r)];
 }
 
 void load_moe_layer_mxfp4(const Checkpoint& ckpt, const LayerDims& d, int layer, int first_expert,
