@@ -126,14 +126,25 @@ StepResult run_layers_cpu(const ModelSpec& spec, const std::vector<MoeLayerWeigh
 // --check's bound on the relative error against the float64 oracle. The CPU layer holds
 // DESIGN.md's 3e-3; the GPU layer measures 4e-3 .. 7e-3 (the tensor cores' FP8 block sums keep
 // fewer bits than the CPU's exact ones; docs/layer-gpu.md), and test_layer bounds it at 1.5e-2.
-double oracle_tolerance(const RunOptions& o) { return o.backend == "cuda" ? 1.5e-2 : 3e-3; }
+// The MXFP4 (gpt-oss) layer on the CPU is bounded by 2^-8: the RMS of its three bf16 roundings at
+// most 2^-8/sqrt(3) each; without a shared expert all three reach every output value, and it
+// measures 2.9e-3, close to 3e-3 (docs/layer.md).
+double oracle_tolerance(const RunOptions& o, const ModelSpec& spec) {
+  if (o.backend == "cuda") return 1.5e-2;
+  return spec.expert_format == "mxfp4" ? 0x1p-8 : 3e-3;
+}
 
-void check_oracle_errors(const RunOptions& o, const std::vector<LayerFigures>& figs) {
+const char* oracle_tolerance_source(const RunOptions& o, const ModelSpec& spec) {
+  if (o.backend == "cuda") return "the GPU layer's, docs/layer-gpu.md";
+  return spec.expert_format == "mxfp4" ? "2^-8, three bf16 roundings: docs/layer.md" : "DESIGN.md";
+}
+
+void check_oracle_errors(const RunOptions& o, const ModelSpec& spec, const std::vector<LayerFigures>& figs) {
   for (size_t l = 0; l < figs.size(); ++l)
-    MOEKIT_CHECK(figs[l].error_vs_oracle <= oracle_tolerance(o),
+    MOEKIT_CHECK(figs[l].error_vs_oracle <= oracle_tolerance(o, spec),
                  fmt::format("--check: layer {}: relative error {:.3e} against the float64 oracle is above the {} "
                              "backend's bound {}",
-                             l, figs[l].error_vs_oracle, o.backend, oracle_tolerance(o)));
+                             l, figs[l].error_vs_oracle, o.backend, oracle_tolerance(o, spec)));
 }
 
 void run(const RunOptions& o) {
@@ -351,7 +362,7 @@ void run(const RunOptions& o) {
     if (o.check)
       for (const auto& f : figs) j["error_vs_oracle"].push_back(f.error_vs_oracle);
     fmt::print("{}\n", j.dump(2));
-    if (o.check) check_oracle_errors(o, figs);
+    if (o.check) check_oracle_errors(o, spec, figs);
     return;
   }
 
@@ -388,8 +399,8 @@ void run(const RunOptions& o) {
   if (o.check) {
     fmt::print("relative error against the float64 oracle:");
     for (const auto& f : figs) fmt::print(" {:.2e}", f.error_vs_oracle);
-    fmt::print(" (bound {}: {})\n", oracle_tolerance(o), o.backend == "cuda" ? "the GPU layer's, docs/layer-gpu.md" : "DESIGN.md");
-    check_oracle_errors(o, figs);
+    fmt::print(" (bound {:.3g}: {})\n", oracle_tolerance(o, spec), oracle_tolerance_source(o, spec));
+    check_oracle_errors(o, spec, figs);
   }
 }
 
