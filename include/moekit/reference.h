@@ -184,7 +184,7 @@ struct MoeWeightsF64 {
   int shared_inter = 0;              // 0: no shared expert
   const double* shared_w1 = nullptr; // [2·shared_inter, hidden]
   const double* shared_w2 = nullptr; // [hidden, shared_inter]
-  Activation activation;             // of the routed and the shared experts
+  Activation activation{};           // of the routed and the shared experts
 };
 
 // The float64 oracle (contract above): x [num_tokens, hidden] fp32, topk_idx / topk_weights
@@ -203,7 +203,7 @@ struct MoeWeightsMxfp4 {
   const uint8_t* w2_scales = nullptr;
   const float* b1 = nullptr;          // [E, 2·inter] or nullptr (no expert biases)
   const float* b2 = nullptr;          // [E, hidden] or nullptr
-  Activation activation;
+  Activation activation{};
 };
 
 // The float64 oracle on MXFP4 weights (contract above), decoded exactly expert by expert: x
