@@ -32,7 +32,8 @@
 //   Errors (moekit::Error, nothing written): a NaN or infinite logit (the message names the
 //   token and the expert), a non-finite bias, k outside [1, E], E not a multiple of
 //   num_groups, topk_groups outside [1, num_groups], k > topk_groups * E/num_groups, an
-//   unknown scoring, a routed_scaling_factor that is not finite and positive.
+//   unknown scoring, "topk_softmax" with groups or without normalize_topk, a routed_scaling_factor
+//   that is not finite and positive.
 #pragma once
 
 #include <cstdint>

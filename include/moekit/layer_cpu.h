@@ -107,6 +107,7 @@ class CpuMoeLayer {
 
   // The last step's receive side and expert outputs on `rank`, for tests. Low-latency: masked
   // layout [E_loc, M_max, ...] (rows < recv_count valid); normal: contiguous rows (row_expert >= 0 valid).
+  // Rows are ep_config().hidden wide: the padded hidden size for MXFP4 weights.
   struct RankBuffers {
     const uint8_t* recv_x = nullptr;
     const float* recv_scales = nullptr;

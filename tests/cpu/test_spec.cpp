@@ -20,7 +20,7 @@ json h200() { return json::parse(to_json(load_gpu_spec("h200"))); }
 TEST(Spec, EveryEmbeddedSpecLoads) {
   auto models = embedded_model_names();
   for (const char* want : {"llama-3-70b", "deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3.5-397b-a17b", "glm-4.5",
-                           "gpt-oss-120b", "mixtral-8x7b", "tiny-moe"})
+                           "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b", "tiny-moe"})
     EXPECT_NE(std::find(models.begin(), models.end(), want), models.end()) << want;
   for (const auto& name : models) EXPECT_EQ(load_model_spec(name).name, name);
   auto gpus = embedded_gpu_names();
