@@ -26,7 +26,8 @@
 
 namespace moekit::bench {
 
-// DESIGN.md: the FP8 GEMM rate measured on the lent H200 (2026-11-29); the benchmarks do not
+// The FP8 GEMM rate measured on an H200 (2026-11-29, docs/results.md §Reference rates of the H200);
+// the benchmarks do not
 // measure it again, they divide FLOPs by it for the compute side of the floor.
 constexpr double kFp8Flops = 1272e12;
 

@@ -13,7 +13,8 @@
 // one eager step with CUDA events around every stage of every rank (summed over ranks).
 // Floor: the bytes of the experts that received tokens (all ranks' slots: they share this GPU)
 // over the device copy bandwidth measured here (read + write of a 2 GB buffer), next to the FP8
-// FLOPs over DESIGN.md's measured 1272 TFLOP/s; floor = the larger. "per rank" = time / P.
+// FLOPs over the 1272 TFLOP/s measured on an H200 (docs/results.md §Reference rates of the H200);
+// floor = the larger. "per rank" = time / P.
 // --tbo also times two-batch overlap: each rank's tokens split in two micro-batches, each with its
 // own EP group and layer objects (sharing the full-batch layers' weights), issued on two streams in one graph so
 // that one micro-batch's dispatch and combine kernels can run beside the other's GEMMs.

@@ -26,7 +26,7 @@
 //               against the same two micro-batches one after another on one stream (tbo serial)
 //               and their dispatch + combine alone (tbo comm)
 // hidden = (t_serial - t_overlap) / t_comm, the share of communication time an overlap hides
-// (MISSION.md: DeepEP's hook overlap hides 20-27% at EP4). Times are per layer (step / L).
+// (docs/theory.md §Overlap: DeepEP's hook overlap hides 20-27% at EP4). Times are per layer (step / L).
 // Floors, per rank and layer, the larger rank reported:
 //   measured  max(bytes of the rank's experts that received rows + its shared expert, over the
 //             device copy bandwidth measured in this run; FP8 FLOPs over 1272 TFLOP/s) + the
@@ -719,7 +719,7 @@ void print_report(const Args& a, int P, const std::vector<Report>& reports) {
                   r.tbo_comm_us, 100 * *r.hidden_tbo);
   std::printf(
       "hidden = (serial - tbo) / comm: the share of the two micro-batches' dispatch + combine the overlap hides "
-      "(MISSION.md: 20-27%% for DeepEP at EP4)\n");
+      "(docs/theory.md §Overlap: 20-27%% for DeepEP at EP4)\n");
   std::printf("\nstages (eager, events, mean over ranks and layers, us):\n%6s", "B");
   for (const char* s : kStageNames) std::printf(" %13s", s);
   std::printf("\n");

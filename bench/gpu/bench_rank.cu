@@ -52,9 +52,10 @@
 // Floor per layer: max(bytes / copy bandwidth, FLOPs / 1272 TFLOP/s), bytes = rank 0's local
 // experts that received at least one row + the shared expert + activations (received rows in
 // FP8 with scales, returned in BF16; the rank's own tokens in and out in BF16). The copy
-// bandwidth is measured in this run (2 GB device copy); the FP8 rate is DESIGN.md's measured
-// FP8 GEMM rate, not measured here. rank 0's recv_count is predicted on the host from every
-// rank's routing and compared with the device's after the eager and the graph runs.
+// bandwidth is measured in this run (2 GB device copy); the FP8 rate is the one measured on an
+// H200 (docs/results.md §Reference rates of the H200), not measured here. rank 0's recv_count is
+// predicted on the host from every rank's routing and compared with the device's after the eager
+// and the graph runs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -662,7 +663,8 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
   MOEKIT_CHECK(js.good(), "--json " + path + ": cannot open for writing");
   js << "{\"bench\": \"rank\", \"device\": \"" << dev.name << "\", \"ranks\": " << kRanks
      << ", \"rank\": 0, \"copy_bw\": " << copy_bw << ", \"fp8_flops\": " << kFp8Flops
-     << ", \"fp8_flops_source\": \"DESIGN.md (FP8 GEMM measured on the lent H200), not measured in this run\""
+     << ", \"fp8_flops_source\": \"docs/results.md §Reference rates of the H200 (FP8 GEMM measured on an "
+        "H200), not measured in this run\""
      << ", \"iters\": " << opt.iters
      << ", \"timing\": \"rank 0's kernels only: event-record nodes inside one CUDA Graph per segment of layers, "
         "rank 0's two intervals per layer (dispatch + compute, combine) added; step = median over replays of the "
@@ -910,7 +912,7 @@ int main(int argc, char** argv) try {
               dev.name.c_str(), dev.num_sms, free0 / kGB, total / kGB, kRanks);
   const double copy_bw = measure_copy_bandwidth();
   std::printf("copy bandwidth (read + write, 2 GB device copy): %.2f TB/s; FP8 rate for the floor: %.0f TFLOP/s "
-              "(DESIGN.md's measured FP8 GEMM, not measured in this run)\n",
+              "(docs/results.md §Reference rates of the H200, not measured in this run)\n",
               copy_bw / 1e12, kFp8Flops / 1e12);
   cudaStream_t stream = nullptr;
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

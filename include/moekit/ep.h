@@ -61,6 +61,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -226,17 +227,35 @@ class EpLocalGroup {
 };
 
 // Transports across processes (one process per GPU). `nvlink` maps the peers' symmetric regions
-// with CUDA IPC (handles exchanged through NCCL's all-gather); `nccl` keeps all memory local and
-// moves each step's inboxes with grouped ncclSend/ncclRecv right after each send kernel (fixed
-// sizes, so it stays graph-capturable). NCCL is loaded at run time (dlopen of libnccl.so.2, or
-// MOEKIT_NCCL_LIBRARY), so nothing links against it. The NCCL unique id comes from the launcher.
+// with CUDA IPC (each rank's handle swapped through the group's all-gather); `nccl` keeps all
+// memory local and moves each step's inboxes with grouped ncclSend/ncclRecv right after each send
+// kernel (fixed sizes, so it stays graph-capturable). NCCL is loaded at run time (dlopen of
+// libnccl.so.2, or MOEKIT_NCCL_LIBRARY), so nothing links against it.
+//
+// What the ranks swap at set-up comes from whoever started them: launch_ranks hands every rank
+// the same NCCL unique id, and `nvlink` all-gathers its handles over NCCL; a framework that
+// already has a process group (torch.distributed: moekit's Python Buffer) supplies all_gather
+// instead, and the NCCL unique id only for `nccl` (made by one rank with make_nccl_unique_id()
+// and sent to the others over that group), so `nvlink` then loads no NCCL at all. Either way the
+// same code maps the peers.
 struct EpProcessGroup {
   int rank = 0;
   int num_ranks = 1;
   int device = 0;
-  std::vector<uint8_t> nccl_unique_id;  // 128 bytes (ncclUniqueId)
+  // 128 bytes (ncclUniqueId): the `nccl` transport's communicator, and `nvlink`'s set-up
+  // exchange where all_gather is empty. Empty otherwise.
+  std::vector<uint8_t> nccl_unique_id;
+  // all_gather(mine) returns every rank's `mine` (of one size on every rank), in rank order.
+  // Empty: NCCL's all-gather over a communicator made from nccl_unique_id.
+  std::function<std::vector<uint8_t>(const std::vector<uint8_t>& mine)> all_gather;
 };
+// Throws moekit::Error when an argument is bad, or names what the all-gather returned when it is
+// not num_ranks pieces with this rank's own at position rank.
 std::unique_ptr<EpBuffer> connect_ep(const EpConfig& config, const EpProcessGroup& group, EpTransport transport);
+
+// A fresh NCCL unique id (128 bytes) for EpProcessGroup::nccl_unique_id; loads NCCL. One rank
+// makes it and the group hands it to the others; that rank's process hosts NCCL's bootstrap.
+std::vector<uint8_t> make_nccl_unique_id();
 
 // The launcher: forks one process per GPU (rank r uses device r), hands every rank the same NCCL
 // unique id (made in the parent, which never touches CUDA), runs body(group) in each, and

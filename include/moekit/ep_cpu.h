@@ -94,7 +94,7 @@ struct EpStats {
   int64_t combine_bytes = 0;          // bf16 vectors sent back, own inbox included
   int64_t combine_bytes_remote = 0;
 
-  // Distinct target ranks per token, C of MISSION.md §4.
+  // Distinct target ranks per token, C_P of docs/theory.md §All-to-all bytes.
   double targets_per_token() const { return num_tokens ? double(dispatch_messages) / double(num_tokens) : 0.0; }
 };
 

@@ -7,7 +7,8 @@
 // pair (token, expert) is served by exactly one replica.
 //
 // What this header offers, each with its contract below:
-//   rebalance()                     DeepSeek's reference EPLB, reproduced exactly (EPLB.md).
+//   rebalance()                     DeepSeek's reference EPLB, reproduced exactly
+//                                   (docs/eplb.md §The reference algorithm (exact)).
 //   rebalance_with_fewer_moves()    a placement within a tolerance of a fresh rebalance that
 //                                   keeps most replicas where they already are.
 //   rebalance_dual()                balances GEMM rows and de-duplicated received tokens
@@ -58,17 +59,20 @@ struct Placement {
 
 // ---- The reference placement ---------------------------------------------------------------
 
-// DeepSeek's EPLB, entry for entry (EPLB.md): hierarchical when num_groups % num_nodes == 0,
+// DeepSeek's EPLB, entry for entry (docs/eplb.md §The reference example):
+// hierarchical when num_groups % num_nodes == 0,
 // else the same routine with one group and one node (global). Deterministic: stable sorts,
 // ties to the lowest index. Loads are compared in double precision (the reference uses
 // float32, so results can differ only where two sums tie to within float32 rounding).
 // log2phy[l][e][r] is the slot of replica rank r, ranks in order of creation.
 // Errors: ragged rows, negative/NaN/infinite loads, num_slots not a multiple of num_gpus or
-// below E, num_groups not dividing E, num_gpus not divisible by num_nodes.
+// below E, num_groups not dividing E, num_gpus not divisible by num_nodes, and sizes past
+// moekit/limits.h (slots, GPUs, layers x slots; log2phy past kMaxTableEntries entries).
 Placement rebalance(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups, int num_nodes,
                     int num_gpus);
 
-// A load matrix: at least one layer, rows of equal non-zero length, every load finite, >= 0.
+// A load matrix: 1 to kMaxLayers layers, rows of equal length in [1, kMaxExperts], at most
+// kMaxTableEntries loads, every load finite and in [0, kMaxLoad] (so every sum stays finite).
 void validate_loads(const std::vector<std::vector<double>>& weight);
 // The checks rebalance() runs, for callers that validate before doing anything else.
 void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int num_slots, int num_groups,
@@ -220,10 +224,10 @@ struct GateDecision {
   double s0 = 1;             // sum over layers of max GPU load / sum of mean loads, current placement
   double s1 = 1;             // the same for the candidate placement
   double layer_speedup = 1;  // S0 / S1
-  double end_to_end = 1;     // 1 / (f / (S0/S1) + 1 - f), MISSION.md section 6
+  double end_to_end = 1;     // 1 / (f / (S0/S1) + 1 - f), docs/theory.md §EPLB gain
   bool rebalance = false;    // end_to_end >= 1 + min_gain
 };
-// The MISSION.md section 6 gain for speed-up s0/s1 and balanceable share f in [0, 1].
+// The gain of docs/theory.md §EPLB gain for speed-up s0/s1 and balanceable share f in [0, 1].
 double end_to_end_gain(double layer_speedup, double balanceable_share);
 // Predicts the gain of moving from `current` to `candidate` under `weight`; a layer's time is
 // its busiest GPU's, so S sums the per-layer maxima over the summed means. Skip when the

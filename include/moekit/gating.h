@@ -1,7 +1,8 @@
 // moekit/gating.h: the router on the CPU (the reference the CUDA gating matches).
 //
-// Two steps, as DESIGN.md draws them: the router GEMM x[T, d] -> logits[T, E], then the
-// top-k selection logits -> topk_idx[T, k], topk_weights[T, k], driven by a RouterSpec.
+// Two steps, as docs/design.md §Decode data flow draws them: the router GEMM
+// x[T, d] -> logits[T, E], then the top-k selection logits -> topk_idx[T, k], topk_weights[T, k],
+// driven by a RouterSpec.
 //
 // router_logits: logits[t, e] = sum_i x[t, i] * router_weight[e, i] (+ logit_bias[e] when given:
 //   gpt-oss's router is a linear layer with bias), each dot product and its bias summed in

@@ -1,10 +1,10 @@
 // moekit/gemm.h: FP8 grouped expert GEMM on Hopper (sm_90a): masked (decode) and contiguous
 // (prefill) layouts of layout.h, out = A · Wᵀ per local expert, BF16 output.
 //
-// Numerics (DESIGN.md): A is FP8 e4m3 with one fp32 scale per (row, 128 columns of K), W is
-// FP8 e4m3 with one fp32 scale per 128x128 block. Every 128-deep K block is accumulated in the
-// tensor core, then both scales are applied and the block is added into an fp32 accumulator on
-// the CUDA cores (two-level accumulation); the result is rounded once to BF16.
+// Numerics (docs/design.md §Numerics and their bounds): A is FP8 e4m3 with one fp32 scale per (row,
+// 128 columns of K), W is FP8 e4m3 with one fp32 scale per 128x128 block. Every 128-deep K block is
+// accumulated in the tensor core, then both scales are applied and the block is added into an fp32
+// accumulator on the CUDA cores (two-level accumulation); the result is rounded once to BF16.
 //
 // Plan once, run many. A plan binds the problem shape and the device buffers, builds the TMA
 // descriptors (which hold the addresses) and owns any workspace (split-K partials and their

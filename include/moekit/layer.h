@@ -1,8 +1,9 @@
-// moekit/layer.h: one MoE layer on the GPU, one rank of expert parallelism: DESIGN.md's decode
-// step (low-latency EP, masked GEMMs) and prefill step (normal EP, contiguous GEMMs), with the
-// shared expert. The CPU layer (layer_cpu.h) is its oracle: same weights, same placement, same
-// routing give the same routing, the same recv_count and the same output within DESIGN.md's
-// tolerance (docs/layer-gpu.md says which parts are the same bits).
+// moekit/layer.h: one MoE layer on the GPU, one rank of expert parallelism: the decode step
+// (low-latency EP, masked GEMMs) and prefill step (normal EP, contiguous GEMMs) of
+// docs/design.md §Decode data flow and §Prefill data flow, with the shared expert. The CPU layer
+// (layer_cpu.h) is its oracle: same weights, same placement, same routing give the same routing,
+// the same recv_count and the same output within the tolerance of
+// docs/design.md §Numerics and their bounds (docs/layer-gpu.md says which parts are the same bits).
 //
 // One step on rank r, all on the caller's stream (plus one side stream of the layer's own):
 //   dispatch(x, T, first_token)

@@ -1,5 +1,5 @@
-// moekit/layer_cpu.h: one MoE layer on the CPU, end to end over P in-process ranks: the
-// reference of DESIGN.md's decode step that every GPU path is checked against.
+// moekit/layer_cpu.h: one MoE layer on the CPU, end to end over P in-process ranks: the reference
+// of the decode step of docs/design.md §Decode data flow, that every GPU path is checked against.
 //
 // One step on rank r (forward(), called on rank r's thread, every rank in the same step):
 //   gate        x [T, d] bf16 -> router GEMM -> logits [T, E] -> top-k (gating.h) -> topk_idx (logical),
@@ -20,10 +20,10 @@
 // when a step needs more rows).
 //
 // Numerics are exactly the reference kernels' (reference.h), so the output equals the float64
-// oracle (moe_layer_f64 on the same quantised weights) to within DESIGN.md's tolerance, and the
-// FP8 payloads, scales and expert outputs y of a (token, logical expert) pair are the same bits for
-// any P, protocol or placement. Only the combine's bf16 partial sums depend on how the experts of a
-// token are spread over ranks.
+// oracle (moe_layer_f64 on the same quantised weights) to within the tolerance of
+// docs/design.md §Numerics and their bounds, and the FP8 payloads, scales and expert outputs y of a
+// (token, logical expert) pair are the same bits for any P, protocol or placement. Only the
+// combine's bf16 partial sums depend on how the experts of a token are spread over ranks.
 //
 // gpt-oss (MXFP4 weights, weights.h): the same stages with the router's logit bias, top-k then
 // softmax (gating.h), the MXFP4 GEMMs with the expert biases in their epilogue and the clamped

@@ -1,4 +1,4 @@
-// moekit/plan.h: the roofline planner, MISSION.md §2–§6 turned into numbers.
+// moekit/plan.h: the roofline planner: the model of docs/theory.md turned into numbers.
 //
 // Pure functions over a ModelSpec and a GpuSpec: no I/O, no GPU. `plan()` takes a deployment
 // (expert-parallel degree P, a list of global decode batches B, an optional TPOT SLA, the
@@ -7,7 +7,7 @@
 // coverage, the all-to-all bytes and the statistical load skew; and, for the deployment, the
 // throughput knee B*, the SLA and memory caps, the operating point min(B*, B_SLA, B_mem) with
 // the constraint that binds, the critical block size BM* and the padding waste of the expert
-// GEMM. Every formula lives in src/plan/plan.cpp next to the MISSION.md section it comes from.
+// GEMM. Every formula lives in src/plan/plan.cpp next to the docs/theory.md section that derives it.
 //
 // Units: bytes, milliseconds, FLOP/s, B/s. B is the global batch of one decode step: B
 // sequences, each verifying N + 1 tokens per step, so the step carries T = B·(N + 1) tokens,
@@ -28,7 +28,8 @@
 //
 // Bad input (P < 1, P not dividing E, no batches, a batch < 1, mem_fraction outside (0, 1],
 // context < 1, a non-positive SLA, N outside [0, kMaxMtp], L outside [1, N + 1], B·(N + 1)
-// beyond int64) throws moekit::Error naming the value.
+// beyond int64, and P, B or context past moekit/limits.h) throws moekit::Error naming the value.
+// Within those bounds and the spec's ranges (spec.h) every figure is finite.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +63,7 @@ struct PlanInput {
   std::vector<int64_t> batches;        // global decode batches B (sequences per step)
   std::optional<double> tpot_sla_ms;   // --tpot-sla; B_SLA is computed only when set
   int64_t context = 4096;              // tokens of KV cache held per sequence
-  double mem_fraction = 0.85;          // share of HBM for weights + KV (MISSION.md §3 serves with 0.85)
+  double mem_fraction = 0.85;          // share of HBM for weights + KV (docs/theory.md §The operating point)
   ComputeDtype dtype = ComputeDtype::fp8;  // picks F: gpu.fp8_flops or gpu.bf16_flops
   int mtp = 0;                         // --mtp N: tokens drafted per sequence and step (0: plain decode)
   std::optional<double> accept_length; // --accept L: mean tokens a sequence advances per step; unset: N + 1
@@ -118,7 +119,7 @@ struct ExpertFormatPlan {
   std::vector<PlanRow> rows;
 };
 
-// Padding waste of the expert GEMM for one block size BM (MISSION.md §5).
+// Padding waste of the expert GEMM for one block size BM (docs/theory.md §Padding).
 struct PaddingRow {
   int bm = 0;
   double expected_m = 0;                  // M_e at the operating point
@@ -156,7 +157,7 @@ struct PlanResult {
   std::vector<ExpertFormatPlan> expert_formats;
 };
 
-// The fixed constants of the padding table (MISSION.md §5).
+// The fixed constants of the padding table (docs/theory.md §Padding).
 inline constexpr int kPaddingBlockSizes[] = {8, 16, 32, 64, 128};
 inline constexpr int kPaddingMMax = 64;
 inline constexpr double kPaddingSmallM = 5;
@@ -167,10 +168,11 @@ PlanResult plan(const PlanInput& input);
 // `input` must have passed plan()'s checks, and batch·(N + 1) must fit in int64.
 PlanRow plan_row(const PlanInput& input, int64_t batch);
 
-// MISSION.md §6: end-to-end EPLB gain 1 / (f/S + 1 − f); f in [0, 1], S > 0.
+// docs/theory.md §EPLB gain: end-to-end 1 / (f/S + 1 − f); f in [0, 1], S > 0.
 double eplb_gain(double f, double speedup);
 
-// Closed forms shared with the simulator (MISSION.md §2, §4, §6). k ≤ E, P ≥ 1, B ≥ 1.
+// Closed forms shared with the simulator, k ≤ E, P ≥ 1, B ≥ 1. Derived in
+// docs/theory.md §Coverage, §All-to-all bytes and §Statistical skew.
 double coverage_closed_form(int num_experts, int topk, double batch);  // 1 − (1 − k/E)^B
 double dedup_targets_closed_form(int num_ranks, int topk);             // P·[1 − (1 − 1/P)^k]
 double cv_expert_closed_form(int num_experts, int topk, double batch); // sqrt((1 − k/E)/(B·k/E))

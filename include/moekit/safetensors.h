@@ -7,11 +7,22 @@
 // The header maps each tensor name to {"dtype": "F8_E4M3"|"F32"|"BF16"|..., "shape": [d0, ...],
 // "data_offsets": [begin, end]} with offsets relative to the start of the data, and may hold
 // "__metadata__": {string: string}. moekit accepts exactly what the reference implementation
-// (the `safetensors` Python/Rust package) accepts: end - begin is product(shape) * dtype size,
-// the tensors tile the data with no gap and no overlap, and the data ends where the file ends.
+// (the `safetensors` Python/Rust package) accepts, checked on a corpus of mutated files
+// (tests/python/safetensors_interop.py): the header is UTF-8 JSON with no NUL byte and no byte
+// order mark, padded with JSON whitespace; every tensor's end - begin is the byte count of its
+// dtype and shape, the product folded left to right in 64 bits with no overflow and a whole
+// number of bytes; the tensors tile the data with no gap and no overlap; the data end where the
+// file ends. The package's JSON reader also takes a few unusual spellings, and so does moekit: a
+// tensor entry as an array [dtype, shape, data_offsets], a dtype as {"F32": null},
+// "__metadata__": null, and a repeated tensor name (the last entry counts, every entry must be
+// well formed); it refuses a repeated "__metadata__", a repeated field inside an entry, and
+// nesting deeper than 127 levels. One difference: a dimension above 2^63 - 1 (possible only in
+// a tensor with another dimension 0) is refused, because shapes are held as int64_t.
 // Anything else is an Error naming the file, the tensor and the bad value: a file shorter than
 // 8 bytes, a header length past the end of the file, malformed JSON, an unknown dtype, offsets
 // that do not match the shape, overlap, leave a gap or run past the end (a truncated file).
+// Only regular files are opened (a FIFO, a directory or a device is an Error, see
+// src/io/file_io.h).
 //
 // Reading memory-maps the file; tensor data are spans into the mapping, valid while the
 // SafetensorsFile lives. Writing streams: the header (all names, dtypes and shapes) is declared
@@ -23,11 +34,13 @@
 // A Checkpoint is one safetensors file, a directory with model.safetensors.index.json
 // ({"weight_map": {tensor: file name}}, the Hugging Face convention for sharded checkpoints), or a
 // directory of *.safetensors files without an index (a tensor found in two of them is an Error).
+// A directory without an index whose files carry moekit's generator metadata (kGeneratorName,
+// below) is refused: the generator removes the old index first and writes the new one last, so
+// such a directory is an interrupted write that may mix new and old shards.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <span>
@@ -37,11 +50,16 @@
 
 namespace moekit {
 
-// The dtypes of the safetensors format that hold whole bytes per element.
-enum class Dtype { kBool, kU8, kI8, kF8E4M3, kF8E5M2, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kI64, kU64, kF64 };
+// The dtypes of the safetensors format. F4, F6_E2M3 and F6_E3M2 pack 4 or 6 bits per element
+// (a tensor of them must hold a whole number of bytes); every other dtype holds whole bytes.
+enum class Dtype {
+  kBool, kU8, kI8, kF8E4M3, kF8E5M2, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kI64, kU64, kF64,
+  kF4, kF6E2M3, kF6E3M2, kF8E8M0, kF8E4M3FNUZ, kF8E5M2FNUZ, kC64
+};
 
 std::string_view dtype_name(Dtype dtype);  // as in the header: "F8_E4M3", "BF16", ...
-size_t dtype_size(Dtype dtype);            // bytes per element
+size_t dtype_bits(Dtype dtype);            // bits per element
+size_t dtype_size(Dtype dtype);            // bytes per element; an Error for the sub-byte dtypes
 // Parses a header dtype string; an unknown one is an Error naming `origin` (file and tensor).
 Dtype parse_dtype(std::string_view name, std::string_view origin);
 
@@ -102,6 +120,8 @@ struct TensorDecl {
 // The exact size of the header block (8-byte length plus padded JSON) of a file holding `tensors`.
 uint64_t safetensors_header_bytes(std::span<const TensorDecl> tensors, const std::map<std::string, std::string>& metadata = {});
 
+class OutputFile;  // src/io/file_io.h: "<path>.tmp", renamed when complete
+
 class SafetensorsWriter {
  public:
   // Validates the declarations (unique non-empty names, non-negative dims, no "__metadata__"
@@ -119,10 +139,9 @@ class SafetensorsWriter {
 
  private:
   std::string path_;
-  std::string tmp_path_;
   std::vector<TensorDecl> tensors_;
   size_t written_ = 0;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<OutputFile> out_;  // null once finished
 };
 
 // A tensor and its bytes, for writing a small file in one call.
@@ -135,6 +154,8 @@ void write_safetensors(const std::string& path, std::span<const TensorData> tens
 
 // The name of the index file of a sharded checkpoint.
 constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+// __metadata__["generator"] of the files moekit's random-weights generator writes (weights.h).
+constexpr std::string_view kGeneratorName = "moekit random weights";
 
 class Checkpoint {
  public:

@@ -1,4 +1,5 @@
-// moekit/simulate.h: Monte Carlo routing, to check the closed forms of MISSION.md §2, §4, §6.
+// moekit/simulate.h: Monte Carlo routing, to check the closed forms of the planner
+// (docs/theory.md §Coverage, §All-to-all bytes, §Statistical skew).
 //
 // One sample is one decode step: B tokens each pick k distinct experts out of E by a routing
 // distribution; experts sit on P GPUs contiguously (expert e on GPU e / (E/P)). Over `trials`
@@ -8,7 +9,7 @@
 //   s0              busiest GPU's load over the mean GPU load (S₀)      closed form 1 + sqrt(2 ln P)·CV_e/sqrt(E/P)
 //   cv_expert       CV of the expert loads, sqrt(E[var over experts])/mean
 //                                                                       closed form sqrt((1 − k/E)/(B·k/E))
-// The closed forms are MISSION.md's, derived for uniform routing; each comes with what it
+// The closed forms are the planner's, derived for uniform routing; each comes with what it
 // assumes and, under uniform routing, a sharper reference where one exists (see
 // docs/planner.md): top-k picks k *distinct* experts, so the picks of one token are not
 // independent; one expert's load is still exactly Binomial(B, k/E), but the ranks a token
@@ -51,6 +52,9 @@ std::string to_string(const Routing& r);
 // Unnormalised weight of each expert; validates the routing against E (H <= E).
 std::vector<double> expert_weights(const Routing& r, int num_experts);
 
+// Bounds (moekit/limits.h): E <= kMaxExperts, P <= kMaxRanks, B <= kMaxBatch, trials and
+// trace steps <= kMaxTrials, trace layers <= kMaxLayers, threads <= kMaxThreads; past them an
+// Error names the value.
 struct SimulateInput {
   int num_experts = 0;  // E
   int topk = 0;         // k
@@ -66,7 +70,7 @@ struct SimulateInput {
 struct Metric {
   double simulated = 0;
   double std_error = 0;              // of `simulated`, from the spread over trials
-  double closed_form = 0;            // MISSION.md's, for uniform routing
+  double closed_form = 0;            // the planner's, for uniform routing
   std::string closed_form_assumes;   // what the closed form takes for granted
   std::optional<double> reference;   // uniform routing only: exact, or a sharper approximation
   std::string reference_is;          // what `reference` is

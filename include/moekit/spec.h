@@ -6,6 +6,14 @@
 // wrong type, a non-positive size, k > E or an unknown key is an Error naming the field, the
 // value and what was expected. Nothing is computed from a spec that failed validation.
 //
+// Every number has a range, checked in the type it is stored in, so that nothing computed from
+// a valid spec overflows: counts within moekit/limits.h (E <= kMaxExperts, layers <=
+// kMaxLayers, sizes <= kMaxHiddenSize, gpus_per_node <= kMaxRanks); parameters in [1, 1e15];
+// weight_bytes_per_param in [0.01, 64]; kv_bytes_per_token in [1, 1e12]; hbm_bytes in
+// [1e6, 1e15]; bandwidths in [1e6, 1e16] B/s; FLOP rates in [1e6, 1e18]; latencies in
+// [1e-3, 1e6] us; routed_scaling_factor in [1e-6, 1e6]; a name of at most 256 bytes. An
+// integer may be written 8, 8.0 or 8e0, never 8.5.
+//
 // Units: bytes, bytes per second (one direction), FLOP per second (dense), microseconds.
 // A model with num_routed_experts == 0 is dense (its MoE fields are 0 and it has no router).
 //

@@ -25,8 +25,10 @@ struct RoutingTrace {
   int num_tokens(int layer, int step) const { return int(layers[layer][step].size()) / topk; }
 };
 
-// Validates: E, k, P > 0; every index in [0, E); every step's size a multiple of k and of P
-// tokens. Errors name the layer, step, token and value.
+// Validates: E in [1, kMaxExperts], k in [1, E], P in [1, kMaxRanks], at most kMaxLayers
+// layers and kMaxTableEntries layers x experts (moekit/limits.h); every index in [0, E); every
+// step's size a multiple of k and of P tokens. Errors name the layer, step, token and value.
+// read_trace() also names the file and the field; an id must be an integer-valued number.
 void validate_trace(const RoutingTrace& trace);
 RoutingTrace read_trace(const std::string& path);
 void write_trace(const RoutingTrace& trace, const std::string& path);

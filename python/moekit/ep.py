@@ -34,14 +34,28 @@ Differences from DeepEP, each because of what moekit's protocol does:
   receive tensors are the group's device memory at fixed addresses; in normal mode they span
   the buffers' max_recv_rows rows, of which the step fills recv_total_rows (on the device, so
   nothing synchronises) and marks the rest with m_indices = -1, which the contiguous GEMM skips.
+
+`Buffer(group, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, transport=...)`
+is one rank per process, over a torch.distributed process group (_process.py says how the ranks
+connect): the CUDA group's calls and tensors as above, for this process's rank only, so the hooks
+are optional again (return_recv_hook=False receives at once, as in DeepEP), and `buf.check()`
+raises the faults its kernels recorded, a peer that never answered named by its rank.
 """
 
 from concurrent.futures import ThreadPoolExecutor
 
-from . import _core
+from . import _core, _process
 from ._tensors import BF16, FP8, I32, _torch, dl, empty, empty_mn_major, is_torch, shape_of, stream_of
 
 PROTOCOLS = ("low-latency", "normal")
+
+
+def _protocol(protocol):
+    """'low-latency' (or 'low_latency') or 'normal'; ValueError naming anything else."""
+    name = protocol.replace("_", "-") if isinstance(protocol, str) else protocol
+    if name not in PROTOCOLS:
+        raise ValueError(f"protocol = {protocol!r}: expected 'low-latency' or 'normal'")
+    return name
 
 
 def run_ranks(num_ranks, fn):
@@ -77,9 +91,7 @@ class LocalGroup:
     def __init__(self, num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk,
                  block_m=None, timeout_s=30.0, device="cpu", protocol="low-latency", max_recv_rows=None):
         self.is_cuda = str(device).startswith("cuda")
-        self.protocol = protocol.replace("_", "-") if isinstance(protocol, str) else protocol
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol = {protocol!r}: expected 'low-latency' or 'normal'")
+        self.protocol = _protocol(protocol)
         if max_recv_rows is not None and not (self.is_cuda and self.protocol == "normal"):
             raise ValueError(f"max_recv_rows = {max_recv_rows} sizes the contiguous receive buffers of a CUDA group "
                              "made with protocol='normal'; leave it None here (low-latency mode has none, the CPU "
@@ -94,7 +106,12 @@ class LocalGroup:
         else:
             self.core = _core.LocalEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
                                            64 if block_m is None else block_m, timeout_s)
-        self.buffers = [Buffer(self, r) for r in range(num_ranks)]
+        self.buffers = [Buffer._of(self, self, r) for r in range(num_ranks)]
+
+    @property
+    def shares_stream(self):
+        """CUDA: every rank's kernels go on one stream, so every send must precede any receive."""
+        return self.is_cuda
 
     def check(self):
         """CUDA: waits for the current stream and raises moekit.Error for any fault a rank's kernel
@@ -124,20 +141,105 @@ class LocalGroup:
         return run_ranks(self.num_ranks, lambda rank: fn(self.buffers[rank]))
 
 
-class Buffer:
-    """One rank of a LocalGroup, with DeepEP's Buffer methods."""
+class _OwnRank:
+    """The EP state behind a Buffer over a process group: this process's one rank on its GPU."""
+    is_cuda = True
+    shares_stream = False
 
-    def __init__(self, group, rank):
+    def __init__(self, core, protocol):
+        self.core, self.protocol = core, protocol
+
+    @property
+    def num_ranks(self):
+        return self.core.num_ranks
+
+    @property
+    def max_recv_rows(self):
+        if self.protocol != "normal":
+            raise ValueError("max_recv_rows belongs to a buffer made with protocol='normal'")
+        return self.core.max_recv_rows
+
+
+class Buffer:
+    """DeepEP's Buffer: one rank of expert parallelism. Made here, it is this process's rank of
+    `group`, a torch.distributed ProcessGroup with one process per GPU; LocalGroup.buffer(r) is one
+    of P ranks inside this process.
+
+    Every rank of the group constructs it with the same arguments (a collective; any argument that
+    differs from rank 0's raises moekit.Error on every rank). num_experts counts physical slots, a
+    multiple of the group's size; hidden a multiple of 128. transport: "nvlink" (CUDA IPC mapping
+    of the peers' memory: the kernels write into it) or "nccl" (grouped send/receive after each
+    send kernel). protocol: "low-latency" (low_latency_dispatch / low_latency_combine, masked
+    layout) or "normal" (dispatch / combine, contiguous layout). block_m, max_recv_rows: as for
+    LocalGroup(device="cuda"). timeout_s: how long a kernel waits for a peer before recording a
+    fault that check() raises. The rank is group.rank(), the GPU torch.cuda.current_device()."""
+
+    def __init__(self, group, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, *, transport="nvlink",
+                 protocol="low-latency", block_m=None, max_recv_rows=None, timeout_s=30.0):
+        what = "moekit.Buffer"
+        _process.check_transport(transport)
+        protocol = _protocol(protocol)
+        if max_recv_rows is not None and protocol != "normal":
+            raise ValueError(f"max_recv_rows = {max_recv_rows} sizes the contiguous receive buffers of "
+                             "protocol='normal'; leave it None in low-latency mode")
+        _process.check_group(group, what)
+        if not hasattr(_core, "CudaEpGroup"):
+            raise ValueError(f"{what} over a process group runs on CUDA: this moekit was built without CUDA")
+        args = dict(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
+                    num_experts=num_experts, num_topk=num_topk, transport=transport, protocol=protocol,
+                    block_m=128 if block_m is None else block_m, max_recv_rows=max_recv_rows or 0,
+                    timeout_s=float(timeout_s))
+        exchange = _process.connect_args(group, transport, args, what)
+        core = _core.CudaEpGroup.connect(**exchange, max_tokens=num_max_dispatch_tokens_per_rank, hidden=hidden,
+                                         topk=num_topk, num_slots=num_experts, timeout_s=args["timeout_s"],
+                                         protocol=protocol, block_m=args["block_m"],
+                                         max_recv_rows=args["max_recv_rows"])
+        self._init(_OwnRank(core, protocol), group, exchange["rank"])
+
+    @classmethod
+    def _of(cls, ep, group, rank):
+        """Rank `rank` of an in-process group `ep` (a LocalGroup, which is also its `group`)."""
+        self = cls.__new__(cls)
+        self._init(ep, group, rank)
+        return self
+
+    def _init(self, ep, group, rank):
+        self._ep = ep  # what the calls go to: a LocalGroup or this process's _OwnRank
         self.group, self.rank = group, rank
         self.step = 0
         self._recv = None  # the receive tensors of the buffer's mode, made at the first dispatch
 
     @property
     def num_ranks(self):
-        return self.group.num_ranks
+        return self._ep.num_ranks
+
+    group_size = num_ranks  # DeepEP's name
+
+    @property
+    def protocol(self):
+        """The mode of a CUDA buffer's layout, "low-latency" or "normal" (the CPU group serves both)."""
+        return self._ep.protocol
+
+    @property
+    def num_local_experts(self):
+        """E_loc: the slots this rank holds, [rank * E_loc, (rank + 1) * E_loc)."""
+        return self._ep.core.num_local_experts
+
+    @property
+    def max_recv_rows(self):
+        """CUDA, normal mode: the rows of the contiguous receive tensors, the shape
+        [max_recv_rows, hidden] that combine's x (the contiguous GEMM's output) must have."""
+        return self._ep.max_recv_rows
+
+    def check(self):
+        """CUDA: waits for PyTorch's current stream and raises moekit.Error for a fault this rank's
+        kernels recorded (a peer that did not answer within timeout_s, named by its rank; a bad
+        slot; a step over max_recv_rows). Nothing to do on the CPU."""
+        if self._ep.is_cuda:
+            self._ep.core.check(self.rank, _torch().cuda.current_stream().cuda_stream)
 
     def _check_sizes(self, num_max_dispatch_tokens_per_rank, num_experts):
-        core = self.group.core
+        core = self._ep.core
         if num_max_dispatch_tokens_per_rank != core.max_tokens or num_experts != core.num_slots:
             raise ValueError(
                 f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank} and num_experts = "
@@ -146,21 +248,20 @@ class Buffer:
     def _expect_cuda_protocol(self, protocol, call):
         """A CUDA group's buffers hold one mode's layout: the other mode's calls are refused before
         any kernel is queued (a send without its receive would leave the peers a step behind)."""
-        if self.group.is_cuda and self.group.protocol != protocol:
-            raise ValueError(f"{call} is {protocol} mode; this CUDA group was made with "
-                             f"protocol='{self.group.protocol}' (make one with LocalGroup(..., device='cuda', "
-                             f"protocol='{protocol}'))")
+        if self._ep.is_cuda and self._ep.protocol != protocol:
+            raise ValueError(f"{call} is {protocol} mode; this CUDA buffer was made with "
+                             f"protocol='{self._ep.protocol}' (make one with protocol='{protocol}')")
 
     def _receive_tensors(self, like):
         """CUDA: the group's own memory of this rank, for its mode (ep.h's outputs). CPU, low-latency
         mode: tensors of like's framework, allocated once."""
-        if self._recv is None and self.group.is_cuda:
+        if self._recv is None and self._ep.is_cuda:
             import torch
-            core = self.group.core
-            tensors = core.normal_outputs(self.rank) if self.group.protocol == "normal" else core.outputs(self.rank)
+            core = self._ep.core
+            tensors = core.normal_outputs(self.rank) if self._ep.protocol == "normal" else core.outputs(self.rank)
             self._recv = (tensors[0].view(torch.float8_e4m3fn),) + tuple(tensors[1:])
         if self._recv is None:
-            core = self.group.core
+            core = self._ep.core
             e, m, d = core.num_local_experts, core.max_m, core.hidden
             self._recv = (empty(like, (e, m, d), FP8), empty_mn_major(like, (e, m, d // 128)),
                           empty(like, (e,), I32), empty(like, (e, m), I32))
@@ -183,9 +284,9 @@ class Buffer:
         self._expect_cuda_protocol("low-latency", "low_latency_dispatch")
         num_tokens = shape_of(x, "x")[0]
         recv_x, recv_scales, recv_count, recv_src = self._receive_tensors(x)
-        core = self.group.core
-        if self.group.is_cuda:
-            _expect_hook(return_recv_hook)
+        core = self._ep.core
+        if self._ep.is_cuda:
+            _expect_hook(self._ep, return_recv_hook)
             core.dispatch_send(self.rank, x, _int32_topk_idx(topk_idx), topk_weights, stream_of(x))
 
             def hook():
@@ -211,14 +312,14 @@ class Buffer:
         self._expect_cuda_protocol("low-latency", "low_latency_combine")
         self._check_handle(handle)
         shape = shape_of(topk_weights, "topk_weights")
-        if tuple(shape) != (handle.num_tokens, self.group.core.topk):
-            raise ValueError(f"topk_weights must have shape [{handle.num_tokens}, {self.group.core.topk}] "
+        if tuple(shape) != (handle.num_tokens, self._ep.core.topk):
+            raise ValueError(f"topk_weights must have shape [{handle.num_tokens}, {self._ep.core.topk}] "
                              f"(the dispatch's), got {list(shape)}")
         if out is None:
-            out = empty(x, (handle.num_tokens, self.group.core.hidden), BF16)
-        core = self.group.core
-        if self.group.is_cuda:
-            _expect_hook(return_recv_hook)
+            out = empty(x, (handle.num_tokens, self._ep.core.hidden), BF16)
+        core = self._ep.core
+        if self._ep.is_cuda:
+            _expect_hook(self._ep, return_recv_hook)
             core.combine_send(self.rank, x, handle.num_tokens, add, out, stream_of(x))
 
             def hook():
@@ -243,14 +344,14 @@ class Buffer:
             handle, event), plus the hook when return_recv_hook (the receive waits for it).
         CPU: M is the step's M_total, the counts a list; every rank must call it on its own
         thread (each waits for its peers' counts), so use group.run().
-        CUDA: the buffers' own tensors, M = group.max_recv_rows at fixed addresses; the step fills
-        the first handle.recv_total_rows[0] rows and m_indices is -1 past them; the counts are
-        recv_count [E_loc] int32 on the device. return_recv_hook=True is required: call every
-        rank's dispatch, then every rank's hook."""
-        core = self.group.core
-        if self.group.is_cuda:
+        CUDA: the buffers' own tensors, M = max_recv_rows at fixed addresses; the step fills the
+        first handle.recv_total_rows[0] rows and m_indices is -1 past them; the counts are
+        recv_count [E_loc] int32 on the device. In a LocalGroup return_recv_hook=True is required:
+        call every rank's dispatch, then every rank's hook."""
+        core = self._ep.core
+        if self._ep.is_cuda:
             self._expect_cuda_protocol("normal", "dispatch")
-            _expect_hook(return_recv_hook)
+            _expect_hook(self._ep, return_recv_hook)
             num_tokens = shape_of(x, "x")[0]
             recv_x, recv_scales, m_indices, recv_src, recv_total_rows, recv_count = self._receive_tensors(x)
             core.dispatch_send(self.rank, x, _int32_topk_idx(topk_idx), topk_weights, stream_of(x))
@@ -259,7 +360,7 @@ class Buffer:
                 core.normal_dispatch_recv(self.rank, stream_of(x))
             self.step += 1
             handle = Handle(self.rank, self.step, num_tokens, recv_src, core.max_recv_rows, recv_total_rows)
-            return (recv_x, recv_scales), m_indices, recv_count, handle, None, hook
+            return _with_hook(((recv_x, recv_scales), m_indices, recv_count, handle, None), hook, return_recv_hook)
 
         layout = core.normal_notify(self.rank, topk_idx)
         total_m, hidden = layout["total_m"], core.hidden
@@ -278,14 +379,14 @@ class Buffer:
         """Normal mode: x [M, hidden] bf16 (the contiguous GEMM's output, M as the dispatch's
         m_indices; rows with m_indices = -1 are not read) -> (combined_x [T, hidden] bf16, None,
         event), plus the hook when return_recv_hook; the same sums as low_latency_combine.
-        CUDA: return_recv_hook=True is required (every rank's combine, then every rank's hook)."""
+        CUDA, LocalGroup: return_recv_hook=True is required (every rank's combine, then every hook)."""
         self._expect_cuda_protocol("normal", "combine")
         self._check_handle(handle)
-        core = self.group.core
+        core = self._ep.core
         if out is None:
             out = empty(x, (handle.num_tokens, core.hidden), BF16)
-        if self.group.is_cuda:
-            _expect_hook(return_recv_hook)
+        if self._ep.is_cuda:
+            _expect_hook(self._ep, return_recv_hook)
             core.combine_send(self.rank, x, handle.num_tokens, add, out, stream_of(x))
 
             def hook():
@@ -299,15 +400,15 @@ class Buffer:
 
     def stats(self):
         """What this rank moved in its last step (messages, bytes, distinct targets per token)."""
-        return self.group.core.stats(self.rank)
+        return self._ep.core.stats(self.rank)
 
     def _check_handle(self, handle):
         if not isinstance(handle, Handle) or handle.rank != self.rank or handle.step != self.step:
             raise ValueError("handle must be the one returned by this rank's latest dispatch")
 
 
-def _expect_hook(return_recv_hook):
-    if not return_recv_hook:
+def _expect_hook(ep, return_recv_hook):
+    if ep.shares_stream and not return_recv_hook:
         raise ValueError("device='cuda' runs every rank on one stream: pass return_recv_hook=True and call "
                          "the hooks after every rank has sent")
 

@@ -1,10 +1,11 @@
-// Expert-parallel dispatch and combine on the GPU (ep.h), the `local` transport: P virtual ranks
-// of one process on one GPU, in the mode chosen at construction (ep.h sizes a buffer's outputs
-// for one mode): low-latency (masked layout, decode) or normal (contiguous layout, prefill).
-// Every call launches on the caller's stream and returns at once (graph-capturable); the receive
-// tensors are the ranks' own device memory, handed to Python as PyTorch tensors over DLPack that
-// keep the group alive (no copies). On one stream every rank's send must come before any rank's
-// receive (ep.h).
+// Expert-parallel dispatch and combine on the GPU (ep.h), in the mode chosen at construction (ep.h
+// sizes a buffer's outputs for one mode): low-latency (masked layout, decode) or normal
+// (contiguous layout, prefill). A CudaEpGroup holds either P virtual ranks of this process on one
+// GPU (the `local` transport; on one stream every rank's send must come before any rank's
+// receive, ep.h) or, made with connect(), this process's one rank of a group that spans processes
+// (`nvlink` or `nccl`, ep_process.h). Every call launches on the caller's stream and returns at
+// once (graph-capturable); the receive tensors are the ranks' own device memory, handed to Python
+// as PyTorch tensors over DLPack that keep the group alive (no copies).
 #if defined(MOEKIT_WITH_CUDA)
 
 #include <fmt/format.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "ep_process.h"
 #include "moekit/cuda_check.h"
 #include "moekit/ep.h"
 #include "tensor.h"
@@ -27,14 +29,21 @@ namespace {
 
 struct GpuGroup {
   int device = 0;
-  std::unique_ptr<gpu::EpLocalGroup> group;
+  std::unique_ptr<gpu::EpLocalGroup> group;  // P virtual ranks, or
+  std::unique_ptr<gpu::EpBuffer> own;        // this process's rank of a group across processes
 
   gpu::EpBuffer& rank(int r) {
+    if (own) {
+      if (r != own->rank())
+        throw nb::value_error(
+            fmt::format("rank = {}: this process holds rank {} of the group, and only that one", r, own->rank()).c_str());
+      return *own;
+    }
     if (r < 0 || r >= group->num_ranks())
       throw nb::value_error(fmt::format("rank = {}: expected 0..{}", r, group->num_ranks() - 1).c_str());
     return group->rank(r);
   }
-  const gpu::EpConfig& config() { return group->rank(0).config(); }
+  const gpu::EpConfig& config() { return own ? own->config() : group->rank(0).config(); }
   bool normal() { return config().mode == gpu::EpMode::kNormal; }
 };
 
@@ -67,8 +76,8 @@ nb::object device_tensor(nb::handle owner, const GpuGroup& g, void* data, std::v
   return nb::cast(a);
 }
 
-void gpu_group_init(GpuGroup* self, int num_ranks, int max_tokens, int hidden, int topk, int num_slots,
-                    double timeout_s, const std::string& protocol, int block_m, int max_recv_rows) {
+gpu::EpConfig ep_config(int num_ranks, int max_tokens, int hidden, int topk, int num_slots, double timeout_s,
+                        const std::string& protocol, int block_m, int max_recv_rows) {
   gpu::EpConfig c;
   c.num_ranks = num_ranks;
   c.max_tokens = max_tokens;
@@ -80,10 +89,27 @@ void gpu_group_init(GpuGroup* self, int num_ranks, int max_tokens, int hidden, i
   c.max_recv_rows = max_recv_rows;
   c.timeout_s = timeout_s;
   c.validate();
+  return c;
+}
+
+void gpu_group_init(GpuGroup* self, int num_ranks, int max_tokens, int hidden, int topk, int num_slots,
+                    double timeout_s, const std::string& protocol, int block_m, int max_recv_rows) {
+  const gpu::EpConfig c = ep_config(num_ranks, max_tokens, hidden, topk, num_slots, timeout_s, protocol, block_m,
+                                    max_recv_rows);
   int device = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
   auto group = std::make_unique<gpu::EpLocalGroup>(c);
-  new (self) GpuGroup{device, std::move(group)};
+  new (self) GpuGroup{device, std::move(group), nullptr};
+}
+
+// This process's rank of a group across processes (ep_process.h says what the exchange arguments are).
+GpuGroup* gpu_group_connect(int rank, int num_ranks, int device, const std::string& transport, nb::bytes nccl_unique_id,
+                            nb::handle all_gather, int max_tokens, int hidden, int topk, int num_slots, double timeout_s,
+                            const std::string& protocol, int block_m, int max_recv_rows) {
+  const gpu::EpConfig c = ep_config(num_ranks, max_tokens, hidden, topk, num_slots, timeout_s, protocol, block_m,
+                                    max_recv_rows);
+  auto own = connect_process(c, rank, num_ranks, device, transport, nccl_unique_id, all_gather);
+  return new GpuGroup{device, nullptr, std::move(own)};
 }
 
 void dispatch_send(GpuGroup& g, int rank, nb::handle x_obj, nb::handle idx_obj, nb::handle w_obj, uintptr_t stream) {
@@ -195,11 +221,56 @@ nb::tuple normal_outputs(nb::handle self, int rank) {
 
 }  // namespace
 
+gpu::EpTransport transport_arg(const std::string& transport) {
+  if (transport == "nvlink") return gpu::EpTransport::kNvlink;
+  if (transport == "nccl") return gpu::EpTransport::kNccl;
+  throw nb::value_error(fmt::format("transport = '{}': expected 'nvlink' or 'nccl'", transport).c_str());
+}
+
+std::unique_ptr<gpu::EpBuffer> connect_process(const gpu::EpConfig& config, int rank, int num_ranks, int device,
+                                               const std::string& transport, nb::bytes nccl_unique_id,
+                                               nb::handle all_gather) {
+  gpu::EpProcessGroup g;
+  g.rank = rank;
+  g.num_ranks = num_ranks;
+  g.device = device;
+  const auto* id = static_cast<const uint8_t*>(nccl_unique_id.data());
+  g.nccl_unique_id.assign(id, id + nccl_unique_id.size());
+  if (!all_gather.is_none()) {
+    nb::object fn = nb::borrow(all_gather);
+    g.all_gather = [fn](const std::vector<uint8_t>& mine) {
+      nb::object got = fn(nb::bytes(mine.data(), mine.size()));
+      if (!nb::isinstance<nb::bytes>(got))
+        throw nb::type_error(
+            fmt::format("all_gather must return bytes, got {}", nb::type_name(got.type()).c_str()).c_str());
+      nb::bytes all = nb::borrow<nb::bytes>(got);
+      const auto* p = static_cast<const uint8_t*>(all.data());
+      return std::vector<uint8_t>(p, p + all.size());
+    };
+  }
+  const gpu::EpTransport kind = transport_arg(transport);
+  DeviceGuard guard(device);  // connect_ep selects `device`; the caller's current device comes back
+  return gpu::connect_ep(config, g, kind);
+}
+
 void bind_ep_cuda(nb::module_& m) {
+  m.def(
+      "nccl_unique_id",
+      [] {
+        const std::vector<uint8_t> id = gpu::make_nccl_unique_id();
+        return nb::bytes(id.data(), id.size());
+      },
+      "A fresh NCCL unique id (128 bytes) for CudaEpGroup.connect(transport='nccl'); loads NCCL.");
   nb::class_<GpuGroup>(m, "CudaEpGroup")
       .def("__init__", &gpu_group_init, nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"),
            nb::arg("num_slots"), nb::arg("timeout_s") = 30.0, nb::arg("protocol") = "low-latency",
            nb::arg("block_m") = 128, nb::arg("max_recv_rows") = 0)
+      .def_static("connect", &gpu_group_connect, nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"),
+                  nb::arg("transport"), nb::arg("nccl_unique_id"), nb::arg("all_gather").none(), nb::arg("max_tokens"),
+                  nb::arg("hidden"), nb::arg("topk"), nb::arg("num_slots"), nb::arg("timeout_s") = 30.0,
+                  nb::arg("protocol") = "low-latency", nb::arg("block_m") = 128, nb::arg("max_recv_rows") = 0,
+                  "This process's rank of an EP group across processes (one per GPU): the peers are connected "
+                  "with what the caller's process group swapped (ep_process.h).")
       .def_prop_ro("num_ranks", [](GpuGroup& g) { return g.config().num_ranks; })
       .def_prop_ro("max_tokens", [](GpuGroup& g) { return g.config().max_tokens; })
       .def_prop_ro("hidden", [](GpuGroup& g) { return g.config().hidden; })

@@ -2,8 +2,8 @@
 independently of moekit's C++ (FP8 by its value table, not by bit manipulation).
 
 Backends: "numpy" always; "torch-cpu" where PyTorch imports; "torch-cuda" where PyTorch sees a
-GPU and moekit was built with CUDA. Every test that takes `backend` runs on each of them, so the
-GPU machine runs the same tests on CUDA tensors (scripts/gpu-python).
+GPU and moekit was built with CUDA. Every test that takes `backend` runs on each of them, so a
+GPU host runs the same tests on CUDA tensors (make test-gpu, or scripts/gpu-python).
 """
 
 import numpy as np

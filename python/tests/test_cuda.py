@@ -1,6 +1,6 @@
 """CUDA only (skipped elsewhere): the grouped GEMMs on PyTorch CUDA tensors through DLPack, written
 in place (data pointers), and captured into a CUDA Graph with torch.cuda.graph, then replayed on
-new data and new masked_m in the same buffers. Run on the GPU machine by scripts/gpu-python."""
+new data and new masked_m in the same buffers. Run on a GPU host by make test-gpu (or scripts/gpu-python)."""
 
 import numpy as np
 import pytest

@@ -82,7 +82,8 @@ def test_layer_matches_float64(weights_dir, rng, protocol):
     outs = layer.forward_all([x[:3], x[3:]], routing=[(idx[:3], w[:3]), (idx[3:], w[3:])])
     got = bf16_bits_to_float(np.concatenate(outs))
     want = layer_f64(read_safetensors(weights_dir), bf16_bits_to_float(x).astype(np.float32), idx, w)
-    # DESIGN.md's 3e-3, plus room for this oracle rounding GEMM1's float64 sum (not an fp32 one) to bf16.
+    # The CPU layer's 3e-3 (docs/design.md §Numerics and their bounds), plus room for this oracle
+    # rounding GEMM1's float64 sum (not an fp32 one) to bf16.
     assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)
     step = layer.last_step(1)
     assert step["num_tokens"] == 3 and len(step["topk_idx"]) == 3 * K

@@ -1,4 +1,4 @@
-"""The planner and EPLB through the binding: closed forms computed here, EPLB.md's example."""
+"""The planner and EPLB through the binding: closed forms computed here, the reference EPLB example."""
 
 import math
 
@@ -108,7 +108,7 @@ def test_eplb_reference_example(backend):
             slots = [s for s in log2phy[layer, e] if s >= 0]
             assert sorted(slots) == [s for s in range(16) if phy2log[layer, s] == e]
             assert len(slots) == replica_count[layer, e]
-    # EPLB.md's per-GPU loads and balancedness.
+    # The reference example's per-GPU loads and balancedness (docs/eplb.md §The reference example).
     report = moekit.balance(weight, moekit.rebalance(weight, 16, 4, 2, 8)[0], 4, 2, 8)
     np.testing.assert_allclose(report["gpu_load_after"][0], [121.5, 86.5, 125, 113, 147.5, 131.5, 156, 152])
     np.testing.assert_allclose(report["gpu_load_after"][1], [173, 179.5, 120.5, 172, 123, 152, 118.5, 117.5])

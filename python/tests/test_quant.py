@@ -1,5 +1,5 @@
 """FP8 quantisation through the binding against the value-table oracle of conftest.py, on every
-backend: NumPy, PyTorch CPU and (on a GPU machine) PyTorch CUDA, whose kernels give the same bits."""
+backend: NumPy, PyTorch CPU and (on a GPU host) PyTorch CUDA, whose kernels give the same bits."""
 
 import numpy as np
 import pytest

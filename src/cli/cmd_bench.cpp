@@ -1,6 +1,6 @@
 // `moekit bench gemm|ep|layer [ARGS...]`: runs the GPU benchmark program of that name
 // (bench_gemm, bench_ep, bench_layer, built beside `moekit` when CUDA is on) with ARGS.
-// The benchmarks stay separate programs so each can be carried to a GPU machine alone; this
+// The benchmarks stay separate programs so each can be copied to a GPU host alone; this
 // command is the one door to them.
 #include <fmt/format.h>
 #include <unistd.h>

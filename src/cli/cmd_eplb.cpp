@@ -3,11 +3,11 @@
 // before anything is written, so bad input leaves --out untouched.
 #include <fmt/format.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "cli/commands.h"
+#include "io/file_io.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
 #include "moekit/trace.h"
@@ -177,10 +177,7 @@ void run(const EplbArgs& a) {
           dual->counts_worst_imbalance, dual->worst_imbalance);
   }
   if (!a.out.empty()) {
-    std::ofstream out(a.out);
-    MOEKIT_CHECK(out.good(), fmt::format("eplb: cannot write '{}'", a.out));
-    out << text;
-    MOEKIT_CHECK(out.good(), fmt::format("eplb: writing '{}' failed", a.out));
+    write_file_atomically(a.out, text, "placement file");
     if (!a.json_stdout) fmt::print("wrote {}\n", a.out);
   }
 }
@@ -207,7 +204,7 @@ void add_eplb_command(CLI::App& app) {
                 "with --current: hold only the worst layer to the tolerance, not every "
                 "layer (fewer moves, slower good layers)");
   cmd->add_option("--model", a.model, "model spec (name or JSON) for the bytes of one expert");
-  cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)");
+  cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)")->check(kUint64);
   cmd->add_option("--out", a.out, "write the placement JSON to this file");
   cmd->add_flag("--json", a.json_stdout, "print the placement JSON on stdout instead of the table");
   cmd->callback([] { run(a); });

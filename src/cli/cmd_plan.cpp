@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <optional>
+#include <string_view>
 
 #include "cli/commands.h"
+#include "io/file_io.h"
 #include "moekit/check.h"
 #include "moekit/plan.h"
 
@@ -213,12 +215,15 @@ std::vector<int64_t> plot_grid(int64_t lo, int64_t hi) {
   return grid;
 }
 
-std::string gp_quote(const std::string& s) {  // a gnuplot double-quoted string
+// A gnuplot double-quoted string holding only letters, digits, space and .,:()=+/_- ; any other
+// byte becomes '?'. The text carries model and GPU names from spec files, and gnuplot runs
+// `command` in backquotes even inside double quotes and ends a command at a newline: no
+// escaping rule is as simple to trust as a character set with nothing to escape.
+std::string gp_quote(const std::string& s) {
   std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
+  constexpr std::string_view kPunctuation = " .,:()=+/_-";
+  for (char c : s)
+    out += std::isalnum(static_cast<unsigned char>(c)) || kPunctuation.find(c) != std::string_view::npos ? c : '?';
   return out + "\"";
 }
 
@@ -242,19 +247,17 @@ void write_plot(const PlanResult& r, const std::string& dir) {
   hi = int64_t(std::min(want_hi, 1000.0 * double(hi)));
   if (hi <= lo) hi = lo + 1;
   {
-    std::ofstream dat(fs::path(dir) / "plan.dat");
-    MOEKIT_CHECK(dat.good(), fmt::format("--plot '{}': cannot write plan.dat", dir));
-    dat << "# moekit plan sweep: B weight_read_ms compute_ms comm_ms floor_ms coverage\n";
+    std::string dat = "# moekit plan sweep: B weight_read_ms compute_ms comm_ms floor_ms coverage\n";
     for (int64_t b : plot_grid(lo, hi)) {
       PlanRow row = plan_row(in, b);
-      dat << fmt::format("{} {:.9g} {:.9g} {} {:.9g} {:.9g}\n", b, row.weight_read_ms, row.compute_ms,
+      dat += fmt::format("{} {:.9g} {:.9g} {} {:.9g} {:.9g}\n", b, row.weight_read_ms, row.compute_ms,
                          row.comm_ms ? fmt::format("{:.9g}", *row.comm_ms) : std::string("NaN"), row.floor_ms,
                          row.coverage);
     }
-    std::ofstream rows(fs::path(dir) / "plan-rows.dat");
-    rows << "# moekit plan rows: B floor_ms coverage\n";
-    for (const PlanRow& row : r.rows) rows << fmt::format("{} {:.9g} {:.9g}\n", row.batch, row.floor_ms, row.coverage);
-    MOEKIT_CHECK(dat.good() && rows.good(), fmt::format("--plot '{}': writing the data files failed", dir));
+    write_file_atomically((fs::path(dir) / "plan.dat").string(), dat, "plot data file");
+    std::string rows = "# moekit plan rows: B floor_ms coverage\n";
+    for (const PlanRow& row : r.rows) rows += fmt::format("{} {:.9g} {:.9g}\n", row.batch, row.floor_ms, row.coverage);
+    write_file_atomically((fs::path(dir) / "plan-rows.dat").string(), rows, "plot data file");
   }
 
   const std::string what = fmt::format("{} on {} x {} (EP{}, {})", in.model.name, in.ep, in.gpu.name, in.ep,
@@ -293,7 +296,7 @@ void write_plot(const PlanResult& r, const std::string& dir) {
   };
 
   gp += "set output \"plan-floor.png\"\n";
-  gp += fmt::format("set title {}\n", gp_quote(what + ": floor of one decode step and its parts"));
+  gp += fmt::format("set title {} noenhanced\n", gp_quote(what + ": floor of one decode step and its parts"));
   gp += "set ylabel \"time per step (ms)\"\nset logscale y\nset format y \"%g\"\nset key bottom right box opaque\n";
   gp += marks(0.96, op_row.floor_ms);
   if (in.tpot_sla_ms)
@@ -309,18 +312,14 @@ void write_plot(const PlanResult& r, const std::string& dir) {
   gp += ", \\\n     \"plan-rows.dat\" using 1:2 with points pt 7 ps 1.2 lc rgb \"black\" title \"rows of the table\"\n";
 
   gp += "set output \"plan-coverage.png\"\n";
-  gp += fmt::format("set title {}\n", gp_quote(what + ": coverage, the share of routed experts hit per step"));
+  gp += fmt::format("set title {} noenhanced\n", gp_quote(what + ": coverage, the share of routed experts hit per step"));
   gp += "unset logscale y\nset format y \"%g%%\"\nset yrange [0:105]\nset ylabel \"coverage C(B) = 1 - (1 - k/E)^B\"\n"
         "set key bottom right box opaque\n";
   gp += marks(0.3, op_row.coverage * 100);
   gp += "plot \"plan.dat\" using 1:($6*100) with lines lw 3 lc rgb \"#1f77b4\" title \"coverage\", \\\n"
         "     \"plan-rows.dat\" using 1:($3*100) with points pt 7 ps 1.2 lc rgb \"black\" title \"rows of the table\"\n";
   gp += "unset output\n";
-  {
-    std::ofstream out(fs::path(dir) / "plan.gp");
-    out << gp;
-    MOEKIT_CHECK(out.good(), fmt::format("--plot '{}': cannot write plan.gp", dir));
-  }
+  write_file_atomically((fs::path(dir) / "plan.gp").string(), gp, "gnuplot script");
 
   // gnuplot runs in DIR (fork + chdir + exec: no shell, so no quoting of DIR).
   fflush(stdout);

@@ -16,6 +16,7 @@
 #include <random>
 
 #include "cli/commands.h"
+#include "io/file_io.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "cli/cuda/run_cuda.h"
 #endif
@@ -23,6 +24,7 @@
 #include "moekit/check.h"
 #include "moekit/eplb.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/limits.h"
 #include "moekit/simulate.h"
 #include "moekit/spec.h"
 #include "moekit/weights.h"
@@ -48,13 +50,15 @@ struct RunOptions {
   bool json = false;
 };
 
-// A temporary checkpoint directory, removed when the run ends (also on error).
+// A temporary checkpoint directory, removed when the run ends (also on error, SIGINT and SIGTERM).
 struct TempDir {
   std::string path;
+  std::optional<InterruptCleanup> on_interrupt;
   TempDir() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "moekit-run-XXXXXX").string();
     MOEKIT_CHECK(mkdtemp(tmpl.data()) != nullptr, fmt::format("cannot create a temporary directory {}", tmpl));
     path = tmpl;
+    on_interrupt.emplace(path);
   }
   ~TempDir() {
     std::error_code ec;
@@ -123,12 +127,12 @@ StepResult run_layers_cpu(const ModelSpec& spec, const std::vector<MoeLayerWeigh
   return res;
 }
 
-// --check's bound on the relative error against the float64 oracle. The CPU layer holds
-// DESIGN.md's 3e-3; the GPU layer measures 4e-3 .. 7e-3 (the tensor cores' FP8 block sums keep
-// fewer bits than the CPU's exact ones; docs/layer-gpu.md), and test_layer bounds it at 1.5e-2.
-// The MXFP4 (gpt-oss) layer on the CPU is bounded by 2^-8: the RMS of its three bf16 roundings at
-// most 2^-8/sqrt(3) each; without a shared expert all three reach every output value, and it
-// measures 2.9e-3, close to 3e-3 (docs/layer.md).
+// --check's bound on the relative error against the float64 oracle. The CPU layer holds 3e-3
+// (docs/design.md §Numerics and their bounds); the GPU layer measures 4e-3 .. 7e-3 (the tensor
+// cores' FP8 block sums keep fewer bits than the CPU's exact ones; docs/layer-gpu.md), and
+// test_layer bounds it at 1.5e-2. The MXFP4 (gpt-oss) layer on the CPU is bounded by 2^-8: the
+// RMS of its three bf16 roundings at most 2^-8/sqrt(3) each; without a shared expert all three
+// reach every output value, and it measures 2.9e-3, close to 3e-3 (docs/layer.md).
 double oracle_tolerance(const RunOptions& o, const ModelSpec& spec) {
   if (o.backend == "cuda") return 1.5e-2;
   return spec.expert_format == "mxfp4" ? 0x1p-8 : 3e-3;
@@ -136,7 +140,7 @@ double oracle_tolerance(const RunOptions& o, const ModelSpec& spec) {
 
 const char* oracle_tolerance_source(const RunOptions& o, const ModelSpec& spec) {
   if (o.backend == "cuda") return "the GPU layer's, docs/layer-gpu.md";
-  return spec.expert_format == "mxfp4" ? "2^-8, three bf16 roundings: docs/layer.md" : "DESIGN.md";
+  return spec.expert_format == "mxfp4" ? "2^-8, three bf16 roundings: docs/layer.md" : "docs/design.md §Numerics and their bounds";
 }
 
 void check_oracle_errors(const RunOptions& o, const ModelSpec& spec, const std::vector<LayerFigures>& figs) {
@@ -147,19 +151,48 @@ void check_oracle_errors(const RunOptions& o, const ModelSpec& spec, const std::
                              l, figs[l].error_vs_oracle, o.backend, oracle_tolerance(o, spec)));
 }
 
+// The largest host tables of the run, before any is allocated: the L layers' weights (on the
+// CPU also each rank's copy of its slots), the activations x and out ((2L + 1) x B x d bf16)
+// with the forced routing (L x B x k ids, B x k weights) and, on the CPU, each layer's receive rows of about 3d + 5 x intermediate bytes: slots x B of
+// them in the masked (low-latency) layout, where every slot has room for the whole step, B x k
+// in the normal one. The sum leaves smaller buffers out, so it is a lower bound; above the
+// machine's memory it is an Error naming the flags, not a run ending in std::bad_alloc.
+void check_memory(const RunOptions& o, const ModelSpec& spec, int num_slots) {
+  const double L = o.layers, B = double(o.batch), d = double(spec.hidden_size), inter = double(spec.moe_intermediate_size);
+  const bool cpu = o.backend == "cpu";
+  RandomWeightsOptions wo;
+  wo.first_layer = o.first_layer;
+  wo.num_layers = o.layers;
+  const double expert_bpp = spec.expert_format == "mxfp4" ? 0.53125 : 1.0;  // the ranks' copies: FP8 or MXFP4
+  const double weights =
+      double(plan_random_weights(spec, wo).tensor_bytes) + (cpu ? L * num_slots * 3 * d * inter * expert_bpp : 0);
+  const double activations = (2 * L + 1) * B * d * 2 + (L + 1) * B * spec.num_experts_per_token * 4;  // + routing
+  const double rows = o.protocol == "low-latency" ? num_slots * B : B * spec.num_experts_per_token;
+  const double buffers = cpu ? L * rows * (3 * d + 5 * inter) : 0.0;
+  const double machine = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  MOEKIT_CHECK(weights + activations + buffers <= machine,
+               fmt::format("--batch {} --layers {}: the run needs at least {:.1f} GB (weights {:.1f}, activations {:.1f}, "
+                           "receive buffers {:.1f}), more than this machine's {:.1f} GB of memory",
+                           o.batch, o.layers, (weights + activations + buffers) / 1e9, weights / 1e9, activations / 1e9,
+                           buffers / 1e9, machine / 1e9));
+}
+
 void run(const RunOptions& o) {
   const ModelSpec spec = load_model_spec(o.model);
   MOEKIT_CHECK(spec.is_moe(), fmt::format("--model {} is dense: it has no MoE layer to run", o.model));
   const int E = spec.num_routed_experts, k = spec.num_experts_per_token, d = int(spec.hidden_size), P = o.ep;
   const int64_t B = o.batch;
-  MOEKIT_CHECK(P >= 1 && E % P == 0, fmt::format("--ep {}: expected >= 1 and dividing the {} experts of {}", P, E, spec.name));
-  MOEKIT_CHECK(B >= 1, fmt::format("--batch {}: expected >= 1", B));
-  MOEKIT_CHECK(o.layers >= 1 && o.first_layer >= 0 && o.first_layer + o.layers <= spec.num_layers,
+  // Sums in int64_t: the flags are ints and may each be near INT_MAX.
+  MOEKIT_CHECK(P >= 1 && P <= kMaxRanks && E % P == 0,
+               fmt::format("--ep {}: expected in [1, {}] and dividing the {} experts of {}", P, kMaxRanks, E, spec.name));
+  MOEKIT_CHECK(B >= 1 && B <= kMaxBatch, fmt::format("--batch {}: expected >= 1 and <= {}", B, kMaxBatch));
+  MOEKIT_CHECK(o.layers >= 1 && o.first_layer >= 0 && int64_t(o.first_layer) + o.layers <= spec.num_layers,
                fmt::format("--first-layer {} --layers {}: expected layers inside the model's {}", o.first_layer, o.layers,
                            spec.num_layers));
-  MOEKIT_CHECK(o.redundant >= 0 && (E + o.redundant) % P == 0,
-               fmt::format("--redundant {}: expected >= 0 with E + redundant = {} a multiple of --ep {}", o.redundant,
-                           E + o.redundant, P));
+  const int64_t num_slots = int64_t(E) + o.redundant;
+  MOEKIT_CHECK(o.redundant >= 0 && num_slots <= kMaxSlots && num_slots % P == 0,
+               fmt::format("--redundant {}: expected >= 0 with E + redundant = {} a multiple of --ep {} and <= {}",
+                           o.redundant, num_slots, P, kMaxSlots));
   MOEKIT_CHECK(o.protocol == "low-latency" || o.protocol == "normal",
                fmt::format("--protocol '{}': expected low-latency or normal", o.protocol));
   // Checked here too so that no weights are written for a model the layer cannot run. MXFP4 weights
@@ -170,6 +203,7 @@ void run(const RunOptions& o) {
   MOEKIT_CHECK(o.backend != "cuda" || spec.expert_format == "fp8",
                fmt::format("--model {} --backend cuda: its MXFP4 experts have no GPU kernels yet; use --backend cpu",
                            spec.name));
+  check_memory(o, spec, int(num_slots));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);
   const bool tty = isatty(STDERR_FILENO) == 1 && !o.json;
@@ -422,7 +456,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--redundant", o.redundant, "redundant experts placed by EPLB")->capture_default_str();
   cmd->add_option("--pipeline", o.pipeline, "staged | fused: the CUDA decode step's kernels (docs/layer-gpu.md)")
       ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of weights, inputs and routing")->check(kUint64)->capture_default_str();
   cmd->add_flag("--check", o.check, "compare the output with the float64 oracle (slow on large models)");
   cmd->add_flag("--json", o.json, "print JSON instead of the tables");
   cmd->callback([] {

@@ -78,7 +78,7 @@ void print_table(const SimulateResult& r) {
   row("distinct ranks per token", r.dedup_targets);
   row("S0 = max/mean GPU load", r.s0);
   row("CV of expert loads", r.cv_expert);
-  fmt::print("\nclosed forms (MISSION.md, uniform routing): coverage 1-(1-k/E)^B; ranks P[1-(1-1/P)^k];\n"
+  fmt::print("\nclosed forms (docs/theory.md, uniform routing): coverage 1-(1-k/E)^B; ranks P[1-(1-1/P)^k];\n"
              "  S0 1+sqrt(2 ln P) CV_e/sqrt(E/P); CV_e sqrt((1-k/E)/(B k/E)). What each assumes:\n");
   for (const auto* m : {&r.coverage, &r.dedup_targets, &r.s0, &r.cv_expert})
     fmt::print("  - {}\n", m->closed_form_assumes);
@@ -153,7 +153,7 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--ranks", o.ranks, "expert-parallel GPUs P (must divide E)")->capture_default_str();
   cmd->add_option("--batch", o.batch, "tokens per step B, all GPUs together")->capture_default_str();
   cmd->add_option("--trials", o.trials, "simulated steps")->capture_default_str();
-  cmd->add_option("--seed", o.seed, "random seed")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "random seed")->check(kUint64)->capture_default_str();
   cmd->add_option("--routing", o.routing, "uniform | zipf:S | hot:H:R (H experts R times as likely)")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "worker threads, 0 = all (results do not depend on it)")

@@ -5,9 +5,11 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "cli/interrupt.h"
 #include "moekit/check.h"
 
 int main(int argc, char** argv) {
+  moekit::cli::start_interrupt_cleanup();
   CLI::App app{"moekit: MoE serving core for Hopper GPUs: planner, EPLB, FP8 grouped GEMMs, EP dispatch/combine"};
   app.require_subcommand(1);
   moekit::cli::add_spec_command(app);
@@ -21,11 +23,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const moekit::Error& e) {
+    moekit::cli::wait_if_interrupted();
     fmt::print(stderr, "moekit: error: {}\n", e.what());
     return 2;
   } catch (const std::exception& e) {
+    moekit::cli::wait_if_interrupted();
     fmt::print(stderr, "moekit: error: {}\n", e.what());
     return 2;
   }
+  moekit::cli::wait_if_interrupted();
   return 0;
 }

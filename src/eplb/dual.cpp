@@ -16,6 +16,7 @@
 #include "eplb/internal.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
+#include "moekit/limits.h"
 
 namespace moekit {
 namespace {
@@ -186,6 +187,15 @@ DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_grou
   DualResult r;
   const std::vector<std::vector<double>> counts = trace_loads(trace);
   r.counts_placement = rebalance(counts, num_slots, num_groups, num_nodes, num_gpus);
+  // The search keeps a counter per token and GPU of each layer: bound that table first.
+  for (int l = 0; l < trace.num_layers(); ++l) {
+    int64_t tokens = 0;
+    for (const auto& step : trace.layers[l]) tokens += int64_t(step.size()) / trace.topk;
+    MOEKIT_CHECK(tokens <= kMaxTableEntries / num_gpus,
+                 fmt::format("dual loads: layer {} of the trace holds {} tokens, and {} tokens x {} GPUs exceed the "
+                             "limit of {} counters: use fewer steps",
+                             l, tokens, tokens, num_gpus, kMaxTableEntries));
+  }
   r.counts_loads = dual_loads(r.counts_placement, trace, seed);
   const Placement& base = r.counts_placement;
   const int L = base.num_layers, G = num_gpus, per_gpu = base.slots_per_gpu();

@@ -6,6 +6,7 @@
 #include "eplb/internal.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
+#include "moekit/limits.h"
 #include "moekit/spec.h"
 
 namespace moekit {
@@ -21,6 +22,12 @@ Placement assemble(std::vector<int32_t> phy2log, const std::vector<int32_t>& phy
   p.num_nodes = num_nodes;
   p.num_gpus = num_gpus;
   p.max_replicas = *std::max_element(count.begin(), count.end());
+  // log2phy is dense, [layers][experts][max_replicas]: one hot expert with many replicas
+  // multiplies the size of the whole table.
+  MOEKIT_CHECK(int64_t(num_layers) * num_experts * p.max_replicas <= kMaxTableEntries,
+               fmt::format("placement: log2phy of {} layers x {} experts x {} replicas (the most of one expert) exceeds "
+                           "the limit of {} entries: fewer redundant slots or layers",
+                           num_layers, num_experts, p.max_replicas, kMaxTableEntries));
   p.log2phy.assign(size_t(num_layers) * num_experts * p.max_replicas, -1);
   for (int l = 0; l < num_layers; ++l)
     for (int s = 0; s < num_slots; ++s) {

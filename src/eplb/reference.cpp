@@ -1,4 +1,5 @@
-// The reference EPLB placement (DeepSeek's eplb.py, as EPLB.md describes it), in plain loops.
+// The reference EPLB placement (DeepSeek's eplb.py, as docs/eplb.md §The reference algorithm (exact)
+// describes it), in plain loops.
 // Two greedy primitives (balanced packing, replication) composed by the hierarchical policy;
 // the global policy is the same routine with one group and one node.
 #include <fmt/format.h>
@@ -12,6 +13,7 @@
 #include "eplb/internal.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
+#include "moekit/limits.h"
 
 namespace moekit {
 namespace eplb_detail {
@@ -102,14 +104,19 @@ void validate_loads(const std::vector<std::vector<double>>& weight) {
   MOEKIT_CHECK(!weight.empty(), "eplb: the load matrix has no layers");
   const size_t num_experts = weight[0].size();
   MOEKIT_CHECK(num_experts > 0, "eplb: layer 0 has no expert loads");
+  MOEKIT_CHECK(weight.size() <= size_t(kMaxLayers) && num_experts <= size_t(kMaxExperts) &&
+                   weight.size() * num_experts <= size_t(kMaxTableEntries),
+               fmt::format("eplb: {} layers x {} experts exceed the limits ({} layers, {} experts, {} entries)",
+                           weight.size(), num_experts, kMaxLayers, kMaxExperts, kMaxTableEntries));
   for (size_t l = 0; l < weight.size(); ++l) {
     MOEKIT_CHECK(
         weight[l].size() == num_experts,
         fmt::format("eplb: layer {} has {} loads but layer 0 has {} (ragged rows)", l, weight[l].size(), num_experts));
     for (size_t e = 0; e < num_experts; ++e) {
       double v = weight[l][e];
-      MOEKIT_CHECK(std::isfinite(v) && v >= 0,
-                   fmt::format("eplb: load of layer {} expert {} is {}, expected a finite value >= 0", l, e, v));
+      MOEKIT_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxLoad,
+                   fmt::format("eplb: load of layer {} expert {} is {}, expected a finite value in [0, {}]", l, e, v,
+                               kMaxLoad));
     }
   }
 }
@@ -122,8 +129,13 @@ void validate_rebalance_args(const std::vector<std::vector<double>>& weight, int
   MOEKIT_CHECK(num_nodes > 0, fmt::format("eplb: num_nodes = {} must be > 0", num_nodes));
   MOEKIT_CHECK(num_gpus % num_nodes == 0,
                fmt::format("eplb: num_gpus = {} is not divisible by num_nodes = {}", num_gpus, num_nodes));
+  MOEKIT_CHECK(num_gpus <= kMaxRanks, fmt::format("eplb: num_gpus = {} exceeds the limit of {}", num_gpus, kMaxRanks));
   MOEKIT_CHECK(num_slots > 0 && num_slots % num_gpus == 0,
                fmt::format("eplb: num_slots = {} must be a positive multiple of num_gpus = {}", num_slots, num_gpus));
+  MOEKIT_CHECK(num_slots <= kMaxSlots, fmt::format("eplb: num_slots = {} exceeds the limit of {}", num_slots, kMaxSlots));
+  MOEKIT_CHECK(int64_t(weight.size()) * num_slots <= kMaxTableEntries,
+               fmt::format("eplb: {} layers x {} slots exceed the limit of {} placement entries", weight.size(),
+                           num_slots, kMaxTableEntries));
   MOEKIT_CHECK(num_slots >= E,
                fmt::format("eplb: num_slots = {} is below the {} experts: every expert needs a slot", num_slots, E));
   MOEKIT_CHECK(num_groups > 0 && E % num_groups == 0,

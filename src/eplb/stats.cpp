@@ -1,5 +1,5 @@
 // Load statistics (a sliding window or exponential decay of top-k counts) and the rebalance
-// gate (MISSION.md section 6: end-to-end gain 1 / (f / (S0/S1) + 1 - f)).
+// gate (docs/theory.md §EPLB gain: end-to-end gain 1 / (f / (S0/S1) + 1 - f)).
 #include <fmt/format.h>
 
 #include <algorithm>

@@ -12,11 +12,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <utility>
 
+#include "io/file_io.h"
+#include "io/json_read.h"
 #include "moekit/check.h"
 
 namespace moekit {
@@ -26,15 +28,19 @@ namespace {
 struct DtypeEntry {
   Dtype dtype;
   std::string_view name;
-  size_t size;
+  size_t bits;
 };
 
-constexpr std::array<DtypeEntry, 15> kDtypes = {{
-    {Dtype::kBool, "BOOL", 1},   {Dtype::kU8, "U8", 1},      {Dtype::kI8, "I8", 1},
-    {Dtype::kF8E4M3, "F8_E4M3", 1}, {Dtype::kF8E5M2, "F8_E5M2", 1}, {Dtype::kI16, "I16", 2},
-    {Dtype::kU16, "U16", 2},     {Dtype::kF16, "F16", 2},    {Dtype::kBF16, "BF16", 2},
-    {Dtype::kI32, "I32", 4},     {Dtype::kU32, "U32", 4},    {Dtype::kF32, "F32", 4},
-    {Dtype::kI64, "I64", 8},     {Dtype::kU64, "U64", 8},    {Dtype::kF64, "F64", 8},
+// The package's dtypes (safetensors 0.8) and their bits per element.
+constexpr std::array<DtypeEntry, 22> kDtypes = {{
+    {Dtype::kBool, "BOOL", 8},     {Dtype::kU8, "U8", 8},           {Dtype::kI8, "I8", 8},
+    {Dtype::kF8E4M3, "F8_E4M3", 8}, {Dtype::kF8E5M2, "F8_E5M2", 8}, {Dtype::kF8E8M0, "F8_E8M0", 8},
+    {Dtype::kF8E4M3FNUZ, "F8_E4M3FNUZ", 8}, {Dtype::kF8E5M2FNUZ, "F8_E5M2FNUZ", 8},
+    {Dtype::kI16, "I16", 16},      {Dtype::kU16, "U16", 16},        {Dtype::kF16, "F16", 16},
+    {Dtype::kBF16, "BF16", 16},    {Dtype::kI32, "I32", 32},        {Dtype::kU32, "U32", 32},
+    {Dtype::kF32, "F32", 32},      {Dtype::kI64, "I64", 64},        {Dtype::kU64, "U64", 64},
+    {Dtype::kF64, "F64", 64},      {Dtype::kC64, "C64", 64},        {Dtype::kF4, "F4", 4},
+    {Dtype::kF6E2M3, "F6_E2M3", 6}, {Dtype::kF6E3M2, "F6_E3M2", 6},
 }};
 
 const DtypeEntry& entry(Dtype dtype) {
@@ -43,7 +49,7 @@ const DtypeEntry& entry(Dtype dtype) {
   throw Error(fmt::format("safetensors: invalid Dtype value {}", int(dtype)));
 }
 
-// The header's size fields are at most 2^64; a shape's element count must not overflow either.
+// A shape's element count as an int64 (the header's dimensions are at most 2^63 - 1).
 int64_t checked_elements(std::span<const int64_t> shape, std::string_view origin) {
   int64_t n = 1;
   for (int64_t d : shape) {
@@ -52,6 +58,26 @@ int64_t checked_elements(std::span<const int64_t> shape, std::string_view origin
     n *= d;
   }
   return n;
+}
+
+// The bytes of a tensor of `dtype` and `shape`, computed as the reference implementation does:
+// the element count folded left to right in 64 bits, times the bits per element, each step
+// checked for overflow (so [2^62, 4, 0] is refused although its product is 0), and a whole
+// number of bytes.
+uint64_t checked_num_bytes(std::span<const int64_t> shape, Dtype dtype, std::string_view origin) {
+  uint64_t n = 1;
+  for (int64_t d : shape) {
+    MOEKIT_CHECK(d >= 0, fmt::format("{}: shape {} has a negative dimension", origin, shape_string(shape)));
+    MOEKIT_CHECK(d == 0 || n <= UINT64_MAX / uint64_t(d),
+                 fmt::format("{}: shape {} has more than 2^64 elements", origin, shape_string(shape)));
+    n *= uint64_t(d);
+  }
+  const uint64_t bits = dtype_bits(dtype);
+  MOEKIT_CHECK(n <= UINT64_MAX / bits, fmt::format("{}: dtype {} shape {} holds more than 2^64 bits", origin,
+                                                   dtype_name(dtype), shape_string(shape)));
+  MOEKIT_CHECK((n * bits) % 8 == 0, fmt::format("{}: dtype {} shape {} holds {} bits, not a whole number of bytes",
+                                                origin, dtype_name(dtype), shape_string(shape), n * bits));
+  return n * bits / 8;
 }
 
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // the reference implementation's limit
@@ -71,24 +97,128 @@ std::string header_json(std::span<const TensorDecl> tensors, const std::map<std:
   return text;
 }
 
+// The header's top-level members in file order, each tensor entry kept even when a later one of
+// the same name replaces it (the package checks every one), and the checks the DOM cannot make
+// once built: nesting depth, a repeated "__metadata__" or entry field, metadata values.
+struct HeaderMembers {
+  bool is_object = false;
+  std::string top_type;  // the JSON type of the whole header
+  std::vector<std::pair<std::string, nlohmann::json>> members;
+};
+
+HeaderMembers parse_header_members(std::string_view text, const std::string& path) {
+  using nlohmann::json;
+  HeaderMembers h;
+  std::string key;            // the current top-level key
+  std::string meta_key;       // the current key inside __metadata__
+  bool seen_metadata = false;
+  bool metadata_is_object = false;
+  std::vector<std::string> fields;  // dtype / shape / data_offsets seen in the current entry
+  auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
+    using E = json::parse_event_t;
+    if ((event == E::object_start || event == E::array_start) && depth >= kMaxJsonDepth)
+      throw Error(fmt::format("safetensors file '{}': the header nests deeper than {} levels (the safetensors "
+                              "package's limit)", path, kMaxJsonDepth));
+    if (depth == 0 && h.top_type.empty())
+      h.top_type = event == E::object_start ? "object" : event == E::array_start ? "array" : parsed.type_name();
+    if (depth == 0 && event == E::object_start) h.is_object = true;
+    if (!h.is_object) return true;
+    const bool in_metadata = key == "__metadata__" && metadata_is_object;
+    if (depth == 1 && event == E::object_start && key == "__metadata__") metadata_is_object = true;
+    if (depth == 1 && event == E::key) {
+      key = parsed.get<std::string>();
+      fields.clear();
+      MOEKIT_CHECK(key != "__metadata__" || !seen_metadata,
+                   fmt::format("safetensors file '{}': \"__metadata__\" appears twice in the header", path));
+      seen_metadata = seen_metadata || key == "__metadata__";
+    } else if (depth == 2 && event == E::key && in_metadata) {
+      meta_key = parsed.get<std::string>();
+    } else if (depth == 2 && event == E::key) {
+      const std::string field = parsed.get<std::string>();
+      if (field == "dtype" || field == "shape" || field == "data_offsets") {
+        MOEKIT_CHECK(std::find(fields.begin(), fields.end(), field) == fields.end(),
+                     fmt::format("safetensors file '{}': tensor '{}': field \"{}\" appears twice", path, key, field));
+        fields.push_back(field);
+      }
+    } else if (depth == 2 && in_metadata && (event == E::value || event == E::object_start || event == E::array_start)) {
+      // Checked here, entry by entry: a repeated key keeps only its last value in the DOM.
+      MOEKIT_CHECK(event == E::value && parsed.is_string(),
+                   fmt::format("safetensors file '{}': __metadata__ entry '{}' = {} is not a string", path, meta_key,
+                               event == E::value ? quote(parsed) : "an array or object"));
+    } else if (depth == 1 && (event == E::value || event == E::object_end || event == E::array_end)) {
+      h.members.emplace_back(key, std::move(parsed));
+      return false;  // kept in `members`, not in the DOM
+    }
+    return true;
+  };
+  try {
+    [[maybe_unused]] const json rest = json::parse(text.begin(), text.end(), callback);  // members kept by the callback
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("safetensors file '{}': malformed JSON header: {}", path, e.what()));
+  }
+  return h;
+}
+
+// A dtype as the package's reader takes it: its name, or {name: null}.
+Dtype parse_dtype_value(const nlohmann::json& v, const std::string& origin) {
+  if (v.is_string()) return parse_dtype(v.get<std::string>(), origin);
+  MOEKIT_CHECK(v.is_object() && v.size() == 1 && v.begin().value().is_null(),
+               fmt::format("{}: dtype {} is not a string", origin, quote(v)));
+  return parse_dtype(v.begin().key(), origin);
+}
+
+// One tensor entry: {"dtype", "shape", "data_offsets"} (other keys ignored) or the same three as
+// an array. Only the types are checked here; sizes and offsets once repeated names are resolved.
+TensorInfo parse_tensor_entry(const std::string& name, const nlohmann::json& v, const std::string& origin) {
+  const bool as_array = v.is_array() && v.size() == 3;
+  MOEKIT_CHECK(as_array || (v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets")),
+               fmt::format("{}: expected an object with dtype, shape and data_offsets, got {}", origin, quote(v)));
+  const auto& jd = as_array ? v[0] : v["dtype"];
+  const auto& js = as_array ? v[1] : v["shape"];
+  const auto& jo = as_array ? v[2] : v["data_offsets"];
+  TensorInfo t;
+  t.name = name;
+  t.dtype = parse_dtype_value(jd, origin);
+  MOEKIT_CHECK(js.is_array() && std::all_of(js.begin(), js.end(), [](const auto& d) { return d.is_number_unsigned(); }),
+               fmt::format("{}: shape {} must be an array of non-negative integers", origin, quote(js)));
+  MOEKIT_CHECK(jo.is_array() && jo.size() == 2 && jo[0].is_number_unsigned() && jo[1].is_number_unsigned(),
+               fmt::format("{}: data_offsets {} must be [begin, end], non-negative integers", origin, quote(jo)));
+  for (const auto& d : js) {
+    MOEKIT_CHECK(d.get<uint64_t>() <= uint64_t(INT64_MAX),
+                 fmt::format("{}: shape {}: dimension {} is above 2^63 - 1, which moekit does not hold", origin,
+                             quote(js), d.get<uint64_t>()));
+    t.shape.push_back(d.get<int64_t>());
+  }
+  t.begin = jo[0].get<uint64_t>();
+  t.end = jo[1].get<uint64_t>();
+  return t;
+}
+
 }  // namespace
 
 std::string_view dtype_name(Dtype dtype) { return entry(dtype).name; }
-size_t dtype_size(Dtype dtype) { return entry(dtype).size; }
+size_t dtype_bits(Dtype dtype) { return entry(dtype).bits; }
+size_t dtype_size(Dtype dtype) {
+  const size_t bits = dtype_bits(dtype);
+  MOEKIT_CHECK(bits % 8 == 0, fmt::format("dtype {} packs {} bits per element: it has no size in whole bytes",
+                                          dtype_name(dtype), bits));
+  return bits / 8;
+}
 
 Dtype parse_dtype(std::string_view name, std::string_view origin) {
   for (const auto& e : kDtypes)
     if (e.name == name) return e.dtype;
   std::string known;
   for (const auto& e : kDtypes) known += fmt::format("{}{}", known.empty() ? "" : ", ", e.name);
-  throw Error(fmt::format("{}: unknown dtype \"{}\" (expected one of {})", origin, name, known));
+  const std::string shown = name.size() <= 40 ? std::string(name) : std::string(name.substr(0, 40)) + "...";
+  throw Error(fmt::format("{}: unknown dtype \"{}\" (expected one of {})", origin, shown, known));
 }
 
 std::string shape_string(std::span<const int64_t> shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 int64_t TensorInfo::num_elements() const { return checked_elements(shape, name); }
 
-uint64_t TensorDecl::num_bytes() const { return uint64_t(checked_elements(shape, name)) * dtype_size(dtype); }
+uint64_t TensorDecl::num_bytes() const { return checked_num_bytes(shape, dtype, name); }
 
 // ---------------------------------------------------------------------------------------------
 // Reading
@@ -96,78 +226,62 @@ uint64_t TensorDecl::num_bytes() const { return uint64_t(checked_elements(shape,
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MOEKIT_CHECK(fd >= 0, fmt::format("safetensors file '{}': cannot open: {}", path, std::strerror(errno)));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw Error(fmt::format("safetensors file '{}': not a regular file", path));
+  uint64_t file_size = 0;
+  {
+    const ReadFd fd = open_regular_file(path, "safetensors file");
+    file_size = fd.size();
+    MOEKIT_CHECK(file_size >= 8,
+                 fmt::format("safetensors file '{}': file too short ({} bytes): expected at least the 8-byte header length",
+                             path, file_size));
+    void* m = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd.get(), 0);  // the mapping outlives the descriptor
+    MOEKIT_CHECK(m != MAP_FAILED, fmt::format("safetensors file '{}': mmap failed: {}", path, std::strerror(errno)));
+    f.map_ = static_cast<const uint8_t*>(m);
+    f.map_size_ = file_size;
   }
-  const uint64_t file_size = uint64_t(st.st_size);
-  if (file_size < 8) {
-    ::close(fd);
-    throw Error(fmt::format("safetensors file '{}': file too short ({} bytes): expected at least the 8-byte header length",
-                            path, file_size));
-  }
-  void* m = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);  // the mapping keeps the file
-  MOEKIT_CHECK(m != MAP_FAILED, fmt::format("safetensors file '{}': mmap failed: {}", path, std::strerror(errno)));
-  f.map_ = static_cast<const uint8_t*>(m);
-  f.map_size_ = file_size;
 
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f.map_[i];  // little-endian
+  MOEKIT_CHECK(header_len <= kMaxHeaderBytes,
+               fmt::format("safetensors file '{}': header length {} exceeds the limit of {} bytes", path, header_len,
+                           kMaxHeaderBytes));
   MOEKIT_CHECK(header_len <= file_size - 8,
                fmt::format("safetensors file '{}': header length {} runs past the end of the file ({} bytes): "
                            "not a safetensors file, or truncated",
                            path, header_len, file_size));
-  MOEKIT_CHECK(header_len <= kMaxHeaderBytes,
-               fmt::format("safetensors file '{}': header length {} exceeds the limit of {} bytes", path, header_len,
-                           kMaxHeaderBytes));
   std::string_view text(reinterpret_cast<const char*>(f.map_ + 8), header_len);
   f.data_ = f.map_ + 8 + header_len;
   const uint64_t data_size = file_size - 8 - header_len;
 
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("safetensors file '{}': malformed JSON header: {}", path, e.what()));
-  }
-  MOEKIT_CHECK(j.is_object(), fmt::format("safetensors file '{}': header must be a JSON object, got {}", path, j.type_name()));
+  // JSON text only: nlohmann's reader would stop at a NUL byte and skip a byte order mark,
+  // where the package's refuses both.
+  const size_t nul = text.find('\0');
+  MOEKIT_CHECK(nul == std::string_view::npos,
+               fmt::format("safetensors file '{}': header byte {} is NUL (0x00): the header must be JSON text", path, nul));
+  MOEKIT_CHECK(!text.starts_with("\xEF\xBB\xBF"),
+               fmt::format("safetensors file '{}': the header starts with a UTF-8 byte order mark, which the format "
+                           "does not allow", path));
+  const HeaderMembers header = parse_header_members(text, path);
+  MOEKIT_CHECK(header.is_object,
+               fmt::format("safetensors file '{}': header must be a JSON object, got {}", path, header.top_type));
 
-  for (const auto& [name, v] : j.items()) {
+  std::map<std::string, TensorInfo> by_name;  // a repeated name: the last entry counts
+  for (const auto& [name, v] : header.members) {
     if (name == "__metadata__") {
-      MOEKIT_CHECK(v.is_object(), fmt::format("safetensors file '{}': __metadata__ must be an object of strings", path));
-      for (const auto& [key, value] : v.items()) {
-        MOEKIT_CHECK(value.is_string(), fmt::format("safetensors file '{}': __metadata__ entry '{}' = {} is not a string",
-                                                    path, key, value.dump()));
-        f.metadata_[key] = value.get<std::string>();
-      }
+      MOEKIT_CHECK(v.is_null() || v.is_object(),
+                   fmt::format("safetensors file '{}': __metadata__ must be an object of strings, got {}", path,
+                               v.type_name()));
+      if (v.is_object())
+        for (const auto& [key, value] : v.items()) f.metadata_[key] = value.get<std::string>();  // checked while parsing
       continue;
     }
-    const std::string origin = fmt::format("safetensors file '{}': tensor '{}'", path, name);
-    MOEKIT_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
-                 fmt::format("{}: expected an object with dtype, shape and data_offsets, got {}", origin, v.dump()));
-    const auto& jd = v["dtype"];
-    const auto& js = v["shape"];
-    const auto& jo = v["data_offsets"];
-    MOEKIT_CHECK(jd.is_string(), fmt::format("{}: dtype {} is not a string", origin, jd.dump()));
-    MOEKIT_CHECK(js.is_array() && std::all_of(js.begin(), js.end(), [](const auto& d) { return d.is_number_unsigned(); }),
-                 fmt::format("{}: shape {} must be an array of non-negative integers", origin, js.dump()));
-    MOEKIT_CHECK(jo.is_array() && jo.size() == 2 && jo[0].is_number_unsigned() && jo[1].is_number_unsigned(),
-                 fmt::format("{}: data_offsets {} must be [begin, end], non-negative integers", origin, jo.dump()));
-    TensorInfo t;
-    t.name = name;
-    t.dtype = parse_dtype(jd.get<std::string>(), origin);
-    for (const auto& d : js) {
-      MOEKIT_CHECK(d.get<uint64_t>() <= uint64_t(INT64_MAX), fmt::format("{}: shape {} is too large", origin, js.dump()));
-      t.shape.push_back(d.get<int64_t>());
-    }
-    t.begin = jo[0].get<uint64_t>();
-    t.end = jo[1].get<uint64_t>();
+    by_name.insert_or_assign(name, parse_tensor_entry(name, v, fmt::format("safetensors file '{}': tensor '{}'", path,
+                                                                          quote_text(name, kMaxQuotedNameChars))));
+  }
+  for (auto& [name, t] : by_name) {
+    const std::string origin =
+        fmt::format("safetensors file '{}': tensor '{}'", path, quote_text(name, kMaxQuotedNameChars));
     MOEKIT_CHECK(t.begin <= t.end, fmt::format("{}: data_offsets [{}, {}] end before they begin", origin, t.begin, t.end));
-    const uint64_t expected = uint64_t(checked_elements(t.shape, origin)) * dtype_size(t.dtype);
+    const uint64_t expected = checked_num_bytes(t.shape, t.dtype, origin);
     MOEKIT_CHECK(t.end - t.begin == expected,
                  fmt::format("{}: data_offsets [{}, {}] hold {} bytes, but dtype {} shape {} needs {}", origin, t.begin,
                              t.end, t.end - t.begin, dtype_name(t.dtype), shape_string(t.shape), expected));
@@ -252,7 +366,7 @@ uint64_t safetensors_header_bytes(std::span<const TensorDecl> tensors, const std
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorDecl> tensors,
                                      const std::map<std::string, std::string>& metadata)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), tensors_(std::move(tensors)) {
+    : path_(std::move(path)), tensors_(std::move(tensors)) {
   std::map<std::string_view, int> seen;
   for (const auto& t : tensors_) {
     MOEKIT_CHECK(!t.name.empty() && t.name != "__metadata__",
@@ -261,20 +375,14 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorDecl> t
     t.num_bytes();  // checks the shape
   }
   const std::string header = header_json(tensors_, metadata);
-  file_ = std::fopen(tmp_path_.c_str(), "wb");
-  MOEKIT_CHECK(file_, fmt::format("safetensors writer: cannot create '{}': {}", tmp_path_, std::strerror(errno)));
-  std::array<uint8_t, 8> len{};
-  for (int i = 0; i < 8; ++i) len[i] = uint8_t(uint64_t(header.size()) >> (8 * i));
-  if (std::fwrite(len.data(), 1, 8, file_) != 8 || std::fwrite(header.data(), 1, header.size(), file_) != header.size())
-    throw Error(fmt::format("safetensors writer '{}': write failed: {}", tmp_path_, std::strerror(errno)));
+  out_ = std::make_unique<OutputFile>(path_, "safetensors file");
+  std::array<char, 8> len{};
+  for (int i = 0; i < 8; ++i) len[i] = char(uint8_t(uint64_t(header.size()) >> (8 * i)));
+  out_->write(std::string_view(len.data(), len.size()));
+  out_->write(header);
 }
 
-SafetensorsWriter::~SafetensorsWriter() {
-  if (file_) {
-    std::fclose(file_);
-    std::remove(tmp_path_.c_str());
-  }
-}
+SafetensorsWriter::~SafetensorsWriter() = default;  // an unfinished OutputFile removes its .tmp
 
 const TensorDecl& SafetensorsWriter::next() const {
   MOEKIT_CHECK(written_ < tensors_.size(),
@@ -284,12 +392,11 @@ const TensorDecl& SafetensorsWriter::next() const {
 
 void SafetensorsWriter::write(std::span<const uint8_t> data) {
   const TensorDecl& t = next();
-  MOEKIT_CHECK(file_, fmt::format("safetensors writer '{}': already finished", path_));
+  MOEKIT_CHECK(out_, fmt::format("safetensors writer '{}': already finished", path_));
   MOEKIT_CHECK(data.size() == t.num_bytes(),
                fmt::format("safetensors writer '{}': tensor '{}' dtype {} shape {} needs {} bytes, got {}", path_, t.name,
                            dtype_name(t.dtype), shape_string(t.shape), t.num_bytes(), data.size()));
-  MOEKIT_CHECK(data.empty() || std::fwrite(data.data(), 1, data.size(), file_) == data.size(),
-               fmt::format("safetensors writer '{}': write of tensor '{}' failed: {}", tmp_path_, t.name, std::strerror(errno)));
+  out_->write(data);
   ++written_;
 }
 
@@ -297,15 +404,9 @@ void SafetensorsWriter::finish() {
   MOEKIT_CHECK(written_ == tensors_.size(),
                fmt::format("safetensors writer '{}': {} of {} declared tensors written; next is '{}'", path_, written_,
                            tensors_.size(), written_ < tensors_.size() ? tensors_[written_].name : ""));
-  MOEKIT_CHECK(file_, fmt::format("safetensors writer '{}': already finished", path_));
-  const bool ok = std::fflush(file_) == 0;
-  std::fclose(file_);
-  file_ = nullptr;
-  if (!ok) std::remove(tmp_path_.c_str());
-  MOEKIT_CHECK(ok, fmt::format("safetensors writer '{}': flush failed: {}", tmp_path_, std::strerror(errno)));
-  std::error_code ec;
-  std::filesystem::rename(tmp_path_, path_, ec);
-  MOEKIT_CHECK(!ec, fmt::format("safetensors writer: cannot rename '{}' to '{}': {}", tmp_path_, path_, ec.message()));
+  MOEKIT_CHECK(out_, fmt::format("safetensors writer '{}': already finished", path_));
+  out_->commit();
+  out_.reset();
 }
 
 void write_safetensors(const std::string& path, std::span<const TensorData> tensors,
@@ -344,8 +445,6 @@ Checkpoint Checkpoint::open(const std::string& path) {
   c.path_ = path;
   c.impl_ = std::make_unique<Impl>();
   Impl& impl = *c.impl_;
-  std::error_code ec;
-  MOEKIT_CHECK(fs::exists(path, ec), fmt::format("checkpoint '{}': no such file or directory", path));
 
   auto add_file = [&](const std::string& file_name) {
     const SafetensorsFile& f = impl.file(file_name);
@@ -356,42 +455,52 @@ Checkpoint Checkpoint::open(const std::string& path) {
     }
   };
 
-  if (!fs::is_directory(path)) {
+  if (!is_directory_or_regular_file(path, "checkpoint")) {
     impl.dir = fs::path(path).parent_path().string();
     add_file(fs::path(path).filename().string());
     return c;
   }
   impl.dir = path;
-  const fs::path index_path = fs::path(path) / kIndexFileName;
-  if (fs::exists(index_path)) {
-    std::ifstream in(index_path);
-    MOEKIT_CHECK(in.good(), fmt::format("checkpoint index '{}': cannot open", index_path.string()));
-    nlohmann::json j;
-    try {
-      in >> j;
-    } catch (const nlohmann::json::exception& e) {
-      throw Error(fmt::format("checkpoint index '{}': malformed JSON: {}", index_path.string(), e.what()));
-    }
+  const std::string index_path = (fs::path(path) / kIndexFileName).string();
+  struct stat st {};
+  if (::lstat(index_path.c_str(), &st) == 0 || errno != ENOENT) {  // there is something of that name: read it
+    const nlohmann::json j =
+        parse_json(read_regular_file(index_path, "checkpoint index"), fmt::format("checkpoint index '{}'", index_path));
     MOEKIT_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
-                 fmt::format("checkpoint index '{}': expected an object with \"weight_map\": {{tensor: file}}",
-                             index_path.string()));
+                 fmt::format("checkpoint index '{}': expected an object with \"weight_map\": {{tensor: file}}", index_path));
     for (const auto& [name, file] : j["weight_map"].items()) {
       MOEKIT_CHECK(file.is_string(), fmt::format("checkpoint index '{}': weight_map['{}'] = {} is not a file name",
-                                                 index_path.string(), name, file.dump()));
+                                                 index_path, quote_text(name, kMaxQuotedNameChars), quote(file)));
       const std::string file_name = file.get<std::string>();
       MOEKIT_CHECK(!file_name.empty() && fs::path(file_name).filename() == file_name,
                    fmt::format("checkpoint index '{}': weight_map['{}'] = '{}' must be a file name in the same directory",
-                               index_path.string(), name, file_name));
+                               index_path, quote_text(name, kMaxQuotedNameChars),
+                               quote_text(file_name, kMaxQuotedNameChars)));
       impl.weight_map.emplace(name, file_name);
     }
     return c;
   }
+  // No index: every *.safetensors entry (SafetensorsFile::open refuses one that is not a regular file).
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(path))
-    if (e.is_regular_file() && e.path().extension() == ".safetensors") names.push_back(e.path().filename().string());
+  std::error_code ec;
+  for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".safetensors") names.push_back(it->path().filename().string());
+  MOEKIT_CHECK(!ec, fmt::format("checkpoint '{}': cannot list the directory: {}", path, ec.message()));
   MOEKIT_CHECK(!names.empty(), fmt::format("checkpoint '{}': directory holds neither {} nor *.safetensors files", path,
                                            kIndexFileName));
   std::sort(names.begin(), names.end());
+  // moekit's generator writes the index last: its files without one are an interrupted write
+  // (checked before the files' tensors, which may well clash between two runs' shards).
+  for (const auto& n : names) {
+    const auto& meta = impl.file(n).metadata();
+    auto gen = meta.find("generator");
+    MOEKIT_CHECK(gen == meta.end() || gen->second != kGeneratorName,
+                 fmt::format("checkpoint '{}': '{}' was written by {} (seed {}), which writes {} last, and the "
+                             "directory has no {}: it holds an interrupted write whose files may mix two runs. "
+                             "Write the weights again, or delete the directory",
+                             path, n, kGeneratorName, meta.count("seed") ? meta.at("seed") : "?", kIndexFileName,
+                             kIndexFileName));
+  }
   for (const auto& n : names) add_file(n);
   return c;
 }

@@ -3,18 +3,28 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
+#include "io/file_io.h"
+#include "io/json_read.h"
 #include "moekit/check.h"
+#include "moekit/limits.h"
 
 namespace moekit {
 
 void validate_trace(const RoutingTrace& t) {
-  MOEKIT_CHECK(t.num_experts > 0, fmt::format("trace: num_experts = {} must be > 0", t.num_experts));
+  MOEKIT_CHECK(t.num_experts > 0 && t.num_experts <= kMaxExperts,
+               fmt::format("trace: num_experts = {} must be in [1, {}]", t.num_experts, kMaxExperts));
   MOEKIT_CHECK(t.topk > 0 && t.topk <= t.num_experts,
                fmt::format("trace: topk = {} must be in [1, num_experts = {}]", t.topk, t.num_experts));
-  MOEKIT_CHECK(t.num_ranks > 0, fmt::format("trace: num_ranks = {} must be > 0", t.num_ranks));
+  MOEKIT_CHECK(t.num_ranks > 0 && t.num_ranks <= kMaxRanks,
+               fmt::format("trace: num_ranks = {} must be in [1, {}]", t.num_ranks, kMaxRanks));
+  MOEKIT_CHECK(t.layers.size() <= size_t(kMaxLayers),
+               fmt::format("trace: {} layers exceed the limit of {}", t.layers.size(), kMaxLayers));
+  MOEKIT_CHECK(int64_t(t.layers.size()) * t.num_experts <= kMaxTableEntries,
+               fmt::format("trace: {} layers x {} experts exceed the limit of {} load entries", t.layers.size(),
+                           t.num_experts, kMaxTableEntries));
   for (size_t l = 0; l < t.layers.size(); ++l)
     for (size_t s = 0; s < t.layers[l].size(); ++s) {
       const auto& step = t.layers[l][s];
@@ -33,63 +43,80 @@ void validate_trace(const RoutingTrace& t) {
 }
 
 RoutingTrace read_trace(const std::string& path) {
-  std::ifstream in(path);
-  MOEKIT_CHECK(in.good(), fmt::format("cannot open trace file '{}'", path));
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("trace '{}': malformed JSON: {}", path, e.what()));
-  }
-  MOEKIT_CHECK(j.is_object() && j.value("format", "") == "moekit-trace",
-               fmt::format("trace '{}': expected an object with \"format\": \"moekit-trace\"", path));
+  const std::string origin = fmt::format("trace '{}'", path);
+  const nlohmann::json j = parse_json(read_regular_file(path, "trace file"), origin);
+  JsonFields f(j, origin);
+  const std::string format = f.str("format");
+  MOEKIT_CHECK(format == "moekit-trace", fmt::format("{}: field 'format' = \"{}\" must be \"moekit-trace\"", origin,
+                                                     quote_text(format)));
   RoutingTrace t;
-  try {
-    t.num_experts = j.at("num_experts").get<int>();
-    t.topk = j.at("topk").get<int>();
-    t.num_ranks = j.at("num_ranks").get<int>();
-    for (const auto& layer : j.at("layers")) {
-      auto& steps = t.layers.emplace_back();
-      for (const auto& step : layer) {
-        auto& flat = steps.emplace_back();
-        for (const auto& token : step) {
-          MOEKIT_CHECK(token.is_array() && int(token.size()) == t.topk,
-                       fmt::format("trace '{}': token entry {} must be an array of topk = {} ids", path, token.dump(),
-                                   t.topk));
-          for (const auto& e : token) flat.push_back(e.get<int32_t>());
+  t.num_experts = f.integer<int>("num_experts", 1, kMaxExperts);
+  t.topk = f.integer<int>("topk", 1, t.num_experts);
+  t.num_ranks = f.integer<int>("num_ranks", 1, kMaxRanks);
+  const nlohmann::json& layers = f.array("layers", kMaxLayers);
+  // The loads of every layer and expert are counted later (trace_loads): bound that table now.
+  MOEKIT_CHECK(int64_t(layers.size()) * t.num_experts <= kMaxTableEntries,
+               fmt::format("{}: {} layers x {} experts exceed the limit of {} load entries", origin, layers.size(),
+                           t.num_experts, kMaxTableEntries));
+  auto must_be_array = [&](const nlohmann::json& v, const std::string& where, const char* of) {
+    MOEKIT_CHECK(v.is_array(), fmt::format("{}: {} = {} must be an array of {}", origin, where, quote(v), of));
+  };
+  for (size_t l = 0; l < layers.size(); ++l) {
+    must_be_array(layers[l], fmt::format("layer {}", l), "steps");
+    auto& steps = t.layers.emplace_back();
+    for (size_t s = 0; s < layers[l].size(); ++s) {
+      const nlohmann::json& step = layers[l][s];
+      must_be_array(step, fmt::format("layer {} step {}", l, s), "tokens");
+      auto& flat = steps.emplace_back();
+      flat.reserve(step.size() * t.topk);
+      for (size_t i = 0; i < step.size(); ++i) {
+        const nlohmann::json& token = step[i];
+        MOEKIT_CHECK(token.is_array() && token.size() == size_t(t.topk),
+                     fmt::format("{}: layer {} step {} token {} = {} must be an array of topk = {} expert ids", origin, l,
+                                 s, i, quote(token), t.topk));
+        for (const auto& e : token) {
+          int64_t id = 0;
+          MOEKIT_CHECK(integer_problem(e, 0, t.num_experts - 1, id).empty(),
+                       fmt::format("{}: layer {} step {} token {}: expert id {} is not an integer in [0, {})", origin, l,
+                                   s, i, quote(e), t.num_experts));
+          flat.push_back(int32_t(id));
         }
       }
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("trace '{}': {}", path, e.what()));
   }
-  validate_trace(t);
+  try {
+    validate_trace(t);
+  } catch (const Error& e) {
+    std::string_view what = e.what();
+    if (what.substr(0, 7) == "trace: ") what.remove_prefix(7);
+    throw Error(fmt::format("{}: {}", origin, what));
+  }
   return t;
 }
 
 void write_trace(const RoutingTrace& t, const std::string& path) {
   validate_trace(t);
-  std::ofstream out(path);
-  MOEKIT_CHECK(out.good(), fmt::format("cannot write trace file '{}'", path));
+  OutputFile out(path, "trace file");
   // Written by hand, one token per array, so large traces stay compact and streamable.
-  out << "{\"format\": \"moekit-trace\", \"num_experts\": " << t.num_experts << ", \"topk\": " << t.topk
-      << ", \"num_ranks\": " << t.num_ranks << ", \"layers\": [";
+  out.write(fmt::format("{{\"format\": \"moekit-trace\", \"num_experts\": {}, \"topk\": {}, \"num_ranks\": {}, \"layers\": [",
+                        t.num_experts, t.topk, t.num_ranks));
+  std::string buf;
   for (size_t l = 0; l < t.layers.size(); ++l) {
-    out << (l ? ",\n[" : "\n[");
+    out.write(l ? ",\n[" : "\n[");
     for (size_t s = 0; s < t.layers[l].size(); ++s) {
-      out << (s ? ",\n [" : "\n [");
+      buf = s ? ",\n [" : "\n [";
       const auto& step = t.layers[l][s];
       for (size_t i = 0; i < step.size(); ++i) {
-        if (i % t.topk == 0) out << (i ? "],[" : "[");
-        else out << ",";
-        out << step[i];
+        buf += i % t.topk == 0 ? (i ? "],[" : "[") : ",";
+        buf += std::to_string(step[i]);
       }
-      out << (step.empty() ? "]" : "]]");
+      buf += step.empty() ? "]" : "]]";
+      out.write(buf);
     }
-    out << "]";
+    out.write("]");
   }
-  out << "]}\n";
-  MOEKIT_CHECK(out.good(), fmt::format("writing trace file '{}' failed", path));
+  out.write("]}\n");
+  out.commit();
 }
 
 }  // namespace moekit

@@ -10,12 +10,12 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <thread>
 #include <tuple>
 
+#include "io/file_io.h"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/mxfp4.h"
@@ -308,7 +308,7 @@ std::vector<GenItem> plan_items(const ModelSpec& spec, const RandomWeightsOption
 }
 
 std::map<std::string, std::string> shard_metadata(const ModelSpec& spec, const RandomWeightsOptions& o) {
-  return {{"format", "pt"}, {"generator", "moekit random weights"}, {"model", spec.name}, {"seed", std::to_string(o.seed)}};
+  return {{"format", "pt"}, {"generator", std::string(kGeneratorName)}, {"model", spec.name}, {"seed", std::to_string(o.seed)}};
 }
 
 // The bytes of one item's tensors, drawn and quantised.
@@ -498,9 +498,13 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
     return item.tensors[0].dtype == Dtype::kU8 ? item.bytes()
                                                : item.tensors[0].num_bytes() / dtype_size(item.tensors[0].dtype) * 5;
   };
-  // An index left from an earlier run must not describe a half-written directory.
+  // An index left from an earlier run must not describe a half-written directory. Without it,
+  // Checkpoint::open refuses the directory (its files carry kGeneratorName) until the new index
+  // is written, last, after every shard is complete on disk.
   const fs::path index_path = fs::path(dir) / kIndexFileName;
   fs::remove(index_path, ec);
+  MOEKIT_CHECK(!ec, fmt::format("random weights: cannot remove the old '{}': {}", index_path.string(), ec.message()));
+  sync_directory(dir);
   size_t next_item = 0;
   uint64_t done = 0;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
@@ -543,14 +547,7 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
     w.finish();
   }
   nlohmann::ordered_json index = {{"metadata", {{"total_size", plan.tensor_bytes}}}, {"weight_map", weight_map}};
-  const fs::path tmp_path = index_path.string() + ".tmp";
-  {
-    std::ofstream out(tmp_path);
-    out << index.dump(2) << "\n";
-    MOEKIT_CHECK(out.good(), fmt::format("random weights: cannot write '{}'", tmp_path.string()));
-  }
-  fs::rename(tmp_path, index_path, ec);
-  MOEKIT_CHECK(!ec, fmt::format("random weights: cannot rename '{}' to '{}': {}", tmp_path.string(), index_path.string(), ec.message()));
+  write_file_atomically(index_path.string(), index.dump(2) + "\n", "checkpoint index");
   return plan;
 }
 

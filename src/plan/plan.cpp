@@ -1,5 +1,5 @@
 // The roofline planner (see include/moekit/plan.h). Every formula of the plan is in this file,
-// each next to the MISSION.md section it comes from; nothing here does I/O.
+// each next to the docs/theory.md section that derives it; nothing here does I/O.
 #include "moekit/plan.h"
 
 #include <fmt/format.h>
@@ -10,41 +10,42 @@
 #include <limits>
 
 #include "moekit/check.h"
+#include "moekit/limits.h"
 
 namespace moekit {
 
 // ---------------------------------------------------------------------------------------------
 // Closed forms shared with the simulator.
 
-// MISSION.md §2 (coverage): C(B) = 1 − (1 − k/E)^B, the expected share of experts hit by B
+// docs/theory.md §Coverage: C(B) = 1 − (1 − k/E)^B, the expected share of experts hit by B
 // tokens. Written as −expm1(B·log1p(−k/E)) so a small k/E keeps its digits.
 double coverage_closed_form(int num_experts, int topk, double batch) {
   if (topk >= num_experts) return 1.0;  // every expert every step (log1p(−1) would be −inf)
   return -std::expm1(batch * std::log1p(-double(topk) / num_experts));
 }
 
-// MISSION.md §4: C = P·[1 − (1 − 1/P)^k] distinct target ranks per token after de-duplication.
+// docs/theory.md §All-to-all bytes: C = P·[1 − (1 − 1/P)^k] distinct target ranks per token after de-duplication.
 // It treats the k picks as independent uniform ranks (sampling with replacement).
 double dedup_targets_closed_form(int num_ranks, int topk) {
   if (num_ranks == 1) return 1.0;
   return num_ranks * -std::expm1(topk * std::log1p(-1.0 / num_ranks));
 }
 
-// MISSION.md §6: CV_e = sqrt((1 − k/E)/(B·k/E)), the coefficient of variation of one expert's
+// docs/theory.md §Statistical skew: CV_e = sqrt((1 − k/E)/(B·k/E)), the coefficient of variation of one expert's
 // load when each of B tokens picks it with probability p = k/E (Binomial(B, p): σ/μ = sqrt((1 − p)/(B·p))).
 double cv_expert_closed_form(int num_experts, int topk, double batch) {
   double p = double(topk) / num_experts;
   return std::sqrt((1.0 - p) / (batch * p));
 }
 
-// MISSION.md §6: S₀ ≈ 1 + sqrt(2 ln P)·CV_gpu with CV_gpu = CV_e/sqrt(e), e = E/P experts per GPU.
+// docs/theory.md §Statistical skew: S₀ ≈ 1 + sqrt(2 ln P)·CV_gpu with CV_gpu = CV_e/sqrt(e), e = E/P experts per GPU.
 double imbalance_closed_form(int num_experts, int topk, int num_ranks, double batch) {
   double e = double(num_experts) / num_ranks;
   return 1.0 + std::sqrt(2.0 * std::log(double(num_ranks))) * cv_expert_closed_form(num_experts, topk, batch) /
                    std::sqrt(e);
 }
 
-// MISSION.md §6: the MoE layer speeds up S = S₀/S₁; end to end 1 / (f/S + 1 − f).
+// docs/theory.md §EPLB gain: the MoE layer speeds up S = S₀/S₁; end to end 1 / (f/S + 1 − f).
 double eplb_gain(double f, double speedup) {
   MOEKIT_CHECK(std::isfinite(f) && f >= 0 && f <= 1,
                fmt::format("--f = {} must be in [0, 1] (the balanceable share of step time)", f));
@@ -81,6 +82,7 @@ int64_t parse_batch_value(std::string_view item, std::string_view whole) {
                fmt::format("--batch '{}': '{}' is not an integer (expected a list like 1,8,64 or a range 1..1024)",
                            whole, item));
   MOEKIT_CHECK(v >= 1, fmt::format("--batch '{}': batch {} must be >= 1 (tokens per decode step)", whole, v));
+  MOEKIT_CHECK(v <= kMaxPlanBatch, fmt::format("--batch '{}': batch {} must be <= {}", whole, v, kMaxPlanBatch));
   return v;
 }
 
@@ -153,7 +155,7 @@ int64_t tokens_per_sequence(const PlanInput& in) { return int64_t(in.mtp) + 1; }
 // down projections of a SwiGLU expert).
 double routed_params(const ModelSpec& m) { return double(m.num_moe_layers) * m.num_routed_experts * m.params_per_expert(); }
 
-// Bytes of all routed experts, whole model (MISSION.md §2, W_routed·bpp).
+// Bytes of all routed experts, whole model (docs/theory.md §Weight traffic and the floor, W_routed·bpp).
 double routed_weight_bytes(const ModelSpec& m) { return routed_params(m) * m.weight_bytes_per_param; }
 
 void validate(const PlanInput& in) {
@@ -162,14 +164,17 @@ void validate(const PlanInput& in) {
   parse_model_spec(to_json(in.model), fmt::format("model '{}'", in.model.name));
   parse_gpu_spec(to_json(in.gpu), fmt::format("gpu '{}'", in.gpu.name));
   MOEKIT_CHECK(in.ep >= 1, fmt::format("--ep = {} must be >= 1 (expert-parallel GPUs)", in.ep));
+  MOEKIT_CHECK(in.ep <= kMaxRanks, fmt::format("--ep = {} must be <= {} (expert-parallel GPUs)", in.ep, kMaxRanks));
   if (in.model.is_moe())
     MOEKIT_CHECK(in.model.num_routed_experts % in.ep == 0,
                  fmt::format("--ep = {} must divide num_routed_experts = {} of model '{}' (experts are placed E/P "
                              "per GPU); try one of its divisors",
                              in.ep, in.model.num_routed_experts, in.model.name));
   MOEKIT_CHECK(!in.batches.empty(), std::string("--batch: no batch sizes given"));
-  for (int64_t b : in.batches) MOEKIT_CHECK(b >= 1, fmt::format("--batch: batch {} must be >= 1", b));
+  for (int64_t b : in.batches)
+    MOEKIT_CHECK(b >= 1 && b <= kMaxPlanBatch, fmt::format("--batch: batch {} must be >= 1 and <= {}", b, kMaxPlanBatch));
   MOEKIT_CHECK(in.context >= 1, fmt::format("--context = {} must be >= 1 (tokens of KV cache per sequence)", in.context));
+  MOEKIT_CHECK(in.context <= kMaxContext, fmt::format("--context = {} must be <= {}", in.context, kMaxContext));
   MOEKIT_CHECK(std::isfinite(in.mem_fraction) && in.mem_fraction > 0 && in.mem_fraction <= 1,
                fmt::format("--mem-fraction = {} must be in (0, 1]", in.mem_fraction));
   if (in.tpot_sla_ms)
@@ -203,7 +208,7 @@ int64_t batch_sla(const PlanInput& in, double sla_ms) {
   const double flops = dense_flops(in.gpu, in.dtype);
   const double L = accept_length(in);
   const double per_seq = double(tokens_per_sequence(in));
-  const double max_batch = std::floor(9007199254740992.0 / per_seq);  // 2^53 tokens
+  const double max_batch = std::floor(double(kMaxPlanBatch) / per_seq);  // 2^53 tokens
   double hi_real = std::floor(sla_ms * 1e-3 * in.ep * flops * L / (2.0 * in.model.active_params * per_seq)) + 1;
   int64_t lo = 1;
   int64_t hi = int64_t(std::clamp(hi_real, 2.0, max_batch));
@@ -216,7 +221,7 @@ int64_t batch_sla(const PlanInput& in, double sla_ms) {
 }
 
 PaddingRow padding_row(int bm, double expected_m) {
-  // MISSION.md §5: a tile with at least one real row computes all BM rows, so the FLOP waste
+  // docs/theory.md §Padding: a tile with at least one real row computes all BM rows, so the FLOP waste
   // is ⌈M_e/BM⌉·BM/M_e; padding every expert to M_max computes ⌈M_max/BM⌉·BM rows.
   auto waste = [bm](double rows_computed_for, double m) { return std::ceil(rows_computed_for / bm) * bm / m; };
   PaddingRow r;
@@ -267,7 +272,7 @@ PlanRow plan_row_with_experts_at(const PlanInput& in, int64_t batch, double expe
   r.tokens_per_step = tokens;
   r.tokens_per_gpu = T / P;
 
-  // MISSION.md §2 (coverage): weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
+  // docs/theory.md §Weight traffic and the floor: weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
   // evenly over the P GPUs. A dense model reads every weight every step (C = 1). The routed
   // experts may be stored at their own bytes per parameter (expert_bpp; the spec's bpp otherwise).
   const double routed = routed_params(m) * expert_bpp;
@@ -276,28 +281,28 @@ PlanRow plan_row_with_experts_at(const PlanInput& in, int64_t batch, double expe
   r.step_weight_bytes_per_gpu = (r.coverage * routed + other) / P;
   r.weight_read_ms = r.step_weight_bytes_per_gpu / g.hbm_bandwidth * 1e3;
 
-  // MISSION.md §2 (knee): compute of a step is 2·N_active FLOP per token.
+  // docs/theory.md §Weight traffic and the floor: compute of a step is 2·N_active FLOP per token.
   r.compute_ms = 2.0 * m.active_params * T / (P * F) * 1e3;
-  // MISSION.md §2–§3: the floor is the larger of the two (communication is reported apart).
+  // docs/theory.md §Weight traffic and the floor: the floor is the larger of the two (communication is reported apart).
   r.floor_ms = std::max(r.weight_read_ms, r.compute_ms);
 
   if (m.is_moe()) {
     const double E = m.num_routed_experts;
     const double k = m.num_experts_per_token;
-    // MISSION.md §2 (rows per expert): each token sends k rows spread over E experts.
+    // docs/theory.md §Padding (rows per expert): each token sends k rows spread over E experts.
     r.expected_rows_per_expert = T * k / E;
-    // MISSION.md §4: bytes per GPU and MoE layer. Dispatch sends one FP8 copy per distinct target
+    // docs/theory.md §All-to-all bytes: bytes per GPU and MoE layer. Dispatch sends one FP8 copy per distinct target
     // rank (1 B per element; the 1×128 scales, d/32 B more, are left out); combine returns BF16,
     // one message per expert (k), or one per target rank when a rank sums its experts first.
     r.dedup_targets = dedup_targets_closed_form(in.ep, m.num_experts_per_token);
     r.dispatch_bytes_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 1.0;
     r.combine_bytes_per_gpu = r.tokens_per_gpu * k * d * 2.0;
     r.combine_bytes_prereduced_per_gpu = r.tokens_per_gpu * *r.dedup_targets * d * 2.0;
-    // MISSION.md §6: statistical skew S₀ = 1 + sqrt(2 ln P)·CV_e/sqrt(E/P).
+    // docs/theory.md §Statistical skew: S₀ = 1 + sqrt(2 ln P)·CV_e/sqrt(E/P).
     r.cv_expert = cv_expert_closed_form(m.num_routed_experts, m.num_experts_per_token, T);
     r.imbalance_stat = imbalance_closed_form(m.num_routed_experts, m.num_experts_per_token, in.ep, T);
-    // MISSION.md §4: communication time of a step, every MoE layer doing one dispatch and one
-    // combine (pre-reduced, as moekit's combine sends: DESIGN.md). Only the bytes that leave
+    // docs/theory.md §Communication time: the time of a step, every MoE layer doing one dispatch and one
+    // combine (pre-reduced, as moekit's combine sends: docs/design.md §Decode data flow). Only the bytes that leave
     // the GPU cost link time: under uniform routing a (P − 1)/P share of the target ranks are
     // remote. Each collective pays the link latency α once. Over NVLink inside one node
     // (P <= gpus_per_node), else over the network (the slowest link decides the all-to-all).
@@ -337,7 +342,7 @@ PlanResult plan(const PlanInput& in) {
   res.input = in;
   res.is_moe = m.is_moe();
   res.flops = dense_flops(g, in.dtype);
-  // MISSION.md notation: Ridge = F/BW, FLOP per byte.
+  // docs/theory.md §Notation: Ridge = F/BW, FLOP per byte.
   res.ridge = res.flops / g.hbm_bandwidth;
   res.routed_weight_bytes = routed_weight_bytes(m);
   res.other_weight_bytes = m.total_params * bpp - res.routed_weight_bytes;
@@ -356,25 +361,25 @@ PlanResult plan(const PlanInput& in) {
     res.rows_no_mtp.push_back(plan_row(no_mtp, b));
   }
 
-  // The knee B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
+  // docs/theory.md §The knee: B* ≈ Ridge·W_total·bpp / (2·N_active) tokens per step (full coverage,
   // same sharding); a sequence verifies N + 1 of them, so the knee in sequences is that / (N + 1).
   res.knee_batch = res.ridge * m.total_params * bpp / (2.0 * m.active_params) / double(tokens_per_sequence(in));
-  // The TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
+  // docs/theory.md §The operating point: the TPOT cap, the largest B whose TPOT (floor / L) meets the SLA.
   if (in.tpot_sla_ms) res.batch_sla = batch_sla(in, *in.tpot_sla_ms);
-  // MISSION.md §2 (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
+  // docs/theory.md §The operating point (KV pool ∝ B, capped by memory): what is left of P GPUs' HBM share after the
   // weights, over the KV bytes of one sequence of `context` tokens. The N drafted tokens of a
   // step are a few more KV rows per sequence, not N + 1 sequences: B_mem does not depend on N.
   res.batch_mem = (in.ep * g.hbm_bytes * in.mem_fraction - m.total_params * bpp) /
                   (m.kv_bytes_per_token * double(in.context));
 
-  // MISSION.md §2: the operating point is min(B*, B_SLA, B_max_mem); ties go to the first named.
+  // docs/theory.md §The operating point: min(B*, B_SLA, B_max_mem); ties go to the first named.
   double op = res.knee_batch;
   res.binding = "knee";
   if (res.batch_sla && double(*res.batch_sla) < op) op = double(*res.batch_sla), res.binding = "sla";
   if (res.batch_mem < op) op = res.batch_mem, res.binding = "memory";
-  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, 9007199254740992.0)));
+  res.operating_point = op <= 0 ? 0 : int64_t(std::floor(std::min(op, double(kMaxPlanBatch))));
 
-  // MISSION.md §5: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
+  // docs/theory.md §Padding: a tile's intensity is 2·BM/bpp, so BM* = Ridge·bpp/2.
   res.bm_star = res.ridge * bpp / 2.0;
   if (m.is_moe()) {
     // The expert GEMM of a step sees the operating point's B·(N + 1) tokens.

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "moekit/check.h"
+#include "moekit/limits.h"
 #include "moekit/plan.h"
 
 namespace moekit {
@@ -159,17 +160,20 @@ class TopkSampler {
 
 void validate(const SimulateInput& in) {
   MOEKIT_CHECK(in.num_experts >= 1, fmt::format("--experts = {} must be >= 1", in.num_experts));
+  MOEKIT_CHECK(in.num_experts <= kMaxExperts, fmt::format("--experts = {} must be <= {}", in.num_experts, kMaxExperts));
   MOEKIT_CHECK(in.topk >= 1 && in.topk <= in.num_experts,
                fmt::format("--topk = {} must be in [1, E = {}]", in.topk, in.num_experts));
   MOEKIT_CHECK(in.num_ranks >= 1, fmt::format("--ranks = {} must be >= 1", in.num_ranks));
+  MOEKIT_CHECK(in.num_ranks <= kMaxRanks, fmt::format("--ranks = {} must be <= {}", in.num_ranks, kMaxRanks));
   MOEKIT_CHECK(in.num_experts % in.num_ranks == 0,
                fmt::format("--ranks = {} must divide E = {} (experts are placed E/P per GPU, contiguously)",
                            in.num_ranks, in.num_experts));
   MOEKIT_CHECK(in.batch >= 1, fmt::format("--batch = {} must be >= 1 (tokens per step)", in.batch));
-  MOEKIT_CHECK(in.batch <= (int64_t(1) << 40) / in.topk,
-               fmt::format("--batch = {} is too large: B·k must stay below 2^40", in.batch));
+  MOEKIT_CHECK(in.batch <= kMaxBatch, fmt::format("--batch = {} must be <= {} (tokens per step)", in.batch, kMaxBatch));
   MOEKIT_CHECK(in.trials >= 2, fmt::format("--trials = {} must be >= 2 (a standard error needs two samples)", in.trials));
+  MOEKIT_CHECK(in.trials <= kMaxTrials, fmt::format("--trials = {} must be <= {}", in.trials, kMaxTrials));
   MOEKIT_CHECK(in.num_threads >= 0, fmt::format("threads = {} must be >= 0 (0: one per hardware thread)", in.num_threads));
+  MOEKIT_CHECK(in.num_threads <= kMaxThreads, fmt::format("threads = {} must be <= {}", in.num_threads, kMaxThreads));
   expert_weights(in.routing, in.num_experts);  // validates the routing against E
 }
 
@@ -301,7 +305,7 @@ void run_chunks(const SimulateInput& in, int64_t num_samples, int64_t chunk, con
   if (progress) progress(num_samples, num_samples);
 }
 
-// MISSION.md §4 for top-k *without* replacement: a GPU holding e = E/P experts receives none of
+// docs/theory.md §All-to-all bytes, for top-k *without* replacement: a GPU holding e = E/P experts receives none of
 // a token's k distinct picks with probability C(E − e, k)/C(E, k) = Π_{i<k} (E − e − i)/(E − i).
 double dedup_targets_exact_uniform(int E, int k, int P) {
   const int e = E / P;
@@ -310,7 +314,7 @@ double dedup_targets_exact_uniform(int E, int k, int P) {
   return P * (1.0 - none);
 }
 
-// MISSION.md §6 refined for uniform top-k. One GPU's load sums B independent hypergeometric
+// docs/theory.md §Statistical skew, refined for uniform top-k. One GPU's load sums B independent hypergeometric
 // counts (k draws from E holding e of its experts): variance B·k·(e/E)(1 − e/E)(E − k)/(E − 1).
 // The P loads sum to exactly B·k, so as Gaussians they are σ·sqrt(P/(P − 1))·(Z_i − Z̄) and
 // E[max] = mean + σ·sqrt(P/(P − 1))·E[max of P standard normals].
@@ -414,8 +418,10 @@ SimulateResult simulate(const SimulateInput& in, const ProgressFn& progress) {
 
 RoutingTrace sample_trace(const SimulateInput& in, int num_layers, int64_t num_steps) {
   validate(in);
-  MOEKIT_CHECK(num_layers >= 1, fmt::format("--layers = {} must be >= 1", num_layers));
-  MOEKIT_CHECK(num_steps >= 1, fmt::format("--steps = {} must be >= 1", num_steps));
+  MOEKIT_CHECK(num_layers >= 1 && num_layers <= kMaxLayers,
+               fmt::format("--layers = {} must be >= 1 and <= {}", num_layers, kMaxLayers));
+  MOEKIT_CHECK(num_steps >= 1 && num_steps <= kMaxTrials,
+               fmt::format("--steps = {} must be >= 1 and <= {}", num_steps, kMaxTrials));
   MOEKIT_CHECK(in.batch % in.num_ranks == 0,
                fmt::format("--save-trace: --batch = {} must be a multiple of --ranks = {} (a trace spreads a step's "
                            "tokens evenly over the ranks)",

@@ -3,13 +3,14 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
+#include "io/file_io.h"
+#include "io/json_read.h"
 #include "moekit/check.h"
+#include "moekit/limits.h"
 #include "spec/embedded.h"
 
 namespace moekit {
@@ -17,81 +18,37 @@ namespace {
 
 using nlohmann::json;
 
-// Reads typed fields out of one JSON object and remembers which keys were used, so that
-// unknown keys (usually typos) can be rejected at the end.
-class FieldReader {
- public:
-  FieldReader(const json& obj, std::string origin) : obj_(obj), origin_(std::move(origin)) {
-    MOEKIT_CHECK(obj_.is_object(), fmt::format("{}: expected a JSON object, got {}", origin_, obj_.type_name()));
-  }
+// The ranges of the floating-point fields (units in include/moekit/spec.h). Wide enough for
+// any real model or GPU, narrow enough that no product or quotient of them in the planner
+// overflows or divides by a denormal.
+constexpr double kMaxParams = 1e15;
+constexpr double kMinBytesPerParam = 0.01, kMaxBytesPerParam = 64;
+constexpr double kMaxKvBytesPerToken = 1e12;
+constexpr double kMinScaling = 1e-6, kMaxScaling = 1e6;
+constexpr double kMinHbmBytes = 1e6, kMaxHbmBytes = 1e15;
+constexpr double kMinBandwidth = 1e6, kMaxBandwidth = 1e16;  // B/s
+constexpr double kMinFlops = 1e6, kMaxFlops = 1e18;          // FLOP/s
+constexpr double kMinLatencyUs = 1e-3, kMaxLatencyUs = 1e6;
+constexpr size_t kMaxNameBytes = 256;
 
-  const json& field(const std::string& key) {
-    seen_.insert(key);
-    MOEKIT_CHECK(obj_.contains(key), fmt::format("{}: missing field '{}'", origin_, key));
-    return obj_.at(key);
-  }
-  bool has(const std::string& key) const { return obj_.contains(key); }
-
-  std::string str(const std::string& key) {
-    const json& v = field(key);
-    MOEKIT_CHECK(v.is_string(), fmt::format("{}: field '{}' = {} must be a string", origin_, key, v.dump()));
-    return v.get<std::string>();
-  }
-  double number(const std::string& key) {
-    const json& v = field(key);
-    MOEKIT_CHECK(v.is_number(), fmt::format("{}: field '{}' = {} must be a number", origin_, key, v.dump()));
-    return v.get<double>();
-  }
-  double positive(const std::string& key) {
-    double v = number(key);
-    MOEKIT_CHECK(v > 0, fmt::format("{}: field '{}' = {} must be > 0", origin_, key, v));
-    return v;
-  }
-  int64_t integer(const std::string& key, int64_t min_value) {
-    const json& v = field(key);
-    MOEKIT_CHECK(v.is_number_integer(), fmt::format("{}: field '{}' = {} must be an integer", origin_, key, v.dump()));
-    int64_t x = v.get<int64_t>();
-    MOEKIT_CHECK(x >= min_value, fmt::format("{}: field '{}' = {} must be >= {}", origin_, key, x, min_value));
-    return x;
-  }
-  bool boolean(const std::string& key) {
-    const json& v = field(key);
-    MOEKIT_CHECK(v.is_boolean(), fmt::format("{}: field '{}' = {} must be true or false", origin_, key, v.dump()));
-    return v.get<bool>();
-  }
-  // Free-text keys that carry provenance ("notes", "source") are allowed and ignored.
-  void reject_unknown() const {
-    for (const auto& [key, value] : obj_.items()) {
-      if (key == "notes" || key == "source") continue;
-      MOEKIT_CHECK(seen_.count(key), fmt::format("{}: unknown field '{}' (a typo?)", origin_, key));
-    }
-  }
-  const std::string& origin() const { return origin_; }
-
- private:
-  const json& obj_;
-  std::string origin_;
-  std::set<std::string> seen_;
-};
-
-json parse_json(std::string_view text, std::string_view origin) {
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(fmt::format("{}: malformed JSON: {}", origin, e.what()));
-  }
+std::string checked_name(JsonFields& r) {
+  std::string name = r.str("name");
+  MOEKIT_CHECK(!name.empty(), fmt::format("{}: field 'name' must not be empty", r.origin()));
+  MOEKIT_CHECK(name.size() <= kMaxNameBytes, fmt::format("{}: field 'name' = \"{}\" is longer than {} bytes", r.origin(),
+                                                         quote_text(name), kMaxNameBytes));
+  return name;
 }
 
 RouterSpec parse_router(const json& obj, const std::string& origin, int num_experts, int k) {
-  FieldReader r(obj, origin + ".router");
+  JsonFields r(obj, origin + ".router");
   RouterSpec s;
   s.scoring = r.str("scoring");
   MOEKIT_CHECK(s.scoring == "softmax" || s.scoring == "sigmoid" || s.scoring == "topk_softmax",
                fmt::format("{}: field 'scoring' = \"{}\" must be \"softmax\", \"sigmoid\" or \"topk_softmax\"",
-                           r.origin(), s.scoring));
-  s.num_groups = int(r.integer("num_groups", 1));
-  s.topk_groups = int(r.integer("topk_groups", 1));
-  s.routed_scaling_factor = r.positive("routed_scaling_factor");
+                           r.origin(), quote_text(s.scoring)));
+  s.num_groups = r.integer<int>("num_groups", 1, kMaxExperts);
+  s.topk_groups = r.integer<int>("topk_groups", 1, kMaxExperts);
+  s.routed_scaling_factor = r.number("routed_scaling_factor", kMinScaling, kMaxScaling);
   s.normalize_topk = r.boolean("normalize_topk");
   if (r.has("logit_bias")) s.logit_bias = r.boolean("logit_bias");
   r.reject_unknown();
@@ -112,17 +69,15 @@ RouterSpec parse_router(const json& obj, const std::string& origin, int num_expe
 }
 
 ActivationSpec parse_activation(const json& obj, const std::string& origin) {
-  FieldReader r(obj, origin + ".activation");
+  JsonFields r(obj, origin + ".activation");
   ActivationSpec a;
   a.kind = r.str("kind");
   if (a.kind == "clamped_swiglu") {
-    a.alpha = r.positive("alpha");
-    a.limit = r.positive("limit");
-    for (auto [key, v] : {std::pair{"alpha", a.alpha}, {"limit", a.limit}})
-      MOEKIT_CHECK(std::isfinite(v), fmt::format("{}: field '{}' = {} must be finite", r.origin(), key, v));
+    a.alpha = r.number("alpha", kMinScaling, kMaxScaling);
+    a.limit = r.number("limit", kMinScaling, kMaxScaling);
   } else {
     MOEKIT_CHECK(a.kind == "silu", fmt::format("{}: field 'kind' = \"{}\" must be \"silu\" or \"clamped_swiglu\"",
-                                               r.origin(), a.kind));
+                                               r.origin(), quote_text(a.kind)));
     for (const char* key : {"alpha", "limit"})
       MOEKIT_CHECK(!r.has(key), fmt::format("{}: field '{}' applies to kind \"clamped_swiglu\" only, not \"silu\"",
                                             r.origin(), key));
@@ -133,12 +88,13 @@ ActivationSpec parse_activation(const json& obj, const std::string& origin) {
 
 // The optional fields of experts that differ from DeepSeek-style ones (spec.h), and what moekit can
 // load of them: the FP8 checkpoint layout has no biases and no room for the MXFP4 constraints.
-void parse_expert_fields(FieldReader& r, ModelSpec& m) {
+void parse_expert_fields(JsonFields& r, ModelSpec& m) {
   const std::string& origin = r.origin();
   if (r.has("expert_format")) m.expert_format = r.str("expert_format");
   MOEKIT_CHECK(m.expert_format == "fp8" || m.expert_format == "mxfp4",
-               fmt::format("{}: field 'expert_format' = \"{}\" must be \"fp8\" or \"mxfp4\"", origin, m.expert_format));
-  if (r.has("activation")) m.activation = parse_activation(r.field("activation"), origin);
+               fmt::format("{}: field 'expert_format' = \"{}\" must be \"fp8\" or \"mxfp4\"", origin,
+                           quote_text(m.expert_format)));
+  if (r.has("activation")) m.activation = parse_activation(r.object("activation"), origin);
   if (r.has("expert_bias")) m.expert_bias = r.boolean("expert_bias");
   const bool mxfp4 = m.expert_format == "mxfp4";
   MOEKIT_CHECK(!m.expert_bias || mxfp4,
@@ -161,22 +117,21 @@ void parse_expert_fields(FieldReader& r, ModelSpec& m) {
 
 ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin) {
   json obj = parse_json(json_text, origin);
-  FieldReader r(obj, std::string(origin));
+  JsonFields r(obj, std::string(origin));
   ModelSpec m;
-  m.name = r.str("name");
-  MOEKIT_CHECK(!m.name.empty(), fmt::format("{}: field 'name' must not be empty", origin));
-  m.hidden_size = r.integer("hidden_size", 1);
-  m.num_layers = int(r.integer("num_layers", 1));
-  m.num_moe_layers = int(r.integer("num_moe_layers", 0));
-  m.moe_intermediate_size = r.integer("moe_intermediate_size", 0);
-  m.num_routed_experts = int(r.integer("num_routed_experts", 0));
-  m.num_experts_per_token = int(r.integer("num_experts_per_token", 0));
-  m.num_shared_experts = int(r.integer("num_shared_experts", 0));
-  m.shared_intermediate_size = r.integer("shared_intermediate_size", 0);
-  m.total_params = r.positive("total_params");
-  m.active_params = r.positive("active_params");
-  m.weight_bytes_per_param = r.positive("weight_bytes_per_param");
-  m.kv_bytes_per_token = r.positive("kv_bytes_per_token");
+  m.name = checked_name(r);
+  m.hidden_size = r.integer<int64_t>("hidden_size", 1, kMaxHiddenSize);
+  m.num_layers = r.integer<int>("num_layers", 1, kMaxLayers);
+  m.num_moe_layers = r.integer<int>("num_moe_layers", 0, kMaxLayers);
+  m.moe_intermediate_size = r.integer<int64_t>("moe_intermediate_size", 0, kMaxHiddenSize);
+  m.num_routed_experts = r.integer<int>("num_routed_experts", 0, kMaxExperts);
+  m.num_experts_per_token = r.integer<int>("num_experts_per_token", 0, kMaxExperts);
+  m.num_shared_experts = r.integer<int>("num_shared_experts", 0, kMaxExperts);
+  m.shared_intermediate_size = r.integer<int64_t>("shared_intermediate_size", 0, kMaxHiddenSize);
+  m.total_params = r.number("total_params", 1, kMaxParams);
+  m.active_params = r.number("active_params", 1, kMaxParams);
+  m.weight_bytes_per_param = r.number("weight_bytes_per_param", kMinBytesPerParam, kMaxBytesPerParam);
+  m.kv_bytes_per_token = r.number("kv_bytes_per_token", 1, kMaxKvBytesPerToken);
 
   MOEKIT_CHECK(m.num_moe_layers <= m.num_layers,
                fmt::format("{}: num_moe_layers = {} must be <= num_layers = {}", origin, m.num_moe_layers, m.num_layers));
@@ -188,7 +143,7 @@ ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin) 
                  fmt::format("{}: a dense model (num_routed_experts = 0) needs num_experts_per_token, num_moe_layers "
                              "and moe_intermediate_size = 0, got {}, {}, {}",
                              origin, m.num_experts_per_token, m.num_moe_layers, m.moe_intermediate_size));
-    if (r.has("router")) r.field("router");
+    if (r.has("router")) r.at("router");
   } else {
     MOEKIT_CHECK(m.num_experts_per_token >= 1,
                  fmt::format("{}: num_experts_per_token = {} must be >= 1", origin, m.num_experts_per_token));
@@ -199,7 +154,7 @@ ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin) 
                                                     m.num_moe_layers));
     MOEKIT_CHECK(m.moe_intermediate_size >= 1,
                  fmt::format("{}: moe_intermediate_size = {} must be >= 1", origin, m.moe_intermediate_size));
-    m.router = parse_router(r.field("router"), std::string(origin), m.num_routed_experts, m.num_experts_per_token);
+    m.router = parse_router(r.at("router"), std::string(origin), m.num_routed_experts, m.num_experts_per_token);
     double routed = double(m.num_moe_layers) * m.num_routed_experts * m.params_per_expert();
     MOEKIT_CHECK(routed <= m.total_params,
                  fmt::format("{}: routed expert parameters {:.4g} (num_moe_layers x E x 3 x hidden x inter) exceed "
@@ -216,19 +171,18 @@ ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin) 
 
 GpuSpec parse_gpu_spec(std::string_view json_text, std::string_view origin) {
   json obj = parse_json(json_text, origin);
-  FieldReader r(obj, std::string(origin));
+  JsonFields r(obj, std::string(origin));
   GpuSpec g;
-  g.name = r.str("name");
-  MOEKIT_CHECK(!g.name.empty(), fmt::format("{}: field 'name' must not be empty", origin));
-  g.hbm_bytes = r.positive("hbm_bytes");
-  g.hbm_bandwidth = r.positive("hbm_bandwidth");
-  g.fp8_flops = r.positive("fp8_flops");
-  g.bf16_flops = r.positive("bf16_flops");
-  g.nvlink_bandwidth = r.positive("nvlink_bandwidth");
-  g.nvlink_latency_us = r.positive("nvlink_latency_us");
-  g.network_bandwidth = r.positive("network_bandwidth");
-  g.network_latency_us = r.positive("network_latency_us");
-  g.gpus_per_node = int(r.integer("gpus_per_node", 1));
+  g.name = checked_name(r);
+  g.hbm_bytes = r.number("hbm_bytes", kMinHbmBytes, kMaxHbmBytes);
+  g.hbm_bandwidth = r.number("hbm_bandwidth", kMinBandwidth, kMaxBandwidth);
+  g.fp8_flops = r.number("fp8_flops", kMinFlops, kMaxFlops);
+  g.bf16_flops = r.number("bf16_flops", kMinFlops, kMaxFlops);
+  g.nvlink_bandwidth = r.number("nvlink_bandwidth", kMinBandwidth, kMaxBandwidth);
+  g.nvlink_latency_us = r.number("nvlink_latency_us", kMinLatencyUs, kMaxLatencyUs);
+  g.network_bandwidth = r.number("network_bandwidth", kMinBandwidth, kMaxBandwidth);
+  g.network_latency_us = r.number("network_latency_us", kMinLatencyUs, kMaxLatencyUs);
+  g.gpus_per_node = r.integer<int>("gpus_per_node", 1, kMaxRanks);
   r.reject_unknown();
   return g;
 }
@@ -239,13 +193,7 @@ bool looks_like_path(std::string_view s) {
   return s.find('/') != std::string_view::npos || (s.size() > 5 && s.substr(s.size() - 5) == ".json");
 }
 
-std::string read_file(std::string_view path) {
-  std::ifstream in{std::string(path)};
-  MOEKIT_CHECK(in.good(), fmt::format("cannot open spec file '{}'", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_file(std::string_view path) { return read_regular_file(std::string(path), "spec file"); }
 
 std::string_view find_embedded(const std::vector<detail::EmbeddedSpec>& specs, std::string_view name,
                                const char* kind) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `moekit eplb` end to end: EPLB.md's example through JSON and CSV, --current and --trace,
-# and every bad-input case: exit status 2, an error naming the value, and --out untouched.
+# `moekit eplb` end to end: the reference example (docs/eplb.md §The reference example) through JSON
+# and CSV, --current and --trace, and every bad-input case: exit status 2, an error naming the
+# value, and --out untouched.
 # Usage: bash tests/cli/eplb.sh <path-to-moekit> <source-dir>
 set -u
 source "$(dirname "$0")/lib.bash"
@@ -28,7 +29,7 @@ cat > "$tmp/ex.json" << 'J'
 {"layers": [[ 90, 132,  40,  61, 104, 165,  39,   4,  73,  56, 183,  86],
             [ 20, 107, 104,  64,  19, 197, 187, 157, 172,  86,  16,  27]]}
 J
-printf '# the EPLB.md example\n90,132,40,61,104,165,39,4,73,56,183,86\n\n20,107,104,64,19,197,187,157,172,86,16,27\n' > "$tmp/ex.csv"
+printf '# the reference EPLB example\n90,132,40,61,104,165,39,4,73,56,183,86\n\n20,107,104,64,19,197,187,157,172,86,16,27\n' > "$tmp/ex.csv"
 TOPO=(--slots 16 --groups 4 --nodes 2 --gpus 8)
 WANT='[[5,6,5,7,8,4,3,4,10,9,10,2,0,1,11,1],[7,10,6,8,6,11,8,9,2,4,5,1,5,0,3,1]]'
 
@@ -101,7 +102,7 @@ expect_error "--current of another shape" "--current" --load "$tmp/ex.json" --sl
 expect_error "unknown model" "deepseek-v9" --load "$tmp/ex.json" "${TOPO[@]}" --current "$tmp/p.json" --model deepseek-v9
 expect_error "tolerance out of range" "--tolerance 2" --load "$tmp/ex.json" "${TOPO[@]}" --current "$tmp/p.json" --tolerance 2
 echo '{"format": "moekit-trace", "num_experts": 8, "topk": 2, "num_ranks": 2, "layers": [[[[0,9],[0,2]]]]}' > "$tmp/badtrace.json"
-expect_error "trace expert id out of range" "expert id 9 out of range" --trace "$tmp/badtrace.json" --slots 8 --groups 1 --nodes 1 --gpus 4
+expect_error "trace expert id out of range" "expert id 9 is not an integer in [0, 8)" --trace "$tmp/badtrace.json" --slots 8 --groups 1 --nodes 1 --gpus 4
 echo '{"num_experts": 12, "num_groups": 4, "num_nodes": 2, "num_gpus": 8, "phy2log": [[0,1,2,3,4,5,6,7,8,9,10,10,10,10,10,10],[0,1,2,3,4,5,6,7,8,9,10,11,0,0,0,0]]}' > "$tmp/hole_placement.json"
 expect_error "--current missing an expert" "layer 0 expert 11 has no replica" --load "$tmp/ex.json" "${TOPO[@]}" --current "$tmp/hole_placement.json"
 

@@ -158,7 +158,7 @@ run_ok "mtp: table, default L" "$tmp/mt4" plan --model qwen3.5-397b-a17b --batch
 grep -q "L = 4 on average (N + 1: the optimistic bound" "$tmp/mt4" && pass "mtp: table names the optimistic bound" ||
   { fail "mtp: table names the optimistic bound"; cat "$tmp/mt4"; }
 
-# --- EPLB gain (MISSION.md §6): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
+# --- EPLB gain (docs/theory.md §EPLB gain): 1/(0.6/1.18 + 0.4) = 1.10; 1/(0.85/2.6 + 0.15) = 2.10 ---
 run_ok "eplb gain 1.10" "$tmp/g1" plan --eplb-gain --f 0.6 --speedup 1.18
 grep -q "= 1.101x" "$tmp/g1" && pass "eplb gain prints 1.101x" || { fail "eplb gain prints 1.101x"; cat "$tmp/g1"; }
 run_ok "eplb gain 2.10 json" "$tmp/g2.json" plan --eplb-gain --f 0.85 --speedup 2.6 --json
@@ -177,6 +177,50 @@ if command -v gnuplot > /dev/null; then
   else fail "scripts/plot-plan re-draws"; fi
 else
   echo "skip plot checks: gnuplot is not installed"
+fi
+# --- a spec's name never runs a command: backquotes, $(...), newlines and quotes in the model
+# and GPU names reach plan.gp as inert characters (the script text is checked with or without
+# gnuplot; the plots, and that no payload ran, where gnuplot is installed) ---
+python3 - "$tmp" << 'P'
+import json, sys
+tmp = sys.argv[1]
+m = json.load(open(f"{tmp}/toy-moe.json"))
+m["name"] = 'm`touch PWNED-backquote` $(touch PWNED-dollar) "q" \'s\' @m {x}\nsystem "touch PWNED-newline"\n#'
+json.dump(m, open(f"{tmp}/evil-moe.json", "w"))
+g = json.load(open(f"{tmp}/toy-gpu.json"))
+g["name"] = "g`touch PWNED-gpu`\nsystem 'touch PWNED-gpu-newline'\nprint \"\\\" `touch PWNED-escape`"
+json.dump(g, open(f"{tmp}/evil-gpu.json", "w"))
+rows = [{"model": "x`touch PWNED-rank`'\nsystem 'touch PWNED-rank-newline'\n", "routing": "uniform", "eplb": False,
+         "batch": b, "step_us": 100.0 * b, "floor_us": 50.0 * b} for b in (1, 8, 64)]
+json.dump({"rows": rows}, open(f"{tmp}/evil-rank.json", "w"))
+P
+mkdir -p "$tmp/cwd"
+evil=(plan --model "$tmp/evil-moe.json" --gpu "$tmp/evil-gpu.json" --ep 4 --batch 1..64)
+(cd "$tmp/cwd" && PATH=/nonexistent "$MOEKIT" "${evil[@]}" --plot "$tmp/evil-script" > /dev/null 2>&1)
+(cd "$tmp/cwd" && PATH=/nonexistent "$MOEKIT" plan --model "$tmp/toy-moe.json" --gpu "$tmp/toy-gpu.json" --ep 4 \
+  --batch 1..64 --plot "$tmp/plain-script" > /dev/null 2>&1)
+gp="$tmp/evil-script/plan.gp"
+if [ -f "$gp" ] && ! grep '^set title' "$gp" | grep -q '[`$@{}\\]' &&
+   [ "$(wc -l < "$gp")" = "$(wc -l < "$tmp/plain-script/plan.gp")" ] &&
+   [ "$(grep -c '^set title "[A-Za-z0-9 .,:()=+/_?-]*" noenhanced$' "$gp")" = 2 ] &&
+   grep -q '^set title "m?touch PWNED-backquote? ?(touch PWNED-dollar) ?q? ?s? ?m ?x??system ?touch' "$gp"; then
+  pass "hostile spec names: plan.gp holds them as inert text, no line added"
+else
+  fail "hostile spec names: plan.gp holds them as inert text, no line added"; grep -n title "$gp"
+fi
+if command -v gnuplot > /dev/null; then
+  (cd "$tmp/cwd" && "$MOEKIT" "${evil[@]}" --plot "$tmp/evil-plot" > /dev/null 2> "$tmp/stderr")
+  rc=$?
+  scripts=$(cd "$SRC/scripts" && pwd)
+  (cd "$tmp/cwd" && bash "$scripts/plot-plan" "$tmp/evil-plot" > /dev/null 2>&1) || rc=$?
+  (cd "$tmp/cwd" && python3 "$scripts/plot-rank" "$tmp/evil-rank.json" "$tmp/evil-rank.png" > /dev/null 2>&1) || rc=$?
+  if [ $rc -eq 0 ] && [ -s "$tmp/evil-plot/plan-floor.png" ] && [ -s "$tmp/evil-plot/plan-coverage.png" ] &&
+     [ -s "$tmp/evil-rank.png" ]; then pass "hostile spec names: the plots still come out (plan --plot, plot-plan, plot-rank)"
+  else fail "hostile spec names: the plots still come out (exit $rc)"; cat "$tmp/stderr"; fi
+  if [ -z "$(find "$tmp" -name 'PWNED*')" ]; then pass "hostile spec names: no payload ran (plan --plot, plot-plan, plot-rank)"
+  else fail "hostile spec names: no payload ran"; find "$tmp" -name 'PWNED*'; fi
+else
+  echo "skip hostile-name plot checks: gnuplot is not installed"
 fi
 # Without gnuplot on PATH: a clear error, and the data and script are still written.
 PATH=/nonexistent "$MOEKIT" plan --plot "$tmp/noplot" > /dev/null 2> "$tmp/stderr"

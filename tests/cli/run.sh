@@ -158,5 +158,9 @@ with open(f, "r+b") as fh:
 P
 expect_error "NaN scale byte" "down_proj_scales" --model "$tmp/oss.json" --weights "$tmp/oss-ckpt"
 expect_error "NaN scale byte named" "expert 0 row 1 block 0 holds the e8m0 byte 255" --model "$tmp/oss.json" --weights "$tmp/oss-ckpt"
+# --check names its bound and the section of the project's docs that derives it.
+"$MOEKIT" run --model "$tmp/small.json" --ep 2 --batch 8 --check > "$tmp/check.txt" 2> "$tmp/stderr"
+grep -qF "(bound 0.003: docs/design.md §Numerics and their bounds)" "$tmp/check.txt" &&
+  pass "--check cites its bound's section" || { fail "--check cites its bound's section"; cat "$tmp/check.txt" "$tmp/stderr"; }
 
 finish "run CLI"

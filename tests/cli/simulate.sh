@@ -6,11 +6,12 @@
 set -u
 source "$(dirname "$0")/lib.bash"
 
-# --- uniform routing against the closed forms, MISSION.md's EP4 case (E = 256, k = 8, B = 64) ---
+# --- uniform routing against the closed forms, the EP4 case (E = 256, k = 8, B = 64) ---
 run_ok "uniform json" "$tmp/u.json" simulate --experts 256 --topk 8 --ranks 4 --batch 64 --trials 2000 --seed 5 --json
 # coverage 1 − (1 − 8/256)^64; CV_e sqrt((1 − 1/32)/2) — both exact for uniform top-k; distinct
-# ranks: MISSION.md's 3.60 = 4(1 − (3/4)^8) assumes picks with replacement, the exact value for
-# 8 distinct experts is 4[1 − Π_{i<8} (192 − i)/(256 − i)] = 3.6142.
+# ranks: the closed form's 3.60 = 4(1 − (3/4)^8) (docs/theory.md §All-to-all bytes) assumes picks
+# with replacement, the exact value for 8 distinct experts is 4[1 − Π_{i<8} (192 − i)/(256 − i)] =
+# 3.6142.
 json_code "uniform: simulated within 4.5 s.e. of the exact forms" "$tmp/u.json" "
 def z(m, v): return abs(m['simulated'] - v) / m['std_error']
 none = math.prod((192 - i) / (256 - i) for i in range(8))
@@ -20,8 +21,9 @@ ok = (z(j['coverage'], 1 - (31/32)**64) < 4.5 and z(j['cv_expert'], math.sqrt((1
 json_check "uniform: keys and gaps" "$tmp/u.json" \
   "all(k in j[m] for m in ('coverage', 'dedup_targets', 's0', 'cv_expert') for k in ('simulated', 'std_error', 'closed_form', 'gap', 'gap_in_se', 'closed_form_assumes')) and abs(j['s0']['gap'] - (j['s0']['simulated'] - j['s0']['closed_form'])) < 1e-12"
 run_ok "uniform table" "$tmp/u.txt" simulate --experts 256 --topk 8 --ranks 4 --batch 64 --trials 200
-grep -q "closed form" "$tmp/u.txt" && grep -q "S0 = max/mean GPU load" "$tmp/u.txt" && pass "table has the closed forms" ||
-  { fail "table has the closed forms"; cat "$tmp/u.txt"; }
+grep -qF "closed forms (docs/theory.md, uniform routing)" "$tmp/u.txt" && grep -q "S0 = max/mean GPU load" "$tmp/u.txt" &&
+  pass "table has the closed forms and where they are derived" ||
+  { fail "table has the closed forms and where they are derived"; cat "$tmp/u.txt"; }
 
 # --- determinism: same seed, same output, whatever the threads ---
 run_ok "seed 5, 1 thread" "$tmp/t1.json" simulate --experts 256 --topk 8 --ranks 4 --batch 64 --trials 2000 --seed 5 --threads 1 --json

@@ -1,5 +1,6 @@
-// The reference placement: EPLB.md's test vector entry for entry, then properties that must
-// hold on many random loads (checked by independent counting, not by re-running the algorithm).
+// The reference placement: the reference example (docs/eplb.md §The reference example) entry for
+// entry, then properties that must hold on many random loads (checked by independent counting, not
+// by re-running the algorithm).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,7 +22,7 @@ const Loads kExampleWeight = {{90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86
 
 }  // namespace
 
-TEST(EplbReference, MatchesEplbMdExample) {
+TEST(EplbReference, MatchesReferenceExample) {
   Placement p = rebalance(kExampleWeight, 16, 4, 2, 8);
   const std::vector<int32_t> want = {5, 6,  5, 7, 8, 4,  3, 4, 10, 9, 10, 2, 0, 1, 11, 1,  //
                                      7, 10, 6, 8, 6, 11, 8, 9, 2,  4, 5,  1, 5, 0, 3,  1};

@@ -1,5 +1,5 @@
 // Load statistics (window and decay) and the rebalance gate, against hand-computed values and
-// MISSION.md section 6's figures.
+// the reference figures of docs/theory.md §EPLB gain.
 #include <gtest/gtest.h>
 
 #include "moekit/check.h"
@@ -63,8 +63,8 @@ TEST(EplbStats, CountsEqualTheirTopkArrays) {
   EXPECT_EQ(from_counts.loads(), from_ids.loads());
 }
 
-TEST(EplbStats, GainMatchesMission) {
-  // MISSION.md section 6: S0/S1 = 1.18, f = 0.6 -> 1.10x; S0/S1 = 2.6, f = 0.85 -> 2.10x.
+TEST(EplbStats, GainMatchesTheory) {
+  // docs/theory.md §EPLB gain: S0/S1 = 1.18, f = 0.6 -> 1.10x; S0/S1 = 2.6, f = 0.85 -> 2.10x.
   EXPECT_NEAR(end_to_end_gain(1.18, 0.6), 1.10, 0.005);
   EXPECT_NEAR(end_to_end_gain(2.6, 0.85), 2.10, 0.005);
   EXPECT_DOUBLE_EQ(end_to_end_gain(3.0, 0.0), 1.0);

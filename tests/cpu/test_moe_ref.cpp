@@ -1,5 +1,5 @@
 // The float64 MoE oracle: a hand-computed layer, the FP8 pipeline assembled from the reference
-// kernels within the DESIGN.md tolerance of it, the shared expert, bad input.
+// kernels within the tolerance of docs/design.md §Numerics and their bounds, the shared expert, bad input.
 #include <gtest/gtest.h>
 
 #include <cmath>

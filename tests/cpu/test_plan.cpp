@@ -1,4 +1,4 @@
-// The roofline planner against figures computed independently of moekit's code: MISSION.md's
+// The roofline planner against figures computed independently of moekit's code: docs/theory.md's
 // worked examples, and hand arithmetic written out next to each expected value.
 #include <gtest/gtest.h>
 
@@ -32,10 +32,10 @@ void expect_rel(double got, double want, double rel = 1e-9) {
 
 }  // namespace
 
-// ---- MISSION.md's worked figures ------------------------------------------------------------
+// ---- docs/theory.md's reference figures ----------------------------------------------------
 
-TEST(PlanMission, DistinctTargetRanks) {
-  // MISSION.md §4: 7.18 distinct target ranks at EP32, k = 8; §4 (EP4 measurement): 3.60.
+TEST(PlanTheory, DistinctTargetRanks) {
+  // docs/theory.md §All-to-all bytes: 7.18 distinct target ranks at EP32, k = 8; 3.60 at EP4.
   EXPECT_NEAR(dedup_targets_closed_form(32, 8), 7.18, 0.005);
   EXPECT_NEAR(dedup_targets_closed_form(4, 8), 3.60, 0.005);
   // The same through a plan of DeepSeek-V3 (k = 8) at EP32 and EP4.
@@ -43,9 +43,10 @@ TEST(PlanMission, DistinctTargetRanks) {
   EXPECT_NEAR(*plan(input("deepseek-v3", "h200", 4, {64})).rows[0].dedup_targets, 3.60, 0.005);
 }
 
-TEST(PlanMission, FullWeightFloor) {
-  // MISSION.md §3: 397 GB / 8 GPUs / 3.33 TB/s = 14.9 ms. Qwen3.5-397B in FP8 (bpp 1) on a GPU
-  // with 3.33 TB/s; at B = 10^6 the coverage is 1 − (1 − 10/512)^1e6 = 1 to double precision.
+TEST(PlanTheory, FullWeightFloor) {
+  // docs/theory.md §An end-to-end reference: 397 GB / 8 GPUs / 3.33 TB/s = 14.9 ms. Qwen3.5-397B in
+  // FP8 (bpp 1) on a GPU with 3.33 TB/s; at B = 10^6 the coverage is 1 − (1 − 10/512)^1e6 = 1 to
+  // double precision.
   json gpu = json::parse(to_json(load_gpu_spec("h100-sxm")));
   gpu["name"] = "gpu-3.33";
   gpu["hbm_bandwidth"] = 3.33e12;
@@ -57,16 +58,16 @@ TEST(PlanMission, FullWeightFloor) {
   expect_rel(r.rows[0].weight_read_ms, 397e9 / 8 / 3.33e12 * 1e3, 1e-9);
 }
 
-TEST(PlanMission, CriticalBlockSize) {
-  // MISSION.md §5: BM* = Ridge·bpp/2 ≈ 37 with 296 FP8 TFLOP/s and 4.0 TB/s (the H20), bpp 1:
+TEST(PlanTheory, CriticalBlockSize) {
+  // docs/theory.md §Padding: BM* = Ridge·bpp/2 ≈ 37 with 296 FP8 TFLOP/s and 4.0 TB/s (the H20), bpp 1:
   // 296e12 / 4e12 = 74 FLOP/B, × 1 / 2 = 37.
   PlanResult r = plan(input("deepseek-v3", "h20", 8, {64}));
   EXPECT_NEAR(r.ridge, 74.0, 1e-9);
   EXPECT_NEAR(r.bm_star, 37.0, 1e-9);
 }
 
-TEST(PlanMission, EplbGain) {
-  // MISSION.md §6: 1/(0.6/1.18 + 0.4) = 1/0.908475 = 1.1008 (1.10×); 1/(0.85/2.6 + 0.15) =
+TEST(PlanTheory, EplbGain) {
+  // docs/theory.md §EPLB gain: 1/(0.6/1.18 + 0.4) = 1/0.908475 = 1.1008 (1.10×); 1/(0.85/2.6 + 0.15) =
   // 1/0.476923 = 2.0968 (2.10×).
   EXPECT_NEAR(eplb_gain(0.6, 1.18), 1.10, 0.005);
   EXPECT_NEAR(eplb_gain(0.85, 2.6), 2.10, 0.005);
@@ -76,8 +77,8 @@ TEST(PlanMission, EplbGain) {
   expect_error([] { eplb_gain(0.5, 0.0); }, {"--speedup = 0", "> 0"});
 }
 
-TEST(PlanMission, PaddingWasteAtFiveRows) {
-  // MISSION.md §5, at M_e = 5: BM64 computes 64 rows, 64/5 = 12.8×; BM16 16/5 = 3.2×; BM8
+TEST(PlanTheory, PaddingWasteAtFiveRows) {
+  // docs/theory.md §Padding, at M_e = 5: BM64 computes 64 rows, 64/5 = 12.8×; BM16 16/5 = 3.2×; BM8
   // ⌈5/8⌉·8/5 = 1.6×; padding to M_max = 64 computes 64 rows, 12.8×.
   PlanResult r = plan(input("deepseek-v3", "h200", 8, {64}));
   ASSERT_EQ(r.padding.size(), 5u);
@@ -95,8 +96,8 @@ TEST(PlanMission, PaddingWasteAtFiveRows) {
   for (int b : {8, 16, 32, 64}) EXPECT_NEAR(bm(b).waste_pad_to_m_max_m5, 12.8, 1e-12);
 }
 
-TEST(PlanMission, StatisticalFloorThirteenPercent) {
-  // MISSION.md §6: B/P = 48, P = 32, k = 8, E = 256 → S₀ ≈ 1.13. By hand:
+TEST(PlanTheory, StatisticalFloorThirteenPercent) {
+  // docs/theory.md §Statistical skew: B/P = 48, P = 32, k = 8, E = 256 → S₀ ≈ 1.13. By hand:
   // CV_e = sqrt((1 − 8/256)/(1536·8/256)) = sqrt(0.96875/48) = 0.1420644; CV_gpu = CV_e/sqrt(8)
   // = 0.0502273; sqrt(2 ln 32) = 2.6327688; S₀ = 1 + 2.6327688·0.0502273 = 1.132237.
   EXPECT_NEAR(imbalance_closed_form(256, 8, 32, 1536), 1.132237, 1e-6);

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <fmt/format.h>
 
 #include "moekit/check.h"
 
@@ -85,8 +86,15 @@ TEST(Dtype, NamesAndSizes) {
   EXPECT_EQ(dtype_size(Dtype::kBF16), 2u);
   EXPECT_EQ(dtype_size(Dtype::kF32), 4u);
   EXPECT_EQ(dtype_size(Dtype::kI64), 8u);
+  EXPECT_EQ(dtype_size(Dtype::kC64), 8u);
+  EXPECT_EQ(dtype_bits(Dtype::kF4), 4u);
+  EXPECT_EQ(dtype_bits(Dtype::kF6E3M2), 6u);
+  EXPECT_THROW(dtype_size(Dtype::kF4), Error);
   EXPECT_EQ(parse_dtype("F32", "x"), Dtype::kF32);
-  EXPECT_THROW(parse_dtype("F4", "x"), Error);
+  EXPECT_EQ(parse_dtype("F8_E8M0", "x"), Dtype::kF8E8M0);
+  EXPECT_EQ(parse_dtype("F8_E4M3FNUZ", "x"), Dtype::kF8E4M3FNUZ);
+  EXPECT_EQ(dtype_size(Dtype::kF8E5M2FNUZ), 1u);
+  EXPECT_THROW(parse_dtype("F2", "x"), Error);
   const int64_t shape[] = {2048, 7168};
   EXPECT_EQ(shape_string(shape), "[2048, 7168]");
 }
@@ -201,6 +209,88 @@ TEST(Safetensors, MalformedFilesAreRefusedWithTheReason) {
   // And the smallest valid file, an empty header (padded as the reference writer pads it), opens.
   write_file(dir / "valid", raw_file("{}      ", ""));
   EXPECT_TRUE(SafetensorsFile::open((dir / "valid").string()).tensors().empty());
+}
+
+// Item: shape × dtype size wrapped at 2^64, and a NUL or a byte order mark in the header passed.
+// Each case below was checked against the `safetensors` package (0.8), and the differential test
+// in test_weights.cpp compares both on a few hundred mutated files.
+TEST(Safetensors, HeaderAcceptedExactlyAsThePackageAcceptsIt) {
+  const fs::path dir = test_dir();
+  int n = 0;
+  auto refused = [&](const std::string& header, const std::string& data, std::initializer_list<std::string> parts) {
+    SCOPED_TRACE(header.substr(0, 120));
+    const fs::path p = dir / fmt::format("refused{}", n++);
+    write_file(p, raw_file(header, data));
+    expect_open_error(p, parts);
+  };
+  auto accepted = [&](const std::string& header, const std::string& data) {
+    SCOPED_TRACE(header.substr(0, 120));
+    const fs::path p = dir / fmt::format("accepted{}", n++);
+    write_file(p, raw_file(header, data));
+    return SafetensorsFile::open(p.string());
+  };
+  const std::string u8x4 = R"("a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]})";
+
+  // [2^31, 2^30] F64 is 2^61 elements, 2^67 bits: it used to wrap to 0 bytes.
+  refused(R"({"a":{"dtype":"F64","shape":[2147483648,1073741824],"data_offsets":[0,0]}})", "",
+          {"tensor 'a'", "dtype F64 shape [2147483648, 1073741824] holds more than 2^64 bits"});
+  refused(R"({"a":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", "", {"has more than 2^64 elements"});
+  // The product is folded left to right, as the package does: an overflow before a 0 is refused.
+  refused(R"({"a":{"dtype":"F64","shape":[4611686018427387904,4,0],"data_offsets":[0,0]}})", "", {"more than 2^64 elements"});
+  EXPECT_EQ(accepted(R"({"a":{"dtype":"F64","shape":[0,4611686018427387904,4],"data_offsets":[0,0]}})", "").info("a").num_elements(), 0);
+
+  // Only JSON text: a NUL byte ends nothing, a byte order mark is not skipped.
+  refused("{" + u8x4 + "}" + std::string("\0\0\0", 3), "1234", {"header byte 53 is NUL (0x00)"});
+  refused("{" + u8x4 + std::string("}\0garbage", 9), "1234", {"is NUL"});
+  refused("\xEF\xBB\xBF{" + u8x4 + "}", "1234", {"byte order mark"});
+  refused("{" + u8x4 + "}\xEF\xBB\xBF", "1234", {"malformed JSON header"});
+  // JSON whitespace around the object is fine, as the package's reader takes it.
+  EXPECT_EQ(accepted(" \t\r\n{" + u8x4 + "} \t\r\n", "1234").tensors().size(), 1u);
+
+  // The package's unusual spellings: an entry as an array, a dtype as {name: null}, null metadata.
+  {
+    const SafetensorsFile f = accepted(R"({"__metadata__":null,"a":["U8",[2],[0,2]],"b":{"dtype":{"I16":null},"shape":[1],"data_offsets":[2,4]}})", "1234");
+    EXPECT_TRUE(f.metadata().empty());
+    EXPECT_EQ(f.info("a").dtype, Dtype::kU8);
+    EXPECT_EQ(f.info("b").dtype, Dtype::kI16);
+  }
+  refused(R"({"a":["U8",[4]]})", "1234", {"expected an object with dtype, shape and data_offsets"});
+  refused(R"({"a":{"dtype":{"U8":[]},"shape":[4],"data_offsets":[0,4]}})", "1234", {"dtype {\"U8\":[]} is not a string"});
+  // A repeated tensor name: the last entry counts, but every one must be well formed.
+  EXPECT_EQ(accepted(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[9,4]},"a":{"dtype":"U16","shape":[2],"data_offsets":[0,4]}})", "1234")
+                .info("a").dtype, Dtype::kU16);
+  refused(R"({"a":5,)" + u8x4 + "}", "1234", {"tensor 'a'", "expected an object"});
+  refused(R"({"__metadata__":{},"__metadata__":{},)" + u8x4 + "}", "1234", {"\"__metadata__\" appears twice"});
+  refused(R"({"a":{"dtype":"U8","dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "1234", {"tensor 'a': field \"dtype\" appears twice"});
+  EXPECT_EQ(accepted(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4],"x":1,"x":2}})", "1234").tensors().size(), 1u);
+  refused(R"({"__metadata__":{"k":1,"k":"x"}})", "", {"__metadata__ entry 'k' = 1 is not a string"});
+  EXPECT_EQ(accepted(R"({"__metadata__":{"k":"y","k":"x"}})", "").metadata().at("k"), "x");
+  refused(R"({"__metadata__":[1]})", "", {"__metadata__ must be an object of strings, got array"});
+
+  // Nesting: 127 levels pass, 128 do not (serde_json's limit).
+  auto nested = [&](int levels) {
+    return R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4],"x":)" + std::string(levels - 2, '[') +
+           std::string(levels - 2, ']') + "}}";
+  };
+  EXPECT_EQ(accepted(nested(127), "1234").tensors().size(), 1u);
+  refused(nested(128), "1234", {"nests deeper than 127 levels"});
+  refused(std::string(100000, '[') + std::string(100000, ']'), "", {"nests deeper than 127 levels"});
+
+  // The package's dtypes, the sub-byte ones in whole bytes only.
+  EXPECT_EQ(accepted(R"({"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]},"b":{"dtype":"C64","shape":[1],"data_offsets":[3,11]},"c":{"dtype":"F8_E8M0","shape":[1],"data_offsets":[11,12]},"d":{"dtype":"F6_E2M3","shape":[4],"data_offsets":[12,15]}})",
+                     std::string(15, 'x')).tensors().size(), 4u);
+  refused(R"({"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", "12", {"dtype F4 shape [3] holds 12 bits, not a whole number of bytes"});
+  // moekit's one difference: dimensions are int64_t.
+  refused(R"({"a":{"dtype":"U8","shape":[9223372036854775808,0],"data_offsets":[0,0]}})", "",
+          {"dimension 9223372036854775808 is above 2^63 - 1"});
+  // A value in an error message is quoted up to 200 characters.
+  try {
+    write_file(dir / "long", raw_file(R"({"a":{"dtype":"U8","shape":")" + std::string(5000, 'x') + R"(","data_offsets":[0,0]}})", ""));
+    SafetensorsFile::open((dir / "long").string());
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 600u) << e.what();
+  }
 }
 
 TEST(Safetensors, TruncatedFileNamesTheTensorCut) {

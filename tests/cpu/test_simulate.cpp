@@ -184,14 +184,14 @@ TEST(SimulateExact, ExtremeWeightsUseTheExactFallback) {
 // ---- Large uniform cases against the closed forms ----------------------------------------------
 
 TEST(SimulateUniform, CoverageDedupAndCvAgreeWithTheClosedForms) {
-  // MISSION.md's EP32 example: E = 256, k = 8, P = 32, B = 64.
+  // The EP32 case of docs/theory.md §All-to-all bytes: E = 256, k = 8, P = 32, B = 64.
   SimulateResult r = simulate(sim_input(256, 8, 32, 64, 2000));
   // Coverage: 1 − (31/32)^64 = 0.868916, exact for uniform top-k.
   expect_agrees(r.coverage, 1 - std::pow(31.0 / 32, 64), "coverage");
   // CV_e = sqrt((1 − 1/32)/(64/32)) = 0.695971, exact (one expert's load is Binomial(64, 1/32)).
   expect_agrees(r.cv_expert, std::sqrt((1 - 1.0 / 32) / 2.0), "cv_expert");
   // Distinct ranks: exact for k distinct experts, 32·[1 − Π_{i<8} (248 − i)/(256 − i)] = 7.2668;
-  // MISSION.md's 7.18 assumes picks with replacement and is rejected at this precision.
+  // The closed form's 7.18 assumes picks with replacement and is rejected at this precision.
   double none = 1;
   for (int i = 0; i < 8; ++i) none *= (248.0 - i) / (256.0 - i);
   expect_agrees(r.dedup_targets, 32 * (1 - none), "dedup exact");
@@ -204,7 +204,7 @@ TEST(SimulateUniform, CoverageDedupAndCvAgreeWithTheClosedForms) {
 }
 
 TEST(SimulateUniform, ImbalanceBelowTheSqrt2LnPBound) {
-  // MISSION.md §6 at B/P = 48, P = 32: the closed form says 1.132. E[max of 32 standard
+  // docs/theory.md §Statistical skew at B/P = 48, P = 32: the closed form says 1.132. E[max of 32 standard
   // normals] is 2.0697, below sqrt(2 ln 32) = 2.6328, so the true S₀ is lower: with the GPU
   // loads' hypergeometric variance 1536·8·(1/32)(31/32)(248/255) = 361.75 (σ = 19.02 on a mean
   // of 384) and their fixed sum (factor sqrt(32/31)), S₀ ≈ 1 + 2.0697·1.01600·19.020/384 = 1.1042.

@@ -39,7 +39,7 @@ TEST(Spec, DeepSeekFigures) {
   EXPECT_EQ(m.router.num_groups, 8);
   EXPECT_EQ(m.router.topk_groups, 4);
   EXPECT_DOUBLE_EQ(m.router.routed_scaling_factor, 2.5);
-  EXPECT_NEAR(m.params_per_expert(), 44.04e6, 0.01e6);  // MODELS.md: 44.04M per expert
+  EXPECT_NEAR(m.params_per_expert(), 44.04e6, 0.01e6);  // 3 · 7168 · 2048 = 44.04M per expert
   EXPECT_FALSE(load_model_spec("llama-3-70b").is_moe());
 }
 
@@ -113,6 +113,31 @@ TEST(Spec, RejectsInconsistentRouterAndMalformedJson) {
   expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"topk_groups = 9"});
   expect_error([] { parse_model_spec("{\"name\": ", "broken.json"); }, {"broken.json", "malformed JSON"});
   expect_error([] { load_model_spec("/nonexistent/model.json"); }, {"cannot open spec file '/nonexistent/model.json'"});
+}
+
+TEST(Spec, EveryNumberHasARange) {
+  // Counts in the int they are stored in; floats within ranges that keep the planner finite.
+  json j = deepseek();
+  j["hidden_size"] = 1 << 21;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'hidden_size' = 2097152 must be <= 1048576"});
+  j = deepseek();
+  j["total_params"] = 1e300;
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"'total_params' = 1e+300 must be <= 1e+15"});
+  json g = h200();
+  g["network_latency_us"] = 1e-320;
+  expect_error([&] { parse_gpu_spec(g.dump(), "t"); }, {"'network_latency_us' = 1e-320 must be >= 0.001"});
+  g = h200();
+  g["name"] = std::string(300, 'n');
+  expect_error([&] { parse_gpu_spec(g.dump(), "t"); }, {"field 'name'", "is longer than 256 bytes"});
+  // Unknown keys are quoted by a prefix of 256 bytes.
+  j = deepseek();
+  j[std::string(10000, 'k')] = 1;
+  try {
+    parse_model_spec(j.dump(), "t");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
+  }
 }
 
 // ---- the fields of gpt-oss's MoE block ----

@@ -374,6 +374,50 @@ TEST(RandomWeights, DeterministicAndIndependentOfSubsetAndSharding) {
   EXPECT_NE(std::memcmp(other.bytes(g, Dtype::kF8E4M3, shape).data(), a.bytes(g, Dtype::kF8E4M3, shape).data(), 128 * 256), 0);
 }
 
+// Item: regenerating into a directory and being interrupted left shards of two runs and no
+// index, which opened as "a directory of *.safetensors" mixing both seeds.
+TEST(RandomWeights, AnInterruptedRegenerationIsRefusedNotGuessedAt) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = small_spec();
+  const RandomWeightsOptions first = {.seed = 1, .max_shard_bytes = 300000};
+  const RandomWeightsPlan plan = write_random_weights(spec, first, dir.string());
+  ASSERT_GE(plan.shards.size(), 4u);
+  EXPECT_NO_THROW(Checkpoint::open(dir.string()));
+
+  // The second run (another seed) stops half-way: the progress callback plays the interrupt.
+  struct Interrupted {};
+  const RandomWeightsOptions second = {.seed = 2, .max_shard_bytes = 300000};
+  EXPECT_THROW(write_random_weights(spec, second, dir.string(),
+                                    [&](uint64_t done, uint64_t total) {
+                                      if (done > total / 2) throw Interrupted{};
+                                    }),
+               Interrupted);
+  EXPECT_FALSE(fs::exists(dir / kIndexFileName)) << "the old index must go before any shard is replaced";
+  for (const auto& e : fs::directory_iterator(dir)) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+  // Shard 1 is the second run's, the last shard still the first run's.
+  EXPECT_EQ(SafetensorsFile::open((dir / plan.shards.front().file_name).string()).metadata().at("seed"), "2");
+  EXPECT_EQ(SafetensorsFile::open((dir / plan.shards.back().file_name).string()).metadata().at("seed"), "1");
+  expect_error([&] { Checkpoint::open(dir.string()); },
+               {"checkpoint '" + dir.string() + "'", plan.shards.front().file_name, "was written by moekit random weights",
+                "has no model.safetensors.index.json", "interrupted write"});
+
+  // Run to the end, the directory opens again, all of it the second seed.
+  write_random_weights(spec, second, dir.string());
+  const Checkpoint c = Checkpoint::open(dir.string());
+  for (const auto& s : plan.shards) EXPECT_EQ(c.file_of(s.tensors.front().name).metadata().at("seed"), "2");
+  // A single shard named directly is complete and opens (it was renamed into place when whole).
+  EXPECT_NO_THROW(Checkpoint::open((dir / plan.shards.back().file_name).string()));
+
+  // Interrupted again with another shard size: the file names differ from the old ones, so the
+  // two runs' files hold the same tensors; still the interrupted write is what the error says.
+  EXPECT_THROW(write_random_weights(spec, {.seed = 3, .max_shard_bytes = 700000}, dir.string(),
+                                    [&](uint64_t done, uint64_t total) {
+                                      if (done > total / 2) throw Interrupted{};
+                                    }),
+               Interrupted);
+  expect_error([&] { Checkpoint::open(dir.string()); }, {"was written by moekit random weights", "interrupted write"});
+}
+
 TEST(RandomWeights, ShapesThatAreNotMultiplesOf128) {
   const fs::path dir = test_dir();
   const ModelSpec spec = odd_spec();
@@ -606,6 +650,84 @@ TEST(PythonInterop, GeneratedCheckpointsReadByThePackage) {
       EXPECT_GT(sumsq, 0.0) << name;
     }
   }
+}
+
+// The differential mode (issue: "accepts exactly what the package accepts"): a few hundred files
+// made by mutating small valid ones (header bytes, lengths, offsets, dtypes, shapes, NUL, byte
+// order mark, whitespace, repeated names and fields, nesting, truncation; see the script), each
+// opened by moekit and by the package. moekit must refuse exactly the files the package refuses,
+// with a moekit::Error, and read the same tensors and metadata from the others. The one allowed
+// difference is a dimension above 2^63 - 1 in an empty tensor (shapes are int64_t here).
+TEST(PythonInterop, MutatedFilesAcceptedExactlyAsThePackageAcceptsThem) {
+  const fs::path dir = test_dir();
+  // MOEKIT_MUTANTS=COUNT:SEED runs another corpus (docs/fuzzing.md); the default is fixed.
+  int num_mutants = 600;
+  uint64_t seed = 20261130;
+  if (const char* env = std::getenv("MOEKIT_MUTANTS")) {
+    ASSERT_EQ(std::sscanf(env, "%d:%lu", &num_mutants, &seed), 2) << env;
+  }
+  RUN_PYTHON(r, fmt::format("mutants {} {} {}", quoted(dir), num_mutants, seed));
+  std::ifstream in(dir / "verdicts.json");
+  const auto verdicts = nlohmann::json::parse(in);
+  ASSERT_EQ(verdicts.size(), size_t(num_mutants));
+  int accepted = 0, refused = 0;
+  std::vector<std::string> mismatches;
+  for (const auto& v : verdicts) {
+    const std::string file = v["file"].get<std::string>();
+    const std::string what = file + " (" + v["mutations"].dump() + ")";
+    std::optional<SafetensorsFile> f;
+    std::string error;
+    try {
+      f.emplace(SafetensorsFile::open((dir / file).string()));
+    } catch (const Error& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      mismatches.push_back(what + ": threw something other than moekit::Error: " + e.what());
+      continue;
+    }
+    if (!v["accepted"].get<bool>()) {
+      ++refused;
+      if (f) mismatches.push_back(what + ": the package refuses it (" + v["error"].get<std::string>() + "), moekit opens it");
+      continue;
+    }
+    ++accepted;
+    if (v["int64_deviation"].get<bool>()) {
+      if (f || error.find("is above 2^63 - 1") == std::string::npos)
+        mismatches.push_back(what + ": a dimension above 2^63 - 1 must be refused as such, got: " + (f ? "opened" : error));
+      continue;
+    }
+    if (!f) {
+      mismatches.push_back(what + ": the package accepts it, moekit refuses: " + error);
+      continue;
+    }
+    const auto& want = v["tensors"];
+    std::string diff;
+    if (f->tensors().size() != want.size()) diff += fmt::format(" {} tensors, the package {};", f->tensors().size(), want.size());
+    for (const auto& [name, t] : want.items()) {
+      if (!f->contains(name)) {
+        diff += " no tensor '" + name + "';";
+        continue;
+      }
+      const TensorInfo& info = f->info(name);
+      auto bytes = f->bytes(name);
+      std::string hex;
+      for (uint8_t b : bytes) hex += fmt::format("{:02x}", b);
+      if (dtype_name(info.dtype) != t["dtype"].get<std::string>() || info.shape != t["shape"].get<std::vector<int64_t>>() ||
+          hex != t["hex"].get<std::string>())
+        diff += " tensor '" + name + "' differs;";
+    }
+    const std::map<std::string, std::string> meta =
+        v["metadata"].is_null() ? std::map<std::string, std::string>{} : v["metadata"].get<std::map<std::string, std::string>>();
+    if (f->metadata() != meta) diff += " metadata differs;";
+    if (!diff.empty()) mismatches.push_back(what + ":" + diff);
+  }
+  EXPECT_TRUE(mismatches.empty()) << mismatches.size() << " of " << num_mutants << " files differ, the first:\n"
+                                  << fmt::format("{}", fmt::join(mismatches.begin(),
+                                                                 mismatches.begin() + std::min<size_t>(mismatches.size(), 20), "\n"));
+  // A corpus that tests both sides: many files of each kind.
+  EXPECT_GE(accepted, num_mutants / 10);
+  EXPECT_GE(refused, num_mutants / 2);
+  std::cout << "mutants: " << accepted << " accepted and " << refused << " refused by both\n";
 }
 
 // ---- gpt-oss's MXFP4 checkpoints ----

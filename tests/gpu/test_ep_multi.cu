@@ -7,6 +7,8 @@
 //  - Bit-identical to `local`: each rank also runs the same step on its own GPU through the
 //    `local` transport (all P virtual ranks) and compares its outputs byte for byte: dispatch
 //    (low-latency and normal layouts) and combine (with and without `add`).
+//  - nvlink connected through the caller's all-gather (EpProcessGroup::all_gather, as a framework's
+//    process group supplies it) with no NCCL unique id: the same reference steps pass.
 //  - A rank killed mid-step: every survivor's wait times out with an error naming the dead rank,
 //    the survivors exit cleanly and launch_ranks returns at once, reporting the one dead rank.
 //    Over `nvlink` the kernels' own timeout catches it; over `nccl` the survivors' grouped
@@ -91,6 +93,60 @@ void run_transport(EpTransport transport) {
 
 TEST(EpMulti, NvlinkMatchesReference) { run_transport(EpTransport::kNvlink); }
 TEST(EpMulti, NcclMatchesReference) { run_transport(EpTransport::kNccl); }
+
+// ---- nvlink through the caller's all-gather (a framework's process group) -----------------------
+
+constexpr int kGatherMaxRanks = 64;
+constexpr size_t kGatherMaxBytes = 64;  // a CUDA IPC handle
+
+// The ranks' all-gather through a page mapped before the fork: each writes its bytes into its slot,
+// then waits until every rank has.
+struct GatherPage {
+  std::atomic<int> arrived;
+  uint8_t bytes[kGatherMaxRanks][kGatherMaxBytes];
+};
+
+struct CallerGatherArgs {
+  Shape shape;
+  GatherPage* page;
+};
+
+// The reference steps of rank_body, connected with EpProcessGroup::all_gather and no NCCL unique id:
+// the set-up must neither make a communicator nor need one.
+int caller_gather_body(const EpProcessGroup& launched, void* arg) {
+  CallerGatherArgs& a = *static_cast<CallerGatherArgs*>(arg);
+  EpProcessGroup g = launched;
+  g.nccl_unique_id.clear();
+  int calls = 0;
+  g.all_gather = [&](const std::vector<uint8_t>& mine) {
+    ++calls;
+    MOEKIT_CHECK(mine.size() <= kGatherMaxBytes, "caller_gather_body: more bytes than a slot holds");
+    std::memcpy(a.page->bytes[g.rank], mine.data(), mine.size());
+    a.page->arrived.fetch_add(1, std::memory_order_acq_rel);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (a.page->arrived.load(std::memory_order_acquire) < g.num_ranks) {
+      MOEKIT_CHECK(std::chrono::steady_clock::now() < deadline, "caller_gather_body: not every rank arrived");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::vector<uint8_t> all;
+    for (int r = 0; r < g.num_ranks; ++r) all.insert(all.end(), a.page->bytes[r], a.page->bytes[r] + mine.size());
+    return all;
+  };
+  MultiArgs m{a.shape, EpTransport::kNvlink};
+  const int rc = rank_body(g, &m);
+  EXPECT_EQ(calls, 1) << "rank " << g.rank << ": the caller's all-gather ran " << calls << " times, expected once";
+  return rc != 0 || ::testing::Test::HasFailure() ? 1 : 0;
+}
+
+TEST(EpMulti, NvlinkThroughCallersAllGather) {
+  const int P = ranks_or_skip();
+  if (P == 0) GTEST_SKIP() << "fewer than 2 GPUs: the cross-process transports need at least 2";
+  void* mem = mmap(nullptr, sizeof(GatherPage), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED) << "mmap of the shared page failed";
+  CallerGatherArgs args{{P, 32, 512, 8 * P, 8}, new (mem) GatherPage{}};
+  EXPECT_EQ(launch_ranks(P, 300.0, caller_gather_body, &args), 0) << "ranks failed, see their messages above";
+  munmap(mem, sizeof(GatherPage));
+}
 
 // ---- Bit-identical to the local transport ------------------------------------------------------
 

@@ -1,7 +1,7 @@
 // GPU tests of the FP8 grouped GEMM (gemm.h) against a float64 reference computed here on the
-// dequantised operands (DESIGN.md's oracle). Every test draws fresh random operands (never
-// zeros), fills the output with a NaN poison first, and checks that every real row was written
-// and every padding row left alone.
+// dequantised operands (the oracle of docs/design.md §Numerics and their bounds). Every test draws
+// fresh random operands (never zeros), fills the output with a NaN poison first, and checks that
+// every real row was written and every padding row left alone.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,8 +1,9 @@
 // Transports across processes (one per GPU) and the launcher that starts them.
 //
 // nvlink: every rank allocates its symmetric region with cudaMalloc, all ranks exchange CUDA IPC
-// handles through one NCCL all-gather and open their peers' regions; the kernels then write
-// straight into peer memory (the same device code as `local`). NCCL 2.28's symmetric windows
+// handles through one all-gather (the caller's EpProcessGroup::all_gather, else NCCL's) and open
+// their peers' regions; the kernels then write straight into peer memory (the same device code as
+// `local`). NCCL 2.28's symmetric windows
 // (ncclCommWindowRegister + ncclGetLsaPointer) would give the same pointers; IPC keeps the
 // kernels free of NCCL's device headers.
 // nccl: no peer mapping. The send kernels write each peer's inbox into a local staging area laid
@@ -14,7 +15,8 @@
 //
 // NCCL is opened at run time (dlopen), so moekit links no NCCL and the local transport runs
 // where NCCL is absent. MOEKIT_NCCL_LIBRARY names the library; the default is libnccl.so.2 on the
-// loader's path (on the GPU machine: PyTorch's nvidia/nccl/lib, put on LD_LIBRARY_PATH).
+// loader's path (a system NCCL, or PyTorch's nvidia/nccl/lib, which scripts/gpu-host puts on
+// LD_LIBRARY_PATH when the loader has none).
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -94,31 +96,26 @@ class ProcessTransport : public EpExchange {
  public:
   ProcessTransport(const EpConfig& config, const EpProcessGroup& group, EpTransport kind)
       : kind_(kind), rank_(group.rank), num_ranks_(group.num_ranks), sizes_(ep_sizes(config)) {
-    MOEKIT_CHECK(group.nccl_unique_id.size() == sizeof(ncclUniqueId),
-                 fmtr("connect_ep: the NCCL unique id has {} bytes, expected {}", group.nccl_unique_id.size(),
-                      sizeof(ncclUniqueId)));
-    ncclUniqueId id;
-    std::memcpy(&id, group.nccl_unique_id.data(), sizeof(id));
-    nccl_check(nccl().comm_init_rank(&comm_, num_ranks_, id, rank_), "ncclCommInitRank");
-    MOEKIT_CUDA_CHECK(cudaMalloc(&symmetric_, sizes_.symmetric_bytes));
-    MOEKIT_CUDA_CHECK(cudaMemset(symmetric_, 0, sizes_.symmetric_bytes));
-    if (kind == EpTransport::kNccl) {
-      const size_t staging = size_t(num_ranks_) * (sizes_.dispatch_inbox_bytes + sizes_.combine_inbox_bytes);
-      MOEKIT_CUDA_CHECK(cudaMalloc(&staging_, staging));
-      MOEKIT_CUDA_CHECK(cudaMemset(staging_, 0, staging));
-    } else {
-      open_peers();
+    try {
+      // nvlink with the caller's all-gather needs no communicator.
+      if (kind == EpTransport::kNccl || !group.all_gather) init_comm(group.nccl_unique_id);
+      MOEKIT_CUDA_CHECK(cudaMalloc(&symmetric_, sizes_.symmetric_bytes));
+      MOEKIT_CUDA_CHECK(cudaMemset(symmetric_, 0, sizes_.symmetric_bytes));
+      if (kind == EpTransport::kNccl) {
+        const size_t staging = size_t(num_ranks_) * (sizes_.dispatch_inbox_bytes + sizes_.combine_inbox_bytes);
+        MOEKIT_CUDA_CHECK(cudaMalloc(&staging_, staging));
+        MOEKIT_CUDA_CHECK(cudaMemset(staging_, 0, staging));
+      } else {
+        open_peers(group);
+      }
+      MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    } catch (...) {
+      release();  // a failed set-up (a bad all-gather, a peer that never came) leaks nothing
+      throw;
     }
-    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  ~ProcessTransport() override {
-    for (int r = 0; r < int(peer_base_.size()); ++r)
-      if (r != rank_ && peer_base_[r]) cudaIpcCloseMemHandle(peer_base_[r]);
-    if (staging_) cudaFree(staging_);
-    if (symmetric_) cudaFree(symmetric_);
-    if (comm_) nccl().comm_destroy(comm_);
-  }
+  ~ProcessTransport() override { release(); }
 
   EpPeers peers() const {
     EpPeers p;
@@ -175,24 +172,65 @@ class ProcessTransport : public EpExchange {
     nccl_check(n.group_end(), "ncclGroupEnd");
   }
 
-  void open_peers() {
+  void init_comm(const std::vector<uint8_t>& unique_id) {
+    MOEKIT_CHECK(unique_id.size() == sizeof(ncclUniqueId),
+                 fmtr("connect_ep: the NCCL unique id has {} bytes, expected {}", unique_id.size(), sizeof(ncclUniqueId)));
+    ncclUniqueId id;
+    std::memcpy(&id, unique_id.data(), sizeof(id));
+    nccl_check(nccl().comm_init_rank(&comm_, num_ranks_, id, rank_), "ncclCommInitRank");
+  }
+
+  // Idempotent: the destructor and a failed constructor both end here.
+  void release() {
+    for (int r = 0; r < int(peer_base_.size()); ++r)
+      if (r != rank_ && peer_base_[r]) cudaIpcCloseMemHandle(peer_base_[r]);
+    peer_base_.clear();
+    if (staging_) cudaFree(staging_);
+    if (symmetric_) cudaFree(symmetric_);
+    staging_ = symmetric_ = nullptr;
+    if (comm_) nccl().comm_destroy(comm_);
+    comm_ = nullptr;
+  }
+
+  // Every rank's `mine`, in rank order, through the caller's all-gather or NCCL's. A result that is
+  // not P pieces with this rank's own at position rank means the group's ranks are not moekit's.
+  std::vector<uint8_t> all_gather(const EpProcessGroup& group, const std::vector<uint8_t>& mine) {
+    const size_t n = mine.size(), P = size_t(num_ranks_);
+    std::vector<uint8_t> all;
+    if (group.all_gather) {
+      all = group.all_gather(mine);
+    } else {
+      void* dev = nullptr;
+      MOEKIT_CUDA_CHECK(cudaMalloc(&dev, n * (P + 1)));
+      uint8_t* gathered = static_cast<uint8_t*>(dev) + n;
+      all.resize(n * P);
+      MOEKIT_CUDA_CHECK(cudaMemcpy(dev, mine.data(), n, cudaMemcpyHostToDevice));
+      nccl_check(nccl().all_gather(dev, gathered, n, ncclUint8, comm_, nullptr), "ncclAllGather");
+      MOEKIT_CUDA_CHECK(cudaMemcpy(all.data(), gathered, n * P, cudaMemcpyDeviceToHost));
+      MOEKIT_CUDA_CHECK(cudaFree(dev));
+    }
+    MOEKIT_CHECK(all.size() == n * P, fmtr("connect_ep: rank {}: the all-gather returned {} bytes, expected {} ranks x {} "
+                                           "bytes = {}", rank_, all.size(), P, n, n * P));
+    MOEKIT_CHECK(std::memcmp(all.data() + size_t(rank_) * n, mine.data(), n) == 0,
+                 fmtr("connect_ep: rank {}: the all-gather does not hold this rank's own bytes at position {} (the "
+                      "group's rank order must be moekit's)", rank_, rank_));
+    return all;
+  }
+
+  void open_peers(const EpProcessGroup& group) {
     cudaIpcMemHandle_t mine;
     MOEKIT_CUDA_CHECK(cudaIpcGetMemHandle(&mine, symmetric_));
-    void* dev = nullptr;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&dev, sizeof(mine) * (num_ranks_ + 1)));
-    MOEKIT_CUDA_CHECK(cudaMemcpy(dev, &mine, sizeof(mine), cudaMemcpyHostToDevice));
-    uint8_t* all = static_cast<uint8_t*>(dev) + sizeof(mine);
-    nccl_check(nccl().all_gather(dev, all, sizeof(mine), ncclUint8, comm_, nullptr), "ncclAllGather");
-    std::vector<cudaIpcMemHandle_t> handles(num_ranks_);
-    MOEKIT_CUDA_CHECK(cudaMemcpy(handles.data(), all, sizeof(mine) * num_ranks_, cudaMemcpyDeviceToHost));
-    MOEKIT_CUDA_CHECK(cudaFree(dev));
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&mine);
+    const std::vector<uint8_t> all = all_gather(group, std::vector<uint8_t>(bytes, bytes + sizeof(mine)));
     peer_base_.assign(num_ranks_, nullptr);
     for (int r = 0; r < num_ranks_; ++r) {
       if (r == rank_) {
         peer_base_[r] = symmetric_;
         continue;
       }
-      MOEKIT_CUDA_CHECK(cudaIpcOpenMemHandle(&peer_base_[r], handles[r], cudaIpcMemLazyEnablePeerAccess));
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, all.data() + size_t(r) * sizeof(handle), sizeof(handle));
+      MOEKIT_CUDA_CHECK(cudaIpcOpenMemHandle(&peer_base_[r], handle, cudaIpcMemLazyEnablePeerAccess));
     }
   }
 
@@ -220,6 +258,13 @@ std::unique_ptr<EpBuffer> connect_ep(const EpConfig& config, const EpProcessGrou
   return std::make_unique<EpBuffer>(config, group.rank, transport, t->peers(), t);
 }
 
+std::vector<uint8_t> make_nccl_unique_id() {
+  ncclUniqueId id;
+  nccl_check(nccl().get_unique_id(&id), "ncclGetUniqueId");
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&id);
+  return std::vector<uint8_t>(bytes, bytes + sizeof(id));
+}
+
 int count_devices_in_child() {
   const pid_t pid = fork();
   MOEKIT_CHECK(pid >= 0, "count_devices_in_child: fork failed");
@@ -241,7 +286,7 @@ int launch_ranks(int num_ranks, double timeout_s, int (*body)(const EpProcessGro
   // a shared page; the parent never loads NCCL or CUDA, so forking stays safe.
   struct Shared {
     std::atomic<int> ready;
-    ncclUniqueId id;
+    uint8_t id[sizeof(ncclUniqueId)];
   };
   void* page = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   MOEKIT_CHECK(page != MAP_FAILED, "launch_ranks: mmap of the shared page failed");
@@ -262,7 +307,8 @@ int launch_ranks(int num_ranks, double timeout_s, int (*body)(const EpProcessGro
       g.num_ranks = num_ranks;
       g.device = r;
       if (r == 0) {
-        nccl_check(nccl().get_unique_id(&shared->id), "ncclGetUniqueId");
+        const std::vector<uint8_t> id = make_nccl_unique_id();
+        std::memcpy(shared->id, id.data(), id.size());
         shared->ready.store(1, std::memory_order_release);
       }
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
@@ -270,8 +316,7 @@ int launch_ranks(int num_ranks, double timeout_s, int (*body)(const EpProcessGro
         MOEKIT_CHECK(std::chrono::steady_clock::now() < deadline, fmtr("rank {}: no NCCL unique id from rank 0", r));
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      const uint8_t* id = reinterpret_cast<const uint8_t*>(&shared->id);
-      g.nccl_unique_id.assign(id, id + sizeof(ncclUniqueId));
+      g.nccl_unique_id.assign(shared->id, shared->id + sizeof(shared->id));
       rc = body(g, arg);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "moekit: rank %d: %s\n", r, e.what());

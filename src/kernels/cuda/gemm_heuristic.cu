@@ -2,7 +2,7 @@
 //
 // Masked: up to 128 expected rows per expert the weights go on the MMA's M side (swap-AB) and
 // the tokens on its N side, in the smallest of 16/32/64/128 that holds expected_m: the decode
-// GEMM is a weight stream (KERNELS.md), so a token block only has to be wide enough that each
+// GEMM is a weight stream (docs/theory.md §Padding), so a token block only has to be wide enough that each
 // weight tile is streamed once. Callers should pass an upper-typical count (the bench passes
 // mean + 2·sqrt(mean) for uniform routing): an expert above it costs a second token block.
 // Above 128, tokens on the M side in blocks of 64 or 128, whichever pads less.

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU host's entry points on a machine without a usable GPU: `make test-gpu`, `make bench` and
+# `scripts/gpu-check` stop before building or running anything, with the reason; scripts/gpu-host
+# accepts a Hopper GPU. nvidia-smi is replaced by stubs (NVIDIA_SMI), so this runs anywhere. Also:
+# every folder the scripts create is git-ignored.
+# Usage: bash tests/cli/gpu_targets.sh <path-to-moekit> <source-dir>
+set -u
+source "$(dirname "$0")/lib.bash"
+src=$2
+# This test may itself run under make (make test -> ctest): the inner make must not inherit the
+# outer one's job server.
+unset MAKEFLAGS MFLAGS MAKELEVEL
+
+stub() {  # stub NAME EXIT-STATUS OUTPUT: an nvidia-smi that prints OUTPUT for a query
+  printf '#!/bin/sh\nprintf "%s\\n" "%s"\nexit %s\n' '%s' "$3" "$2" > "$tmp/$1"
+  chmod +x "$tmp/$1"
+}
+stub smi-none 6 "No devices were found"
+stub smi-ampere 0 "NVIDIA A100-SXM4-80GB, 8.0"
+stub smi-h200 0 "NVIDIA H200, 9.0"
+
+# expect_stop NAME FRAGMENT SMI COMMAND...: a non-zero exit, FRAGMENT on stderr, nothing built.
+expect_stop() {
+  local name=$1 fragment=$2 smi=$3
+  shift 3
+  rm -rf "$tmp/build"
+  (cd "$src" && NVIDIA_SMI=$smi "$@") > "$tmp/stdout" 2> "$tmp/stderr"
+  local rc=$?
+  if [ $rc -eq 0 ]; then fail "$name: exit 0, expected a stop"; cat "$tmp/stdout"; return; fi
+  if ! grep -qF -- "$fragment" "$tmp/stderr"; then fail "$name: stderr lacks '$fragment'"; cat "$tmp/stderr"; return; fi
+  if [ -e "$tmp/build" ]; then fail "$name: built $tmp/build before stopping"; return; fi
+  pass "$name"
+}
+
+for target in test-gpu bench; do
+  expect_stop "make $target without nvidia-smi" "make $target: no GPU visible: $tmp/absent-smi is not installed" \
+    "$tmp/absent-smi" make --no-print-directory "$target" BUILD="$tmp/build"
+  expect_stop "make $target when nvidia-smi finds none" "make $target: no GPU visible: $tmp/smi-none reports none (No devices were found)" \
+    "$tmp/smi-none" make --no-print-directory "$target" BUILD="$tmp/build"
+  expect_stop "make $target on an sm_80 GPU" "no Hopper GPU: the GPU code is built for sm_90a" \
+    "$tmp/smi-ampere" make --no-print-directory "$target" BUILD="$tmp/build"
+  expect_stop "make $target with CUDA_VISIBLE_DEVICES empty" "CUDA_VISIBLE_DEVICES='' hides every GPU" \
+    "$tmp/smi-h200" env CUDA_VISIBLE_DEVICES= make --no-print-directory "$target" BUILD="$tmp/build"
+done
+expect_stop "scripts/gpu-check without a GPU" "scripts/gpu-check: no GPU visible" \
+  "$tmp/smi-none" env OUT="$tmp/out" bash scripts/gpu-check --only tests
+expect_stop "scripts/test-gpu without a GPU" "make test-gpu: no GPU visible" "$tmp/smi-none" bash scripts/test-gpu "$tmp/build"
+expect_stop "scripts/bench without a GPU" "make bench: no GPU visible" "$tmp/smi-none" bash scripts/bench "$tmp/build" "$tmp/bench-out"
+
+# A Hopper GPU passes the check, which names it.
+if out=$(NVIDIA_SMI="$tmp/smi-h200" bash "$src/scripts/gpu-host" "make test-gpu" 2>&1) &&
+  [ "$out" = "make test-gpu: NVIDIA H200 (9.0)" ]; then
+  pass "scripts/gpu-host accepts an H200"
+else
+  fail "scripts/gpu-host accepts an H200: '$out'"
+fi
+# On a Hopper host with a build folder made without CUDA, the run steps say so instead of running nothing.
+mkdir -p "$tmp/cpu-build"
+expect_stop "scripts/test-gpu on a build without CUDA" "holds no CUDA build" "$tmp/smi-h200" bash scripts/test-gpu "$tmp/cpu-build"
+expect_stop "scripts/bench on a build without CUDA" "holds no CUDA build" "$tmp/smi-h200" bash scripts/bench "$tmp/cpu-build" "$tmp/bench-out"
+
+# Every folder the scripts create is ignored by git (in a git checkout).
+if git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then
+  for d in build build-gpu build-gpu-pymod build-pip demo-out bench-out .gpubin .gpupy .whl .anchors; do
+    if git -C "$src" check-ignore -q "$d/x"; then pass "$d/ is git-ignored"; else fail "$d/ is not git-ignored"; fi
+  done
+fi
+
+finish "GPU targets"
