@@ -121,8 +121,9 @@ struct MoeLayerWeights {
   ExpertWeights shared_w2;  // [1, hidden, inter_s]
   // MXFP4 checkpoints (see above): w1, w2 and the shared experts are empty and these hold the
   // experts, padded: hidden_p = padded_hidden, inter_p = padded_intermediate.
-  int64_t padded_hidden = 0;        // K of GEMM1, N of GEMM2: hidden_size rounded up to 128 (FP8: hidden_size)
-  int64_t padded_intermediate = 0;  // intermediate_size rounded up to 128 (FP8: intermediate_size)
+  int64_t padded_hidden = 0;        // K of GEMM1, N of GEMM2: hidden_size rounded up to 128 (the loader
+                                    // sets it to hidden_size for FP8, whose users may leave it 0)
+  int64_t padded_intermediate = 0;  // intermediate_size rounded up to 128 (likewise)
   Mxfp4ExpertWeights w1_mxfp4;      // [E_loc, 2*inter_p, hidden_p], gate rows then up rows; bias [E_loc, 2*inter_p]
   Mxfp4ExpertWeights w2_mxfp4;      // [E_loc, hidden_p, inter_p]; bias [E_loc, hidden_p]
   std::vector<float> router_logit_bias;  // [E] when the router adds a bias to its logits (gpt-oss), else empty

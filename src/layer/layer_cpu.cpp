@@ -134,14 +134,16 @@ CpuMoeLayer::CpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
                fmt::format("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
                            weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
-  MOEKIT_CHECK(weights.padded_hidden % kQuantBlock == 0 && weights.padded_intermediate % kQuantBlock == 0 &&
-                   weights.padded_hidden >= weights.hidden_size && weights.padded_intermediate >= weights.intermediate_size,
+  // MXFP4 weights come padded (weights.h); FP8 ones are the model's sizes.
+  MOEKIT_CHECK(!mxfp4_ || (weights.padded_hidden % kQuantBlock == 0 && weights.padded_intermediate % kQuantBlock == 0 &&
+                           weights.padded_hidden >= weights.hidden_size &&
+                           weights.padded_intermediate >= weights.intermediate_size),
                fmt::format("layer weights padded to hidden {} and inter {}, expected multiples of {} at least {} and {}",
                            weights.padded_hidden, weights.padded_intermediate, kQuantBlock, weights.hidden_size,
                            weights.intermediate_size));
   model_hidden_ = int(model.hidden_size);
-  hidden_ = int(weights.padded_hidden);
-  inter_ = int(weights.padded_intermediate);
+  hidden_ = mxfp4_ ? int(weights.padded_hidden) : model_hidden_;
+  inter_ = mxfp4_ ? int(weights.padded_intermediate) : int(model.moe_intermediate_size);
   num_experts_ = model.num_routed_experts;
   topk_ = model.num_experts_per_token;
   activation_ = activation_of(model.activation);

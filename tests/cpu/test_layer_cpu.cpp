@@ -520,3 +520,18 @@ TEST(Layer, OssBadInputIsRejected) {
   expect_error([&] { CpuMoeLayer l(wider, f.weights, identity_placement(16, 2), 0, cfg); }, {"hidden 160", "192"});
   expect_error([&] { dequantize_layer_f64(f.weights); }, {"MXFP4", "LayerOracle"});
 }
+
+// FP8 weights made by hand (the GPU benchmarks do) leave the padded sizes 0: the layer uses the model's.
+TEST(Layer, Fp8WeightsNeedNoPaddedSizes) {
+  MoeLayerWeights w = fixture().weights;
+  w.padded_hidden = w.padded_intermediate = 0;
+  CpuLayerConfig cfg;
+  cfg.num_ranks = 2;
+  cfg.max_tokens = 8;
+  const CpuMoeLayer layer(fixture().model, w, identity_placement(16, 2), 0, cfg);
+  EXPECT_EQ(layer.ep_config().hidden, 256);
+  MoeLayerWeights oss = oss_fixture().weights;
+  oss.padded_hidden = 0;
+  expect_error([&] { CpuMoeLayer l(oss_fixture().model, oss, identity_placement(16, 2), 0, cfg); },
+               {"padded to hidden 0", "multiples of 128"});
+}
