@@ -25,9 +25,18 @@
 // (token, logical expert) pair are the same bits for any P, protocol or placement. Only the
 // combine's bf16 partial sums depend on how the experts of a token are spread over ranks.
 //
+// gpt-oss (MXFP4 weights, weights.h): the same stages with the router's logit bias, top-k then
+// softmax (gating.h), the MXFP4 GEMMs with the expert biases in their epilogue and the clamped
+// SwiGLU (reference.h). The weights are padded to hidden_p and inter_p (multiples of 128); the
+// layer pads each step's x [T, hidden] with zero columns to [T, hidden_p] (so FP8 quantisation,
+// dispatch and GEMMs see 128-wide blocks), and returns the first hidden columns of the combine's
+// [T, hidden_p] output. The padded columns are exactly zero all the way (weights.h), so the padding
+// changes no value.
+//
 // Errors (moekit::Error, before anything is sent): T > T_max, a routing id outside [0, E), NaN or
-// infinite logits (from the gate), K = hidden not a multiple of 128 (at set-up), a placement whose
-// slots or experts do not match the model.
+// infinite logits (from the gate), K = hidden not a multiple of 128 for FP8 weights (at set-up),
+// weights of another format or size than the model's, a placement whose slots or experts do not
+// match the model.
 #pragma once
 
 #include <cstdint>
@@ -108,6 +117,7 @@ class CpuMoeLayer {
 
   // The last step's receive side and expert outputs on `rank`, for tests. Low-latency: masked
   // layout [E_loc, M_max, ...] (rows < recv_count valid); normal: contiguous rows (row_expert >= 0 valid).
+  // Rows are ep_config().hidden wide: the padded hidden size for MXFP4 weights.
   struct RankBuffers {
     const uint8_t* recv_x = nullptr;
     const float* recv_scales = nullptr;
@@ -125,7 +135,11 @@ class CpuMoeLayer {
 
   ModelSpec model_;
   CpuLayerConfig config_;
-  int hidden_ = 0, inter_ = 0, shared_inter_ = 0, num_experts_ = 0, topk_ = 0, num_slots_ = 0;
+  // hidden_ and inter_ are the GEMMs' (padded) sizes; model_hidden_ the model's, of x and out.
+  int hidden_ = 0, inter_ = 0, model_hidden_ = 0, shared_inter_ = 0, num_experts_ = 0, topk_ = 0, num_slots_ = 0;
+  bool mxfp4_ = false;
+  ref::Activation activation_;
+  std::vector<float> router_logit_bias_;
   std::vector<int32_t> phy2log_;
   std::unique_ptr<Placement> placement_;
   int placement_layer_ = 0;
@@ -141,11 +155,30 @@ Placement identity_placement(int num_experts, int num_ranks);
 // for expected per-expert loads [E].
 Placement balanced_placement(const std::vector<double>& expert_load, int redundant, int num_ranks);
 
-// The layer's weights dequantised to float64 for the oracle (reference.h moe_layer_f64).
+// The layer's weights dequantised to float64 for the oracle (reference.h moe_layer_f64). FP8 only.
 struct LayerWeightsF64 {
   std::vector<double> w1, w2, shared_w1, shared_w2;
   ref::MoeWeightsF64 view;  // points into the vectors above
 };
 std::unique_ptr<LayerWeightsF64> dequantize_layer_f64(const MoeLayerWeights& weights);
+
+// A spec's activation as the reference kernels take it (constants rounded to fp32).
+ref::Activation activation_of(const ActivationSpec& activation);
+
+// The float64 oracle of one layer (reference.h) on its own weights, whatever their format: FP8
+// weights are dequantised once here (moe_layer_f64), MXFP4 ones are decoded expert by expert in
+// each run() (moe_layer_mxfp4_f64, on x zero-padded to hidden_p, its output cropped back to
+// hidden). `weights` (all E experts) must outlive the oracle.
+class LayerOracle {
+ public:
+  LayerOracle(const ModelSpec& model, const MoeLayerWeights& weights);
+  // x [T, hidden] fp32, topk_idx / topk_weights [T, k] -> out [T, hidden] float64.
+  void run(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights, double* out) const;
+
+ private:
+  int hidden_ = 0, topk_ = 0;
+  std::unique_ptr<LayerWeightsF64> fp8_;  // FP8 weights, dequantised
+  ref::MoeWeightsMxfp4 mxfp4_;            // MXFP4 weights, a view
+};
 
 }  // namespace moekit

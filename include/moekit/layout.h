@@ -20,6 +20,12 @@
 // Weights ("NT", DeepSeek-V3 checkpoint format):
 //   W        [E_loc, N, K] fp8 e4m3, K contiguous.
 //   W scales [E_loc, N/128, K/128] fp32.
+// MXFP4 weights (gpt-oss's checkpoint format, weights.h; the values in mxfp4.h):
+//   W        [E_loc, N, K/2] bytes: two e2m1 codes per byte, K contiguous; element 2j of a row in
+//            the low nibble of byte j, element 2j + 1 in the high nibble.
+//   W scales [E_loc, N, K/32] e8m0 bytes: one power of two per 32 consecutive values of a row.
+//   K and N multiples of kQuantBlock like every GEMM operand here (the loader pads gpt-oss's 2880
+//   with zero weights), so the activations keep their 1x128 FP8 groups.
 // Contiguous (prefill): every expert's rows together, each segment padded to a multiple of
 //   the GEMM's block M:
 //   A        [M_total, K] fp8; A scales [K/128, M_total] fp32 (same reason as above);
@@ -34,6 +40,7 @@
 namespace moekit {
 
 constexpr int kQuantBlock = 128;
+constexpr int kMxfp4Group = 32;  // values per e8m0 scale of an MXFP4 weight row
 
 struct MaskedLayout {
   int num_experts = 0;  // E_loc
@@ -60,6 +67,19 @@ struct WeightLayout {
   size_t scale_offset(int e, int row, int col) const {
     return (size_t(e) * (n / kQuantBlock) + row / kQuantBlock) * (k / kQuantBlock) + col / kQuantBlock;
   }
+};
+
+struct Mxfp4WeightLayout {
+  int num_experts = 0;  // E_loc
+  int n = 0;            // output features, a multiple of kQuantBlock
+  int k = 0;            // input features, a multiple of kQuantBlock
+
+  size_t row_bytes() const { return size_t(k) / 2; }
+  size_t row_scales() const { return size_t(k) / kMxfp4Group; }
+  size_t w_bytes() const { return size_t(num_experts) * n * row_bytes(); }
+  size_t w_offset(int e, int row) const { return (size_t(e) * n + row) * row_bytes(); }
+  size_t scale_elems() const { return size_t(num_experts) * n * row_scales(); }
+  size_t scale_offset(int e, int row) const { return (size_t(e) * n + row) * row_scales(); }
 };
 
 struct ContiguousLayout {

@@ -100,6 +100,25 @@ struct PlanRow {
   double tokens_per_s = 0;              // B · tokens_per_s_per_seq, the whole deployment
 };
 
+// Bytes per routed-expert parameter of an expert weight format (spec.h's expert_format), values
+// and scales together:
+//   "fp8":   1 B per e4m3 value plus one fp32 scale per 128x128 block: 1 + 4/16384 = 1.000244 B;
+//   "mxfp4": 4 bits per e2m1 value plus one e8m0 byte per 32 values: 4.25 bits = 0.53125 B.
+// Any other name is an Error listing both.
+double expert_bytes_per_param(std::string_view format);
+inline constexpr const char* kExpertFormats[] = {"fp8", "mxfp4"};
+
+// The same deployment with the routed experts stored in one format: what the format changes.
+struct ExpertFormatPlan {
+  std::string format;               // "fp8" | "mxfp4"
+  double bytes_per_param = 0;       // expert_bytes_per_param(format)
+  double routed_weight_bytes = 0;   // num_moe_layers·E·3·d·moe_intermediate_size·bytes_per_param
+  // One per input batch: the plan's rows with the routed experts at this format's bytes and every
+  // other weight at the spec's weight_bytes_per_param. Only the weight traffic and what follows
+  // from it (weight_read_ms, floor_ms, dominant, tpot_ms, tokens/s) differ from the plan's rows.
+  std::vector<PlanRow> rows;
+};
+
 // Padding waste of the expert GEMM for one block size BM (docs/theory.md §Padding).
 struct PaddingRow {
   int bm = 0;
@@ -132,6 +151,10 @@ struct PlanResult {
   std::vector<PlanRow> rows;        // one per input batch, in input order
   std::vector<PlanRow> rows_no_mtp; // the same batches decoded without MTP (N = 0, L = 1);
                                     // equal to rows when N = 0
+  // MoE models: the rows with the routed experts in FP8, then in MXFP4 (kExpertFormats order), so
+  // that the two floors can be set side by side; empty for dense models. The figures above use the
+  // spec's weight_bytes_per_param for every weight, as before.
+  std::vector<ExpertFormatPlan> expert_formats;
 };
 
 // The fixed constants of the padding table (docs/theory.md §Padding).

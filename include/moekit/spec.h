@@ -16,6 +16,25 @@
 //
 // Units: bytes, bytes per second (one direction), FLOP per second (dense), microseconds.
 // A model with num_routed_experts == 0 is dense (its MoE fields are 0 and it has no router).
+//
+// Fields for experts that differ from DeepSeek-style ones (gpt-oss) are optional; leaving them
+// out gives the DeepSeek-style default, and to_json writes them only when they differ from it:
+//   "expert_format": "fp8" (default: DeepSeek-V3's FP8 checkpoint layout, 128x128 block scales)
+//                  | "mxfp4" (gpt-oss's Hugging Face layout: e2m1 values, one e8m0 scale per 32
+//                    along K; see weights.h). MXFP4 needs no shared experts and hidden_size and
+//                    moe_intermediate_size multiples of 32 (the scale group, along K of each GEMM).
+//   "activation": {"kind": "silu"} (default: SiLU(gate)·up)
+//               | {"kind": "clamped_swiglu", "alpha": A, "limit": L} (gpt-oss: A = 1.702, L = 7):
+//                 (clamp(up, -L, L) + 1)·g·sigmoid(A·g) with g = min(gate, L), gate clamped
+//                 from above only. A and L finite and > 0.
+//   "expert_bias": false (default) | true: every expert's gate/up and down projections add a bias
+//                  (gpt-oss; only the mxfp4 layout has them).
+//   router "logit_bias": false (default) | true: logits = x·W^T + b (gpt-oss's router is a linear
+//                  layer with bias; only the mxfp4 layout has it). Not DeepSeek-V3's
+//                  e_score_correction_bias, which sigmoid routers always have and which steers the
+//                  selection only.
+//   router "scoring": "topk_softmax" (gpt-oss): the k largest logits, then a softmax over those k.
+//                  Needs num_groups = 1 and normalize_topk = true (a softmax over the k sums to 1).
 #pragma once
 
 #include <cstdint>
@@ -26,11 +45,19 @@
 namespace moekit {
 
 struct RouterSpec {
-  std::string scoring = "softmax";  // "softmax" | "sigmoid"
+  std::string scoring = "softmax";  // "softmax" | "sigmoid" | "topk_softmax"
   int num_groups = 1;               // expert groups (DeepSeek-V3: 8)
   int topk_groups = 1;              // groups kept per token (DeepSeek-V3: 4)
   double routed_scaling_factor = 1.0;
   bool normalize_topk = true;
+  bool logit_bias = false;          // logits = x·W^T + b (gpt-oss)
+};
+
+// The experts' activation on GEMM1's gate and up outputs (see the contract above).
+struct ActivationSpec {
+  std::string kind = "silu";  // "silu" | "clamped_swiglu"
+  double alpha = 0;           // clamped_swiglu only (gpt-oss: 1.702)
+  double limit = 0;           // clamped_swiglu only (gpt-oss: 7.0)
 };
 
 struct ModelSpec {
@@ -48,6 +75,9 @@ struct ModelSpec {
   double weight_bytes_per_param = 0;  // bpp
   double kv_bytes_per_token = 0;      // all layers
   RouterSpec router;
+  std::string expert_format = "fp8";  // "fp8" | "mxfp4"
+  ActivationSpec activation;
+  bool expert_bias = false;
 
   bool is_moe() const { return num_routed_experts > 0; }
   // Parameters of one routed expert: gate, up and down projections (SwiGLU).

@@ -92,6 +92,28 @@ void print_decode_table(const PlanResult& r) {
              in.tpot_sla_ms ? fmt::format(" '!': TPOT above the {} ms SLA.", *in.tpot_sla_ms) : "");
 }
 
+// The floors with the routed experts in FP8 and in MXFP4, side by side (plan.h expert_formats).
+void print_format_table(const PlanResult& r) {
+  if (r.expert_formats.size() != 2) return;
+  const ExpertFormatPlan &fp8 = r.expert_formats[0], &mx = r.expert_formats[1];
+  const ModelSpec& m = r.input.model;
+  fmt::print("\nexpert weight formats: the routed experts in FP8 or MXFP4, the other {:.1f} GB at the spec's {} B/param\n",
+             r.other_weight_bytes / 1e9, m.weight_bytes_per_param);
+  fmt::print("  FP8   {:.6f} B/param (e4m3 values, one fp32 scale per 128x128 block): routed experts {:.1f} GB\n",
+             fp8.bytes_per_param, fp8.routed_weight_bytes / 1e9);
+  fmt::print("  MXFP4 {:.6f} B/param (e2m1 values, one e8m0 scale per 32):          routed experts {:.1f} GB\n",
+             mx.bytes_per_param, mx.routed_weight_bytes / 1e9);
+  fmt::print("{:>8} | {:>9} {:>9} | {:>9} {:>9} | {:>9}\n", "batch B", "wt read", "floor", "wt read", "floor", "MXFP4/FP8");
+  fmt::print("{:>8} | {:>9} {:>9} | {:>9} {:>9} | {:>9}\n", r.input.mtp > 0 ? "(seqs)" : "(tokens)", "(ms)", "(ms)",
+             "(ms)", "(ms)", "floor");
+  fmt::print("{:>8} | {:^19} | {:^19} |\n", "", "FP8 experts", "MXFP4 experts");
+  for (size_t i = 0; i < fp8.rows.size(); ++i) {
+    const PlanRow &a = fp8.rows[i], &b = mx.rows[i];
+    fmt::print("{:>8} | {:>9.3f} {:>9.3f} | {:>9.3f} {:>9.3f} | {:>8.3f}x\n", a.batch, a.weight_read_ms, a.floor_ms,
+               b.weight_read_ms, b.floor_ms, b.floor_ms / a.floor_ms);
+  }
+}
+
 // The human table: one row per batch, then the deployment's figures, each with its formula.
 void print_table(const PlanResult& r) {
   const PlanInput& in = r.input;
@@ -174,6 +196,7 @@ void print_table(const PlanResult& r) {
                  times(p.waste_pad_to_m_max), times(p.waste_pad_to_m_max_m5));
     if (!r.padding.empty() && !r.padding.front().waste_pad_to_m_max)
       fmt::print("  (— : M_e is above M_max = {} or zero, so padding to M_max does not apply)\n", kPaddingMMax);
+    print_format_table(r);
   }
 }
 

@@ -132,15 +132,25 @@ StepResult run_layers_cpu(const ModelSpec& spec, const std::vector<MoeLayerWeigh
 // --check's bound on the relative error against the float64 oracle. The CPU layer holds 3e-3
 // (docs/design.md §Numerics and their bounds); the GPU layer measures 4e-3 .. 7e-3 (the tensor
 // cores' FP8 block sums keep fewer bits than the CPU's exact ones; docs/layer-gpu.md), and
-// test_layer bounds it at 1.5e-2.
-double oracle_tolerance(const RunOptions& o) { return o.backend == "cuda" ? 1.5e-2 : 3e-3; }
+// test_layer bounds it at 1.5e-2. The MXFP4 (gpt-oss) layer on the CPU is bounded by 2^-8: the
+// RMS of its three bf16 roundings at most 2^-8/sqrt(3) each; without a shared expert all three
+// reach every output value, and it measures 2.9e-3, close to 3e-3 (docs/layer.md).
+double oracle_tolerance(const RunOptions& o, const ModelSpec& spec) {
+  if (o.backend == "cuda") return 1.5e-2;
+  return spec.expert_format == "mxfp4" ? 0x1p-8 : 3e-3;
+}
 
-void check_oracle_errors(const RunOptions& o, const std::vector<LayerFigures>& figs) {
+const char* oracle_tolerance_source(const RunOptions& o, const ModelSpec& spec) {
+  if (o.backend == "cuda") return "the GPU layer's, docs/layer-gpu.md";
+  return spec.expert_format == "mxfp4" ? "2^-8, three bf16 roundings: docs/layer.md" : "docs/design.md §Numerics and their bounds";
+}
+
+void check_oracle_errors(const RunOptions& o, const ModelSpec& spec, const std::vector<LayerFigures>& figs) {
   for (size_t l = 0; l < figs.size(); ++l)
-    MOEKIT_CHECK(figs[l].error_vs_oracle <= oracle_tolerance(o),
+    MOEKIT_CHECK(figs[l].error_vs_oracle <= oracle_tolerance(o, spec),
                  fmt::format("--check: layer {}: relative error {:.3e} against the float64 oracle is above the {} "
                              "backend's bound {}",
-                             l, figs[l].error_vs_oracle, o.backend, oracle_tolerance(o)));
+                             l, figs[l].error_vs_oracle, o.backend, oracle_tolerance(o, spec)));
 }
 
 // The largest host tables of the run, before any is allocated: the L layers' weights (on the
@@ -155,7 +165,9 @@ void check_memory(const RunOptions& o, const ModelSpec& spec, int num_slots) {
   RandomWeightsOptions wo;
   wo.first_layer = o.first_layer;
   wo.num_layers = o.layers;
-  const double weights = double(plan_random_weights(spec, wo).tensor_bytes) + (cpu ? L * num_slots * 3 * d * inter : 0);
+  const double expert_bpp = spec.expert_format == "mxfp4" ? 0.53125 : 1.0;  // the ranks' copies: FP8 or MXFP4
+  const double weights =
+      double(plan_random_weights(spec, wo).tensor_bytes) + (cpu ? L * num_slots * 3 * d * inter * expert_bpp : 0);
   const double activations = (2 * L + 1) * B * d * 2 + (L + 1) * B * spec.num_experts_per_token * 4;  // + routing
   const double rows = o.protocol == "low-latency" ? num_slots * B : B * spec.num_experts_per_token;
   const double buffers = cpu ? L * rows * (3 * d + 5 * inter) : 0.0;
@@ -185,10 +197,14 @@ void run(const RunOptions& o) {
                            o.redundant, num_slots, P, kMaxSlots));
   MOEKIT_CHECK(o.protocol == "low-latency" || o.protocol == "normal",
                fmt::format("--protocol '{}': expected low-latency or normal", o.protocol));
-  // Checked here too so that no weights are written for a model the layer cannot run.
-  MOEKIT_CHECK(d % 128 == 0 && spec.moe_intermediate_size % 128 == 0,
+  // Checked here too so that no weights are written for a model the layer cannot run. MXFP4 weights
+  // are padded to multiples of 128 at load time (weights.h).
+  MOEKIT_CHECK(spec.expert_format == "mxfp4" || (d % 128 == 0 && spec.moe_intermediate_size % 128 == 0),
                fmt::format("--model {}: hidden_size {} and moe_intermediate_size {} must be multiples of 128 (the FP8 "
                            "block size)", spec.name, d, spec.moe_intermediate_size));
+  MOEKIT_CHECK(o.backend != "cuda" || spec.expert_format == "fp8",
+               fmt::format("--model {} --backend cuda: its MXFP4 experts have no GPU kernels yet; use --backend cpu",
+                           spec.name));
   check_memory(o, spec, int(num_slots));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);
@@ -300,11 +316,11 @@ void run(const RunOptions& o) {
         idx.insert(idx.end(), st.topk_idx.begin(), st.topk_idx.end());
         w.insert(w.end(), st.topk_weights.begin(), st.topk_weights.end());
       }
-      const auto w64 = dequantize_layer_f64(layer_weights[l]);
+      const LayerOracle oracle(spec, layer_weights[l]);
       std::vector<float> xf(size_t(B) * d);
       for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(x[l][i]);
       std::vector<double> want(xf.size()), got(xf.size());
-      ref::moe_layer_f64(xf.data(), int(B), idx.data(), w.data(), k, w64->view, want.data());
+      oracle.run(xf.data(), int(B), idx.data(), w.data(), want.data());
       for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_float(out[l][i]);
       figs[l].error_vs_oracle = ref::relative_frobenius_error(got.data(), want.data(), got.size());
     }
@@ -391,7 +407,7 @@ void run(const RunOptions& o) {
     if (o.check)
       for (const auto& f : figs) j["error_vs_oracle"].push_back(f.error_vs_oracle);
     fmt::print("{}\n", j.dump(2));
-    if (o.check) check_oracle_errors(o, figs);
+    if (o.check) check_oracle_errors(o, spec, figs);
     return;
   }
 
@@ -428,9 +444,8 @@ void run(const RunOptions& o) {
   if (o.check) {
     fmt::print("relative error against the float64 oracle:");
     for (const auto& f : figs) fmt::print(" {:.2e}", f.error_vs_oracle);
-    fmt::print(" (bound {}: {})\n", oracle_tolerance(o),
-               o.backend == "cuda" ? "the GPU layer's, docs/layer-gpu.md" : "docs/design.md §Numerics and their bounds");
-    check_oracle_errors(o, figs);
+    fmt::print(" (bound {:.3g}: {})\n", oracle_tolerance(o, spec), oracle_tolerance_source(o, spec));
+    check_oracle_errors(o, spec, figs);
   }
 }
 

@@ -13,10 +13,12 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <thread>
+#include <tuple>
 
 #include "io/file_io.h"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
+#include "moekit/mxfp4.h"
 #include "moekit/quant.h"
 
 namespace moekit {
@@ -28,6 +30,7 @@ namespace {
 
 constexpr std::string_view kProjs[] = {"gate_proj", "up_proj", "down_proj"};
 constexpr float kRouterBiasStd = 0.05f;
+constexpr float kExpertBiasStd = 0.1f;  // gpt-oss expert biases: large enough that a lost bias shows
 
 int64_t ceil_blocks(int64_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
 
@@ -37,14 +40,35 @@ struct LayerDims {
   int64_t inter = 0;         // per routed expert
   int64_t shared_inter = 0;  // of the merged shared-expert MLP, 0 when none
   int num_experts = 0;
-  bool has_bias = false;
+  bool has_bias = false;  // DeepSeek-V3's e_score_correction_bias (sigmoid routers)
+  bool mxfp4 = false;     // gpt-oss's layout (weights.h)
+  bool expert_bias = false;
+  bool logit_bias = false;
 };
 
 LayerDims layer_dims(const ModelSpec& spec) {
   MOEKIT_CHECK(spec.is_moe(), fmt::format("model '{}' is dense: it has no MoE weights", spec.name));
-  return {spec.hidden_size, spec.moe_intermediate_size, int64_t(spec.num_shared_experts) * spec.shared_intermediate_size,
-          spec.num_routed_experts, spec.router.scoring == "sigmoid"};
+  const bool mxfp4 = spec.expert_format == "mxfp4";
+  MOEKIT_CHECK(mxfp4 || spec.expert_format == "fp8",
+               fmt::format("model '{}': expert_format '{}', expected fp8 or mxfp4", spec.name, spec.expert_format));
+  LayerDims d{spec.hidden_size, spec.moe_intermediate_size, int64_t(spec.num_shared_experts) * spec.shared_intermediate_size,
+              spec.num_routed_experts, spec.router.scoring == "sigmoid"};
+  d.mxfp4 = mxfp4;
+  d.expert_bias = spec.expert_bias;
+  d.logit_bias = spec.router.logit_bias;
+  if (mxfp4) {
+    MOEKIT_CHECK(d.shared_inter == 0,
+                 fmt::format("model '{}': the MXFP4 (gpt-oss) layout has no shared experts, the spec has {}", spec.name,
+                             spec.num_shared_experts));
+    for (auto [what, v] : {std::pair{"hidden_size", d.hidden}, {"moe_intermediate_size", d.inter}})
+      MOEKIT_CHECK(v % kMxfp4Group == 0,
+                   fmt::format("model '{}': {} = {} is not a multiple of {} (one e8m0 scale per {} values)", spec.name,
+                               what, v, kMxfp4Group, kMxfp4Group));
+  }
+  return d;
 }
+
+int64_t round_up_to_block(int64_t n) { return ceil_blocks(n) * kQuantBlock; }
 
 // (rows, cols) of a projection of an MLP with intermediate size `inter`.
 std::pair<int64_t, int64_t> proj_shape(std::string_view proj, int64_t hidden, int64_t inter) {
@@ -82,6 +106,108 @@ void load_mlp(const Checkpoint& ckpt, const std::vector<std::string>& names, int
   load_matrix(ckpt, names[1], inter, hidden, &w1.w[w1.layout.w_offset(i, int(inter))],
               &w1.scales[w1.layout.scale_offset(i, int(inter), 0)]);
   load_matrix(ckpt, names[2], hidden, inter, &w2.w[w2.layout.w_offset(i, 0)], &w2.scales[w2.layout.scale_offset(i, 0, 0)]);
+}
+
+// A BF16 or F32 tensor of the given shape, widened to fp32 (exact).
+std::vector<float> read_float_tensor(const Checkpoint& ckpt, const std::string& name, std::span<const int64_t> shape) {
+  const TensorInfo& info = ckpt.info(name);
+  MOEKIT_CHECK(info.dtype == Dtype::kBF16 || info.dtype == Dtype::kF32,
+               fmt::format("tensor '{}' in '{}': expected dtype BF16 or F32 shape {}, got {} {}", name,
+                           ckpt.file_of(name).path(), shape_string(shape), dtype_name(info.dtype),
+                           shape_string(info.shape)));
+  auto bytes = ckpt.bytes(name, info.dtype, shape);
+  std::vector<float> out(bytes.size() / dtype_size(info.dtype));
+  if (info.dtype == Dtype::kF32) {
+    copy_bytes(bytes, out.data());
+  } else {
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes.data() + 2 * i, 2);
+      out[i] = bf16_to_float(h);
+    }
+  }
+  return out;
+}
+
+// bias: rows [first_row, ...) of a [*, cols] tensor, or a vector when cols == 0.
+void check_finite_bias(const Checkpoint& ckpt, const std::string& name, const std::vector<float>& bias, int64_t cols,
+                       int64_t first_row = 0) {
+  for (size_t i = 0; i < bias.size(); ++i)
+    MOEKIT_CHECK(std::isfinite(bias[i]),
+                 fmt::format("tensor '{}' in '{}': element {} holds {}, expected a finite bias", name,
+                             ckpt.file_of(name).path(),
+                             cols > 0 ? fmt::format("[{}, {}]", first_row + int64_t(i) / cols, int64_t(i) % cols)
+                                      : fmt::format("[{}]", i),
+                             bias[i]));
+}
+
+Mxfp4ExpertWeights make_mxfp4_weights(int num_experts, int64_t n, int64_t k, bool with_bias) {
+  Mxfp4ExpertWeights out;
+  out.layout = {num_experts, int(n), int(k)};
+  out.w.assign(out.layout.w_bytes(), 0);  // zero codes: the padding
+  out.scales.assign(out.layout.scale_elems(), kMxfp4UnitScale);
+  if (with_bias) out.bias.assign(size_t(num_experts) * n, 0.0f);
+  return out;
+}
+
+// Copies file matrix `proj` ([E, rows, cols] in blocks, scales and bias) of the experts
+// [first_expert, first_expert + E_loc) into `dst`, file row r going to dst row row_of(r) and its
+// cols/2 bytes to the start of that row (the rest is padding).
+template <class RowOf>
+void load_mxfp4_matrix(const Checkpoint& ckpt, int layer, std::string_view proj, int num_experts, int64_t rows,
+                       int64_t cols, int first_expert, const RowOf& row_of, Mxfp4ExpertWeights& dst) {
+  const int64_t groups = cols / kMxfp4Group;
+  const std::string blocks_name = gpt_oss_expert_tensor_name(layer, proj, "blocks"),
+                    scales_name = gpt_oss_expert_tensor_name(layer, proj, "scales");
+  const int64_t blocks_shape[] = {num_experts, rows, groups, kMxfp4Group / 2}, scales_shape[] = {num_experts, rows, groups};
+  auto blocks = ckpt.bytes(blocks_name, Dtype::kU8, blocks_shape);
+  auto scales = ckpt.bytes(scales_name, Dtype::kU8, scales_shape);
+  const Mxfp4WeightLayout& l = dst.layout;
+  for (int i = 0; i < l.num_experts; ++i) {
+    const int64_t e = first_expert + i;
+    for (int64_t r = 0; r < rows; ++r) {
+      const size_t src = size_t(e * rows + r);
+      for (int64_t g = 0; g < groups; ++g)
+        MOEKIT_CHECK(scales[src * groups + g] <= kMxfp4MaxScale,
+                     fmt::format("tensor '{}' in '{}': expert {} row {} block {} holds the e8m0 byte {}, expected a "
+                                 "scale of at most {} (2^125; 255 is NaN)",
+                                 scales_name, ckpt.file_of(scales_name).path(), e, r, g, scales[src * groups + g],
+                                 kMxfp4MaxScale));
+      const int row = int(row_of(r));
+      std::memcpy(&dst.w[l.w_offset(i, row)], blocks.data() + src * (cols / 2), size_t(cols / 2));
+      std::memcpy(&dst.scales[l.scale_offset(i, row)], scales.data() + src * groups, size_t(groups));
+    }
+  }
+  if (dst.bias.empty()) return;
+  const std::string bias_name = gpt_oss_expert_tensor_name(layer, proj, "bias");
+  const int64_t bias_shape[] = {num_experts, rows};
+  const std::vector<float> bias = read_float_tensor(ckpt, bias_name, bias_shape);
+  // Only the local experts' part is checked, as for the scales.
+  const auto local = std::vector<float>(bias.begin() + ptrdiff_t(first_expert * rows),
+                                        bias.begin() + ptrdiff_t((first_expert + l.num_experts) * rows));
+  check_finite_bias(ckpt, bias_name, local, rows, first_expert);
+  for (int i = 0; i < l.num_experts; ++i)
+    for (int64_t r = 0; r < rows; ++r) dst.bias[size_t(i) * l.n + row_of(r)] = local[size_t(i * rows + r)];
+}
+
+void load_moe_layer_mxfp4(const Checkpoint& ckpt, const LayerDims& d, int layer, int first_expert,
+                          int num_local_experts, MoeLayerWeights& out) {
+  const int64_t hidden_p = round_up_to_block(d.hidden), inter_p = round_up_to_block(d.inter);
+  out.padded_hidden = hidden_p;
+  out.padded_intermediate = inter_p;
+  out.w1_mxfp4 = make_mxfp4_weights(num_local_experts, 2 * inter_p, hidden_p, d.expert_bias);
+  out.w2_mxfp4 = make_mxfp4_weights(num_local_experts, hidden_p, inter_p, d.expert_bias);
+  // gate_up's even rows are gate rows, its odd rows up rows (weights.h).
+  load_mxfp4_matrix(ckpt, layer, "gate_up_proj", d.num_experts, 2 * d.inter, d.hidden, first_expert,
+                    [&](int64_t r) { return r % 2 == 0 ? r / 2 : inter_p + r / 2; }, out.w1_mxfp4);
+  load_mxfp4_matrix(ckpt, layer, "down_proj", d.num_experts, d.hidden, d.inter, first_expert,
+                    [](int64_t r) { return r; }, out.w2_mxfp4);
+  const int64_t router_shape[] = {d.num_experts, d.hidden}, bias_shape[] = {d.num_experts};
+  out.router_weight = read_float_tensor(ckpt, gpt_oss_router_weight_name(layer), router_shape);
+  if (d.logit_bias) {
+    out.router_logit_bias = read_float_tensor(ckpt, gpt_oss_router_bias_name(layer), bias_shape);
+    check_finite_bias(ckpt, gpt_oss_router_bias_name(layer), out.router_logit_bias, 0);
+  }
 }
 
 // ---- random weights ----
@@ -142,10 +268,29 @@ GenItem matrix_item(const std::string& name, int64_t rows, int64_t cols) {
           float(1.0 / std::sqrt(double(cols)))};
 }
 
+// gpt-oss's layer: the router, then each projection's blocks and scales (one item, one file) and bias.
+void plan_items_mxfp4(const LayerDims& d, int l, std::vector<GenItem>& items) {
+  const float router_std = float(1.0 / std::sqrt(double(d.hidden)));
+  items.push_back({{{gpt_oss_router_weight_name(l), Dtype::kBF16, {d.num_experts, d.hidden}}}, router_std});
+  if (d.logit_bias) items.push_back({{{gpt_oss_router_bias_name(l), Dtype::kBF16, {d.num_experts}}}, kRouterBiasStd});
+  for (auto [proj, rows, cols] : {std::tuple{"gate_up_proj", 2 * d.inter, d.hidden}, {"down_proj", d.hidden, d.inter}}) {
+    const int64_t groups = cols / kMxfp4Group;
+    items.push_back({{{gpt_oss_expert_tensor_name(l, proj, "blocks"), Dtype::kU8, {d.num_experts, rows, groups, kMxfp4Group / 2}},
+                      {gpt_oss_expert_tensor_name(l, proj, "scales"), Dtype::kU8, {d.num_experts, rows, groups}}},
+                     float(1.0 / std::sqrt(double(cols)))});
+    if (d.expert_bias)
+      items.push_back({{{gpt_oss_expert_tensor_name(l, proj, "bias"), Dtype::kBF16, {d.num_experts, rows}}}, kExpertBiasStd});
+  }
+}
+
 std::vector<GenItem> plan_items(const ModelSpec& spec, const RandomWeightsOptions& o, int num_layers, int num_experts) {
   const LayerDims d = layer_dims(spec);
   std::vector<GenItem> items;
   for (int l = o.first_layer; l < o.first_layer + num_layers; ++l) {
+    if (d.mxfp4) {
+      plan_items_mxfp4(d, l, items);
+      continue;
+    }
     items.push_back({{{router_weight_name(l), Dtype::kBF16, {d.num_experts, d.hidden}}}, float(1.0 / std::sqrt(double(d.hidden)))});
     if (d.has_bias) items.push_back({{{router_bias_name(l), Dtype::kF32, {d.num_experts}}}, kRouterBiasStd});
     for (int e = o.first_expert; e < o.first_expert + num_experts; ++e)
@@ -187,6 +332,19 @@ std::vector<std::vector<uint8_t>> draw_item(const GenItem& item, uint64_t seed) 
     }
     return out;
   }
+  if (t.dtype == Dtype::kU8) {
+    // An MXFP4 matrix [E, rows, cols/32, 16] and its scales: drawn row by row, each row quantised
+    // per 32 (mxfp4.h), straight into the file's bytes.
+    const int64_t cols = t.shape[2] * kMxfp4Group, num_rows = t.shape[0] * t.shape[1];
+    out[0].resize(t.num_bytes());
+    out[1].resize(item.tensors[1].num_bytes());
+    std::vector<float> row(static_cast<size_t>(cols));
+    for (int64_t r = 0; r < num_rows; ++r) {
+      for (auto& v : row) v = rng.next(item.stddev);
+      quantize_row_mxfp4(row.data(), int(cols), &out[0][size_t(r * cols / 2)], &out[1][size_t(r * t.shape[2])]);
+    }
+    return out;
+  }
   // An fp8 matrix: draw row-major, quantise in 128x128 blocks over the matrix zero-padded to
   // whole blocks (so an edge block's scale is the amax of its real values), then crop.
   const int64_t rows = t.shape[0], cols = t.shape[1];
@@ -210,6 +368,12 @@ std::vector<std::vector<uint8_t>> draw_item(const GenItem& item, uint64_t seed) 
 
 }  // namespace
 
+std::string gpt_oss_expert_tensor_name(int layer, std::string_view proj, std::string_view part) {
+  return fmt::format("model.layers.{}.mlp.experts.{}_{}", layer, proj, part);
+}
+std::string gpt_oss_router_weight_name(int layer) { return fmt::format("model.layers.{}.mlp.router.weight", layer); }
+std::string gpt_oss_router_bias_name(int layer) { return fmt::format("model.layers.{}.mlp.router.bias", layer); }
+
 std::string expert_weight_name(int layer, int expert, std::string_view proj) {
   return fmt::format("model.layers.{}.mlp.experts.{}.{}.weight", layer, expert, proj);
 }
@@ -228,6 +392,18 @@ MoeLayerWeights load_moe_layer(const Checkpoint& ckpt, const ModelSpec& spec, in
   MOEKIT_CHECK(first_expert >= 0 && num_local_experts > 0 && first_expert + num_local_experts <= d.num_experts,
                fmt::format("load_moe_layer: experts [{}, {}) must be a non-empty range inside [0, {}) of model '{}'",
                            first_expert, first_expert + num_local_experts, d.num_experts, spec.name));
+  MoeLayerWeights out;
+  out.layer = layer;
+  out.first_expert = first_expert;
+  out.num_experts = d.num_experts;
+  out.hidden_size = d.hidden;
+  out.intermediate_size = d.inter;
+  if (d.mxfp4) {
+    load_moe_layer_mxfp4(ckpt, d, layer, first_expert, num_local_experts, out);
+    return out;
+  }
+  out.padded_hidden = d.hidden;
+  out.padded_intermediate = d.inter;
   for (auto [what, v] : {std::pair{"hidden_size", d.hidden}, {"moe_intermediate_size", d.inter},
                          {"shared intermediate size", d.shared_inter}})
     MOEKIT_CHECK(v % kQuantBlock == 0,
@@ -235,12 +411,6 @@ MoeLayerWeights load_moe_layer(const Checkpoint& ckpt, const ModelSpec& spec, in
                              "layout needs whole 128x128 blocks",
                              spec.name, what, v, kQuantBlock));
 
-  MoeLayerWeights out;
-  out.layer = layer;
-  out.first_expert = first_expert;
-  out.num_experts = d.num_experts;
-  out.hidden_size = d.hidden;
-  out.intermediate_size = d.inter;
   out.w1 = make_expert_weights(num_local_experts, 2 * d.inter, d.hidden);
   out.w2 = make_expert_weights(num_local_experts, d.hidden, d.inter);
   for (int i = 0; i < num_local_experts; ++i) {
@@ -249,24 +419,8 @@ MoeLayerWeights load_moe_layer(const Checkpoint& ckpt, const ModelSpec& spec, in
     load_mlp(ckpt, names, d.hidden, d.inter, i, out.w1, out.w2);
   }
 
-  const std::string router = router_weight_name(layer);
-  const TensorInfo& ri = ckpt.info(router);
   const int64_t router_shape[] = {d.num_experts, d.hidden};
-  MOEKIT_CHECK(ri.dtype == Dtype::kBF16 || ri.dtype == Dtype::kF32,
-               fmt::format("tensor '{}' in '{}': expected dtype BF16 or F32 shape {}, got {} {}", router,
-                           ckpt.file_of(router).path(), shape_string(router_shape), dtype_name(ri.dtype),
-                           shape_string(ri.shape)));
-  auto rb = ckpt.bytes(router, ri.dtype, router_shape);
-  out.router_weight.resize(size_t(d.num_experts * d.hidden));
-  if (ri.dtype == Dtype::kF32) {
-    copy_bytes(rb, out.router_weight.data());
-  } else {
-    for (size_t i = 0; i < out.router_weight.size(); ++i) {
-      uint16_t h;
-      std::memcpy(&h, rb.data() + 2 * i, 2);
-      out.router_weight[i] = bf16_to_float(h);
-    }
-  }
+  out.router_weight = read_float_tensor(ckpt, router_weight_name(layer), router_shape);
   if (d.has_bias) {
     const int64_t bias_shape[] = {d.num_experts};
     out.router_bias.resize(size_t(d.num_experts));
@@ -294,6 +448,10 @@ RandomWeightsPlan plan_random_weights(const ModelSpec& spec, const RandomWeights
                fmt::format("random weights: experts [{}, {}) must lie inside [0, {}) of model '{}'", o.first_expert,
                            o.first_expert + num_experts, d.num_experts, spec.name));
   MOEKIT_CHECK(o.max_shard_bytes > 0, "random weights: max_shard_bytes must be > 0");
+  MOEKIT_CHECK(!d.mxfp4 || (o.first_expert == 0 && num_experts == d.num_experts),
+               fmt::format("random weights: experts [{}, {}) of model '{}': its MXFP4 (gpt-oss) layout holds all {} "
+                           "experts of a layer in one tensor, so all are written",
+                           o.first_expert, o.first_expert + num_experts, spec.name, d.num_experts));
 
   RandomWeightsPlan plan;
   uint64_t shard_bytes = 0;
@@ -335,7 +493,11 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
   // first, at most kDrawBudgetBytes of drawing buffers (fp32 values plus fp8 codes).
   const size_t workers = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16);
   constexpr uint64_t kDrawBudgetBytes = uint64_t(1) << 30;
-  auto draw_bytes = [](const GenItem& item) { return item.tensors[0].num_bytes() / dtype_size(item.tensors[0].dtype) * 5; };
+  // fp32 values plus fp8 codes; an MXFP4 matrix is drawn a row at a time into its own bytes.
+  auto draw_bytes = [](const GenItem& item) {
+    return item.tensors[0].dtype == Dtype::kU8 ? item.bytes()
+                                               : item.tensors[0].num_bytes() / dtype_size(item.tensors[0].dtype) * 5;
+  };
   // An index left from an earlier run must not describe a half-written directory. Without it,
   // Checkpoint::open refuses the directory (its files carry kGeneratorName) until the new index
   // is written, last, after every shard is complete on disk.

@@ -151,11 +151,12 @@ double dense_flops(const GpuSpec& gpu, ComputeDtype dtype) { return dtype == Com
 // Tokens a sequence verifies per step: its N drafts and the one it would decode anyway.
 int64_t tokens_per_sequence(const PlanInput& in) { return int64_t(in.mtp) + 1; }
 
-// Bytes of all routed experts, whole model (docs/theory.md §Weight traffic and the floor, W_routed·bpp):
-// num_moe_layers·E·3·hidden·moe_inter·bpp (gate, up and down projections of a SwiGLU expert).
-double routed_weight_bytes(const ModelSpec& m) {
-  return double(m.num_moe_layers) * m.num_routed_experts * m.params_per_expert() * m.weight_bytes_per_param;
-}
+// Parameters of all routed experts, whole model: num_moe_layers·E·3·hidden·moe_inter (gate, up and
+// down projections of a SwiGLU expert).
+double routed_params(const ModelSpec& m) { return double(m.num_moe_layers) * m.num_routed_experts * m.params_per_expert(); }
+
+// Bytes of all routed experts, whole model (docs/theory.md §Weight traffic and the floor, W_routed·bpp).
+double routed_weight_bytes(const ModelSpec& m) { return routed_params(m) * m.weight_bytes_per_param; }
 
 void validate(const PlanInput& in) {
   // The specs are validated again through their JSON form, so a hand-built ModelSpec or GpuSpec
@@ -234,11 +235,28 @@ PaddingRow padding_row(int bm, double expected_m) {
   return r;
 }
 
+// plan_row with the routed experts at `expert_bpp` bytes per parameter and every other weight at
+// the spec's weight_bytes_per_param.
+PlanRow plan_row_with_experts_at(const PlanInput& in, int64_t batch, double expert_bpp);
+
 }  // namespace
+
+double expert_bytes_per_param(std::string_view format) {
+  // Values plus scales: FP8 one fp32 per 128 x 128 values, MXFP4 one byte per 32 values.
+  if (format == "fp8") return 1.0 + 4.0 / (128.0 * 128.0);
+  if (format == "mxfp4") return (4.0 + 8.0 / 32.0) / 8.0;
+  throw Error(fmt::format("expert weight format '{}' is unknown: expected fp8 or mxfp4", format));
+}
 
 double accept_length(const PlanInput& in) { return in.accept_length.value_or(double(tokens_per_sequence(in))); }
 
 PlanRow plan_row(const PlanInput& in, int64_t batch) {
+  return plan_row_with_experts_at(in, batch, in.model.weight_bytes_per_param);
+}
+
+namespace {
+
+PlanRow plan_row_with_experts_at(const PlanInput& in, int64_t batch, double expert_bpp) {
   const ModelSpec& m = in.model;
   const GpuSpec& g = in.gpu;
   // Every figure of the step is that of the T = B·(N + 1) tokens it verifies: to the MoE
@@ -256,9 +274,10 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
   r.tokens_per_gpu = T / P;
 
   // docs/theory.md §Weight traffic and the floor: weight traffic of a step ≈ [C(B)·W_routed + W_other]·bpp, split
-  // evenly over the P GPUs. A dense model reads every weight every step (C = 1).
-  const double routed = routed_weight_bytes(m);
-  const double other = m.total_params * bpp - routed;
+  // evenly over the P GPUs. A dense model reads every weight every step (C = 1). The routed
+  // experts may be stored at their own bytes per parameter (expert_bpp; the spec's bpp otherwise).
+  const double routed = routed_params(m) * expert_bpp;
+  const double other = m.total_params * bpp - routed_weight_bytes(m);
   r.coverage = m.is_moe() ? coverage_closed_form(m.num_routed_experts, m.num_experts_per_token, T) : 1.0;
   r.step_weight_bytes_per_gpu = (r.coverage * routed + other) / P;
   r.weight_read_ms = r.step_weight_bytes_per_gpu / g.hbm_bandwidth * 1e3;
@@ -311,6 +330,8 @@ PlanRow plan_row(const PlanInput& in, int64_t batch) {
   r.tokens_per_s = double(batch) * r.tokens_per_s_per_seq;
   return r;
 }
+
+}  // namespace
 
 PlanResult plan(const PlanInput& in) {
   validate(in);
@@ -366,6 +387,15 @@ PlanResult plan(const PlanInput& in) {
     double expected_m = double(res.operating_point) * double(tokens_per_sequence(in)) * m.num_experts_per_token /
                         m.num_routed_experts;
     for (int bm : kPaddingBlockSizes) res.padding.push_back(padding_row(bm, expected_m));
+    // The floors with the routed experts in each format, side by side.
+    for (const char* format : kExpertFormats) {
+      ExpertFormatPlan f;
+      f.format = format;
+      f.bytes_per_param = expert_bytes_per_param(format);
+      f.routed_weight_bytes = routed_params(m) * f.bytes_per_param;
+      for (int64_t b : in.batches) f.rows.push_back(plan_row_with_experts_at(in, b, f.bytes_per_param));
+      res.expert_formats.push_back(std::move(f));
+    }
   }
   return res;
 }

@@ -101,6 +101,26 @@ std::string plan_to_json(const PlanResult& res) {
   ojson rows = ojson::array();
   for (size_t i = 0; i < res.rows.size(); ++i) rows.push_back(row_json(res.rows[i], res.rows_no_mtp[i], res));
   j["rows"] = rows;
+  if (res.is_moe) {
+    ojson formats = ojson::array();
+    for (const ExpertFormatPlan& f : res.expert_formats) {
+      ojson frows = ojson::array();
+      for (const PlanRow& r : f.rows)
+        frows.push_back(ojson{{"batch", r.batch},
+                              {"step_weight_bytes_per_gpu", r.step_weight_bytes_per_gpu},
+                              {"weight_read_ms", r.weight_read_ms},
+                              {"floor_ms", r.floor_ms},
+                              {"dominant", r.dominant},
+                              {"tpot_ms", r.tpot_ms}});
+      formats.push_back(ojson{{"format", f.format},
+                              {"bytes_per_param", f.bytes_per_param},
+                              {"routed_weight_bytes", f.routed_weight_bytes},
+                              {"rows", frows}});
+    }
+    j["expert_formats"] = formats;
+  } else {
+    j["expert_formats"] = nullptr;  // no routed experts
+  }
   j["notes"] = ojson::array({
       "floor_ms = max(weight_read_ms, compute_ms); comm_ms is reported apart and is not in the floor",
       "comm_ms = moe_layers x [(dispatch + combine_prereduced bytes) x (P-1)/P / link bandwidth + 2 x latency]; "
@@ -113,6 +133,9 @@ std::string plan_to_json(const PlanResult& res) {
       "meets_sla apply to it; knee_batch = the weight GEMMs' knee in tokens / (N + 1); batch_mem counts the KV of "
       "batch sequences; accept_length_is_bound: accept_length was not given and is N + 1, every draft accepted",
       "*_no_mtp and no_mtp: the same batch decoded one token per sequence and step (no_mtp is null when mtp = 0)",
+      "expert_formats: the same rows with the routed experts stored in FP8 (1 B per value + one fp32 scale per "
+      "128x128 block) and in MXFP4 (4-bit values + one e8m0 byte per 32: 4.25 bits), the other weights at "
+      "weight_bytes_per_param; null for a dense model",
   });
   return j.dump(2);
 }

@@ -43,14 +43,21 @@ RouterSpec parse_router(const json& obj, const std::string& origin, int num_expe
   JsonFields r(obj, origin + ".router");
   RouterSpec s;
   s.scoring = r.str("scoring");
-  MOEKIT_CHECK(s.scoring == "softmax" || s.scoring == "sigmoid",
-               fmt::format("{}: field 'scoring' = \"{}\" must be \"softmax\" or \"sigmoid\"", r.origin(),
-                           quote_text(s.scoring)));
+  MOEKIT_CHECK(s.scoring == "softmax" || s.scoring == "sigmoid" || s.scoring == "topk_softmax",
+               fmt::format("{}: field 'scoring' = \"{}\" must be \"softmax\", \"sigmoid\" or \"topk_softmax\"",
+                           r.origin(), quote_text(s.scoring)));
   s.num_groups = r.integer<int>("num_groups", 1, kMaxExperts);
   s.topk_groups = r.integer<int>("topk_groups", 1, kMaxExperts);
   s.routed_scaling_factor = r.number("routed_scaling_factor", kMinScaling, kMaxScaling);
   s.normalize_topk = r.boolean("normalize_topk");
+  if (r.has("logit_bias")) s.logit_bias = r.boolean("logit_bias");
   r.reject_unknown();
+  if (s.scoring == "topk_softmax") {
+    MOEKIT_CHECK(s.num_groups == 1, fmt::format("{}: scoring \"topk_softmax\" picks the k largest logits of all experts: "
+                                                "num_groups = {} must be 1", r.origin(), s.num_groups));
+    MOEKIT_CHECK(s.normalize_topk, fmt::format("{}: scoring \"topk_softmax\" is a softmax over the k chosen logits, "
+                                               "which sums to 1: normalize_topk must be true", r.origin()));
+  }
   MOEKIT_CHECK(num_experts % s.num_groups == 0,
                fmt::format("{}: num_groups = {} must divide num_routed_experts = {}", r.origin(), s.num_groups, num_experts));
   MOEKIT_CHECK(s.topk_groups <= s.num_groups,
@@ -59,6 +66,51 @@ RouterSpec parse_router(const json& obj, const std::string& origin, int num_expe
                fmt::format("{}: topk_groups = {} groups of {} experts cannot hold k = {} experts", r.origin(),
                            s.topk_groups, num_experts / s.num_groups, k));
   return s;
+}
+
+ActivationSpec parse_activation(const json& obj, const std::string& origin) {
+  JsonFields r(obj, origin + ".activation");
+  ActivationSpec a;
+  a.kind = r.str("kind");
+  if (a.kind == "clamped_swiglu") {
+    a.alpha = r.number("alpha", kMinScaling, kMaxScaling);
+    a.limit = r.number("limit", kMinScaling, kMaxScaling);
+  } else {
+    MOEKIT_CHECK(a.kind == "silu", fmt::format("{}: field 'kind' = \"{}\" must be \"silu\" or \"clamped_swiglu\"",
+                                               r.origin(), quote_text(a.kind)));
+    for (const char* key : {"alpha", "limit"})
+      MOEKIT_CHECK(!r.has(key), fmt::format("{}: field '{}' applies to kind \"clamped_swiglu\" only, not \"silu\"",
+                                            r.origin(), key));
+  }
+  r.reject_unknown();
+  return a;
+}
+
+// The optional fields of experts that differ from DeepSeek-style ones (spec.h), and what moekit can
+// load of them: the FP8 checkpoint layout has no biases and no room for the MXFP4 constraints.
+void parse_expert_fields(JsonFields& r, ModelSpec& m) {
+  const std::string& origin = r.origin();
+  if (r.has("expert_format")) m.expert_format = r.str("expert_format");
+  MOEKIT_CHECK(m.expert_format == "fp8" || m.expert_format == "mxfp4",
+               fmt::format("{}: field 'expert_format' = \"{}\" must be \"fp8\" or \"mxfp4\"", origin,
+                           quote_text(m.expert_format)));
+  if (r.has("activation")) m.activation = parse_activation(r.object("activation"), origin);
+  if (r.has("expert_bias")) m.expert_bias = r.boolean("expert_bias");
+  const bool mxfp4 = m.expert_format == "mxfp4";
+  MOEKIT_CHECK(!m.expert_bias || mxfp4,
+               fmt::format("{}: expert_bias = true needs expert_format \"mxfp4\": the FP8 (DeepSeek-V3) checkpoint "
+                           "layout has no expert biases", origin));
+  MOEKIT_CHECK(!m.router.logit_bias || mxfp4,
+               fmt::format("{}: router logit_bias = true needs expert_format \"mxfp4\": the FP8 (DeepSeek-V3) "
+                           "checkpoint layout has no router bias (its sigmoid routers' e_score_correction_bias "
+                           "steers the selection only)", origin));
+  if (!mxfp4) return;
+  MOEKIT_CHECK(m.num_shared_experts == 0,
+               fmt::format("{}: expert_format \"mxfp4\" (the gpt-oss layout) has no shared experts, got "
+                           "num_shared_experts = {}", origin, m.num_shared_experts));
+  for (auto [key, v] : {std::pair{"hidden_size", m.hidden_size}, {"moe_intermediate_size", m.moe_intermediate_size}})
+    MOEKIT_CHECK(v % 32 == 0, fmt::format("{}: {} = {} must be a multiple of 32 with expert_format \"mxfp4\" (one "
+                                          "e8m0 scale per 32 values along K)", origin, key, v));
 }
 
 }  // namespace
@@ -112,6 +164,7 @@ ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin) 
   MOEKIT_CHECK((m.num_shared_experts == 0) == (m.shared_intermediate_size == 0),
                fmt::format("{}: num_shared_experts = {} and shared_intermediate_size = {} must be both 0 or both > 0",
                            origin, m.num_shared_experts, m.shared_intermediate_size));
+  parse_expert_fields(r, m);
   r.reject_unknown();
   return m;
 }
@@ -198,6 +251,12 @@ std::string to_json(const ModelSpec& m) {
                    {"topk_groups", m.router.topk_groups},
                    {"routed_scaling_factor", m.router.routed_scaling_factor},
                    {"normalize_topk", m.router.normalize_topk}};
+  // The optional expert fields, only where they differ from the default (spec.h).
+  if (m.is_moe() && m.router.logit_bias) j["router"]["logit_bias"] = true;
+  if (m.expert_format != "fp8") j["expert_format"] = m.expert_format;
+  if (m.activation.kind != "silu")
+    j["activation"] = {{"kind", m.activation.kind}, {"alpha", m.activation.alpha}, {"limit", m.activation.limit}};
+  if (m.expert_bias) j["expert_bias"] = true;
   return j.dump(2);
 }
 

@@ -274,4 +274,18 @@ expect_error "f without eplb-gain" "--f and --speedup go with --eplb-gain" plan 
 expect_error "eplb-gain without speedup" "--eplb-gain needs --speedup" plan --eplb-gain --f 0.6
 expect_error "eplb-gain f out of range" "--f = 1.5 must be in [0, 1]" plan --eplb-gain --f 1.5 --speedup 2
 
+# --- expert weight formats: FP8 and MXFP4 floors side by side ---
+run_ok "gpt-oss-120b table" "$tmp/oss-table" plan --model gpt-oss-120b --ep 1 --batch 1,64,1024
+if grep -q "MXFP4 0.531250 B/param" "$tmp/oss-table" && grep -q "FP8   1.000244 B/param" "$tmp/oss-table" &&
+   grep -q "MXFP4/FP8" "$tmp/oss-table" && grep -qE "^ +1024 \|.*\| +0\.536x$" "$tmp/oss-table"; then
+  pass "gpt-oss-120b: FP8 and MXFP4 floors side by side, 0.536x at full coverage"
+else fail "gpt-oss-120b: FP8 and MXFP4 floors side by side"; cat "$tmp/oss-table"; fi
+run_ok "gpt-oss-120b json" "$tmp/oss.json" plan --model gpt-oss-120b --ep 1 --batch 1,1024 --json
+# routed = 36·128·3·2880² = 114,661,785,600 parameters; other = 116.8e9·0.53 − routed·0.53 bytes
+json_code "gpt-oss-120b: routed bytes per format, floors by hand" "$tmp/oss.json" "
+routed = 36 * 128 * 3 * 2880 ** 2; other = 116.8e9 * 0.53 - routed * 0.53; f = j['expert_formats']
+ok = ([x['format'] for x in f] == ['fp8', 'mxfp4'] and close(f[0]['routed_weight_bytes'], routed * (1 + 4 / 16384)) and
+close(f[1]['routed_weight_bytes'], routed * 0.53125) and
+close(f[1]['rows'][1]['weight_read_ms'], (j['rows'][1]['coverage'] * routed * 0.53125 + other) / j['hbm_bandwidth'] * 1e3))"
+
 finish "plan CLI"

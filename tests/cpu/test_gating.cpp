@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -217,4 +218,59 @@ TEST(Gating, BadRouterArgumentsAreErrors) {
   EXPECT_THROW(call(2, r), Error);
   bias[5] = NAN;
   EXPECT_THROW(call(2, softmax_router(true), bias.data()), Error);
+}
+
+// gpt-oss's router: a linear layer with bias, then top-k on the logits and a softmax over those k.
+TEST(Gating, RouterLogitBiasIsAdded) {
+  const int tokens = 2, hidden = 128, experts = 3;
+  std::vector<float> x(tokens * hidden, 1.0f), w(experts * hidden, 0.5f), logits(tokens * experts);
+  const float bias[experts] = {0.25f, -1.0f, 3.0f};
+  ref::router_logits(x.data(), tokens, hidden, w.data(), experts, logits.data(), bias);
+  for (int t = 0; t < tokens; ++t)
+    for (int e = 0; e < experts; ++e) EXPECT_EQ(logits[t * experts + e], 64.0f + bias[e]) << t << " " << e;
+  const float nan_bias[experts] = {0.0f, NAN, 0.0f};
+  try {
+    ref::router_logits(x.data(), tokens, hidden, w.data(), experts, logits.data(), nan_bias);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("logit bias of expert 1 is nan"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Gating, TopkThenSoftmaxOverTheK) {
+  RouterSpec r;
+  r.scoring = "topk_softmax";
+  // Logits 1, 4, 2, 3: the top-2 are experts 1 and 3, weights softmax(4, 3) = e/(e+1), 1/(e+1).
+  const Routed got = route({1.0f, 4.0f, 2.0f, 3.0f}, 4, 2, r);
+  EXPECT_EQ(got.idx, (std::vector<int32_t>{1, 3}));
+  const double e = std::exp(1.0);
+  EXPECT_EQ(got.weights[0], float(e / (e + 1)));
+  EXPECT_EQ(got.weights[1], float(1 / (e + 1)));
+  // The same choice as softmax + renormalisation, and the same weights within fp32 rounding, on
+  // random logits.
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(200 * 32);
+  for (auto& v : logits) v = normal(rng);
+  const Routed a = route(logits, 32, 4, r), b = route(logits, 32, 4, softmax_router(true));
+  EXPECT_EQ(a.idx, b.idx);
+  for (size_t i = 0; i < a.weights.size(); ++i) EXPECT_NEAR(a.weights[i], b.weights[i], 1e-6f * b.weights[i]) << i;
+  // A huge logit does not overflow (the softmax is shifted by the largest chosen), and the other
+  // three chosen are still the next largest logits (a softmax over all E would have underflowed
+  // them to equal zeros).
+  logits[5] = 1e30f;
+  const Routed c = route(std::vector<float>(logits.begin(), logits.begin() + 32), 32, 4, r);
+  std::vector<int32_t> order(32);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return logits[x] > logits[y]; });
+  EXPECT_EQ(c.idx, std::vector<int32_t>(order.begin(), order.begin() + 4));
+  EXPECT_EQ(c.weights, (std::vector<float>{1.0f, 0.0f, 0.0f, 0.0f}));
+  // It needs one group and normalisation.
+  r.num_groups = 2;
+  r.topk_groups = 2;
+  EXPECT_THROW(route({1.0f, 4.0f, 2.0f, 3.0f}, 4, 2, r), Error);
+  r.num_groups = 1;
+  r.topk_groups = 1;
+  r.normalize_topk = false;
+  EXPECT_THROW(route({1.0f, 4.0f, 2.0f, 3.0f}, 4, 2, r), Error);
 }

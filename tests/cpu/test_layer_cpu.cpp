@@ -1,11 +1,13 @@
 // The CPU MoE layer (layer_cpu.h) end to end, on weights written by the random checkpoint
-// generator and read back by the loader: output against the float64 oracle for P in {1, 2, 4, 8},
-// both protocols, with and without redundant experts; FP8 payloads, scales and expert outputs the
+// generator and read back by the loader, for a DeepSeek-style FP8 model and a gpt-oss-style MXFP4
+// one: output against the float64 oracle for P in {1, 2, 4, 8}, both protocols, with and without
+// redundant experts; the MXFP4 oracle against gpt-oss's block computed from the file's tensors; FP8 payloads, scales and expert outputs the
 // same bits as one rank; the distinct-target count equal to the simulator's on the same routing;
 // bad input rejected.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -21,8 +23,10 @@
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/eplb.h"
+#include "moekit/fp8.h"
 #include "moekit/gating.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/quant.h"
 #include "moekit/rebalance.h"
 #include "moekit/reference.h"
 #include "moekit/simulate.h"
@@ -41,17 +45,37 @@ const char* kModelJson = R"({
   "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 1.0, "kv_bytes_per_token": 1024,
   "router": {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "normalize_topk": true}
 })";
+// A small gpt-oss-style model: MXFP4 experts with biases, hidden 160 and inter 96 (padded to 256
+// and 128 by the loader), a router with bias, top-4 then softmax, the clamped SwiGLU with limit 1
+// (gpt-oss's 7 would never clamp these values; 1 clamps both branches often).
+const char* kOssModelJson = R"({
+  "name": "test-oss", "hidden_size": 160, "num_layers": 1, "num_moe_layers": 1,
+  "moe_intermediate_size": 96, "num_routed_experts": 16, "num_experts_per_token": 4,
+  "num_shared_experts": 0, "shared_intermediate_size": 0,
+  "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 0.53, "kv_bytes_per_token": 1024,
+  "router": {"scoring": "topk_softmax", "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,
+             "normalize_topk": true, "logit_bias": true},
+  "expert_format": "mxfp4", "activation": {"kind": "clamped_swiglu", "alpha": 1.702, "limit": 1.0}, "expert_bias": true
+})";
 constexpr int kTokens = 48;  // B, all ranks together
+// The MXFP4 layer's bound against the oracle (docs/layer.md): three bf16 roundings the oracle does
+// not make (each expert's y, each rank's partial sum, the output), each with an RMS relative error
+// of at most 2^-8/sqrt(3) (half an ulp, uniform, over a mantissa >= 1): sqrt(3) * 2^-8/sqrt(3).
+// Measured 2.4e-3 (P = 1: two roundings) to 2.94e-3; without a shared expert every output value
+// takes all three, which puts gpt-oss closer to it than the DeepSeek-style model's 3e-3.
+constexpr double kOssBound = 0x1p-8;
 
 // The model, its checkpoint written once by the generator and loaded back, and B random tokens.
 struct Fixture {
-  ModelSpec model = parse_model_spec(kModelJson, "test");
+  ModelSpec model;
   // One directory per process: ctest runs the cases of this file as parallel processes.
-  fs::path dir = fs::path(MOEKIT_BINARY_DIR) / fmt::format("test_layer_cpu_weights.{}", getpid());
+  fs::path dir;
   MoeLayerWeights weights;
   std::vector<uint16_t> x;  // [B, d] bf16
 
-  Fixture() {
+  Fixture(const char* json, const char* tag)
+      : model(parse_model_spec(json, tag)),
+        dir(fs::path(MOEKIT_BINARY_DIR) / fmt::format("test_layer_cpu_{}_weights.{}", tag, getpid())) {
     fs::remove_all(dir);
     RandomWeightsOptions opt;
     opt.seed = 42;
@@ -69,7 +93,12 @@ struct Fixture {
 };
 
 const Fixture& fixture() {
-  static const Fixture f;
+  static const Fixture f(kModelJson, "test");
+  return f;
+}
+
+const Fixture& oss_fixture() {
+  static const Fixture f(kOssModelJson, "oss");
   return f;
 }
 
@@ -86,8 +115,7 @@ struct LayerRun {
 };
 
 LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const std::vector<int32_t>* routing_idx = nullptr,
-              const std::vector<float>* routing_w = nullptr) {
-  const Fixture& f = fixture();
+              const std::vector<float>* routing_w = nullptr, const Fixture& f = fixture()) {
   const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token, B = kTokens;
   CpuLayerConfig cfg;
   cfg.num_ranks = p;
@@ -104,7 +132,8 @@ LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const
                   routing_idx ? routing_idx->data() + size_t(t0) * k : nullptr,
                   routing_w ? routing_w->data() + size_t(t0) * k : nullptr);
   });
-  const int e_loc = layer.num_local_experts(), kb = d / 128;
+  // The receive side holds rows of the GEMMs' hidden size (MXFP4: padded to 128).
+  const int e_loc = layer.num_local_experts(), d_p = layer.ep_config().hidden, kb = d_p / 128;
   for (int r = 0; r < p; ++r) {
     const RankStep& st = layer.last_step(r);
     run.topk_idx.insert(run.topk_idx.end(), st.topk_idx.begin(), st.topk_idx.end());
@@ -116,13 +145,13 @@ LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const
       const int src = code / cfg.max_tokens, token = code % cfg.max_tokens;
       const int global = first_token(src, p, B) + token;
       const int logical = placement.phy2log_row(0)[r * e_loc + e];
-      std::vector<uint8_t> bytes(buf.recv_x + size_t(row) * d, buf.recv_x + size_t(row + 1) * d);
+      std::vector<uint8_t> bytes(buf.recv_x + size_t(row) * d_p, buf.recv_x + size_t(row + 1) * d_p);
       for (int b = 0; b < kb; ++b) {
         const float s = buf.recv_scales[scale_index + b * scale_stride];
         bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(&s), reinterpret_cast<const uint8_t*>(&s) + 4);
       }
-      const uint8_t* y = reinterpret_cast<const uint8_t*>(buf.y + size_t(row) * d);
-      bytes.insert(bytes.end(), y, y + 2 * d);
+      const uint8_t* y = reinterpret_cast<const uint8_t*>(buf.y + size_t(row) * d_p);
+      bytes.insert(bytes.end(), y, y + 2 * d_p);
       EXPECT_TRUE(run.rows.emplace(std::make_pair(global, logical), bytes).second) << "pair delivered twice";
     };
     if (protocol == EpProtocol::kLowLatency) {
@@ -140,19 +169,18 @@ LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const
 }
 
 // The float64 oracle on all B tokens with the given routing.
-std::vector<double> oracle(const std::vector<int32_t>& topk_idx, const std::vector<float>& topk_weights) {
-  const Fixture& f = fixture();
-  static const auto w64 = dequantize_layer_f64(f.weights);
+std::vector<double> oracle(const std::vector<int32_t>& topk_idx, const std::vector<float>& topk_weights,
+                           const Fixture& f = fixture()) {
+  const LayerOracle o(f.model, f.weights);
   std::vector<float> xf(f.x.size());
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
   std::vector<double> out(f.x.size());
-  ref::moe_layer_f64(xf.data(), kTokens, topk_idx.data(), topk_weights.data(), f.model.num_experts_per_token,
-                     w64->view, out.data());
+  o.run(xf.data(), kTokens, topk_idx.data(), topk_weights.data(), out.data());
   return out;
 }
 
-double error_vs_oracle(const LayerRun& run) {
-  const auto want = oracle(run.topk_idx, run.topk_weights);
+double error_vs_oracle(const LayerRun& run, const Fixture& f = fixture()) {
+  const auto want = oracle(run.topk_idx, run.topk_weights, f);
   std::vector<double> got(run.out.size());
   for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_float(run.out[i]);
   return ref::relative_frobenius_error(got.data(), want.data(), got.size());
@@ -392,4 +420,171 @@ TEST(Layer, BadCheckpointIsRejected) {
   wider.moe_intermediate_size = 256;
   expect_error([&] { load_moe_layer(Checkpoint::open(f.dir.string()), wider, 0, 0, 16); }, {"gate_proj", "256"});
   fs::remove_all(dir);
+}
+
+// ---- gpt-oss: MXFP4 experts with biases, router with bias, top-k then softmax, clamped SwiGLU ----
+
+class OssLayerRanks : public ::testing::TestWithParam<std::tuple<int, EpProtocol, bool>> {};
+
+TEST_P(OssLayerRanks, MatchesOracleAndOneRankBitForBit) {
+  const auto [p, protocol, redundant] = GetParam();
+  const Fixture& f = oss_fixture();
+  const Placement placement = redundant ? redundant_placement(p) : identity_placement(16, p);
+  const LayerRun run = run_layer(p, protocol, placement, nullptr, nullptr, f);
+
+  // The ranks' gate is the router on all tokens at once: logits with the router's bias, top-4, softmax over the 4.
+  const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token, E = f.model.num_routed_experts;
+  std::vector<float> xf(f.x.size()), logits(size_t(kTokens) * E), w(size_t(kTokens) * k);
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
+  std::vector<int32_t> idx(size_t(kTokens) * k);
+  ref::router_logits(xf.data(), kTokens, d, f.weights.router_weight.data(), E, logits.data(),
+                     f.weights.router_logit_bias.data());
+  ref::select_experts(logits.data(), kTokens, E, k, f.model.router, nullptr, idx.data(), w.data());
+  ASSERT_EQ(run.topk_idx, idx);
+  ASSERT_EQ(run.topk_weights, w);
+
+  const double err = error_vs_oracle(run, f);
+  RecordProperty("relative_error", std::to_string(err));
+  EXPECT_LE(err, kOssBound) << "relative Frobenius error against the float64 oracle";
+  EXPECT_GT(err, 0.0);
+
+  static const LayerRun one = run_layer(1, EpProtocol::kLowLatency, identity_placement(16, 1), nullptr, nullptr, f);
+  EXPECT_EQ(run.rows.size(), size_t(kTokens) * k);
+  EXPECT_TRUE(run.rows == one.rows) << "payloads, scales or expert outputs differ from P = 1";
+}
+
+INSTANTIATE_TEST_SUITE_P(Layer, OssLayerRanks,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
+                                            ::testing::Values(EpProtocol::kLowLatency, EpProtocol::kNormal),
+                                            ::testing::Bool()),
+                         layer_case_name);
+
+// The oracle against gpt-oss's MoE block written here from the reference implementation, straight
+// from the checkpoint's tensors (interleaved gate/up, unpadded, decoded with the e2m1 table and
+// ldexp), with the pipeline's three activation roundings reproduced: FP8 1x128 of x, the bf16 GEMM1
+// output, FP8 1x128 of the activation. Checks the loader's de-interleaving and padding, the biases,
+// the clamps and the router together. The layer's output then agrees with both.
+TEST(Layer, OssOracleIsTheReferenceBlock) {
+  const Fixture& f = oss_fixture();
+  const Checkpoint ckpt = Checkpoint::open(f.dir.string());
+  const int d = 160, inter = 96, E = 16, k = 4, T = 6;
+  constexpr double kE2m1[16] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
+  auto tensor = [&](const std::string& name) { return ckpt.bytes(name, ckpt.info(name).dtype, ckpt.info(name).shape); };
+  auto bf16_at = [&](std::span<const uint8_t> b, size_t i) {
+    uint16_t h;
+    std::memcpy(&h, b.data() + 2 * i, 2);
+    return double(bf16_to_float(h));
+  };
+  // Matrix `proj` [E, rows, cols] of the file, decoded.
+  auto matrix = [&](const std::string& proj, int rows, int cols) {
+    auto blocks = tensor(gpt_oss_expert_tensor_name(0, proj, "blocks")), scales = tensor(gpt_oss_expert_tensor_name(0, proj, "scales"));
+    std::vector<double> m(size_t(E) * rows * cols);
+    for (size_t i = 0; i < m.size(); ++i) {
+      const uint8_t byte = blocks[i / 2];
+      m[i] = kE2m1[i % 2 == 0 ? byte & 0xF : byte >> 4] * std::ldexp(1.0, int(scales[i / 32]) - 127);
+    }
+    return m;
+  };
+  const std::vector<double> gate_up = matrix("gate_up_proj", 2 * inter, d), down = matrix("down_proj", d, inter);
+  auto gate_up_bias = tensor(gpt_oss_expert_tensor_name(0, "gate_up_proj", "bias")),
+       down_bias = tensor(gpt_oss_expert_tensor_name(0, "down_proj", "bias")), router = tensor(gpt_oss_router_weight_name(0)),
+       router_bias = tensor(gpt_oss_router_bias_name(0));
+  // FP8 1x128 over a row zero-padded to a multiple of 128 (the layer's), dequantised, cropped.
+  auto q = [](std::vector<float> v) {
+    const size_t n = v.size();
+    v.resize((n + 127) / 128 * 128, 0.0f);
+    std::vector<uint8_t> codes(v.size());
+    std::vector<float> scales(v.size() / 128);
+    quantize_row_fp8(v.data(), int(v.size()), codes.data(), scales.data(), 1);
+    std::vector<double> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = double(fp8_e4m3_to_float(codes[i])) * scales[i / 128];
+    return out;
+  };
+
+  std::vector<double> want(size_t(T) * d, 0.0);
+  std::vector<int32_t> idx(size_t(T) * k);
+  std::vector<float> weights(size_t(T) * k);
+  for (int t = 0; t < T; ++t) {
+    std::vector<float> xt(d);
+    for (int c = 0; c < d; ++c) xt[c] = bf16_to_float(f.x[size_t(t) * d + c]);
+    // Router: logits = x W^T + b, the 4 largest, softmax over them.
+    std::vector<std::pair<double, int>> logits(E);
+    for (int e = 0; e < E; ++e) {
+      double sum = bf16_at(router_bias, size_t(e));
+      for (int c = 0; c < d; ++c) sum += double(xt[c]) * bf16_at(router, size_t(e) * d + c);
+      logits[e] = {double(float(sum)), -e};  // ties to the lower index
+    }
+    std::sort(logits.rbegin(), logits.rend());
+    double norm = 0;
+    for (int j = 0; j < k; ++j) norm += std::exp(logits[j].first - logits[0].first);
+    const std::vector<double> xq = q(xt);
+    for (int j = 0; j < k; ++j) {
+      const int e = -logits[j].second;
+      idx[size_t(t) * k + j] = e;
+      weights[size_t(t) * k + j] = float(std::exp(logits[j].first - logits[0].first) / norm);
+      // MLP 1: row 2i is the gate of column i, row 2i + 1 its up; bf16 output; the clamped SwiGLU in fp32.
+      std::vector<float> act(inter);
+      for (int i = 0; i < inter; ++i) {
+        double h[2];
+        for (int part = 0; part < 2; ++part) {
+          const size_t row = size_t(e) * 2 * inter + 2 * i + part;
+          double sum = bf16_at(gate_up_bias, row);
+          for (int c = 0; c < d; ++c) sum += gate_up[row * d + c] * xq[c];
+          h[part] = bf16_to_float(float_to_bf16(float(sum)));
+        }
+        const float g = std::min(float(h[0]), 1.0f), u = std::clamp(float(h[1]), -1.0f, 1.0f);
+        act[i] = g / (1.0f + std::exp(-(1.702f * g))) * (u + 1.0f);
+      }
+      const std::vector<double> aq = q(act);
+      for (int c = 0; c < d; ++c) {
+        double sum = bf16_at(down_bias, size_t(e) * d + c);
+        for (int i = 0; i < inter; ++i) sum += down[(size_t(e) * d + c) * inter + i] * aq[i];
+        want[size_t(t) * d + c] += double(weights[size_t(t) * k + j]) * sum;
+      }
+    }
+  }
+  std::vector<float> xf(size_t(T) * d);
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
+  std::vector<double> got(want.size());
+  LayerOracle(f.model, f.weights).run(xf.data(), T, idx.data(), weights.data(), got.data());
+  EXPECT_LT(ref::relative_frobenius_error(got.data(), want.data(), want.size()), 1e-5);
+
+  // The layer chose the same experts and weights for these tokens, and its output is within bf16 noise.
+  const LayerRun run = run_layer(2, EpProtocol::kLowLatency, identity_placement(16, 2), nullptr, nullptr, f);
+  EXPECT_EQ(std::vector<int32_t>(run.topk_idx.begin(), run.topk_idx.begin() + T * k), idx);
+  for (int i = 0; i < T * k; ++i) EXPECT_NEAR(run.topk_weights[i], weights[i], 1e-6f) << i;
+  std::vector<double> layer(want.size());
+  for (size_t i = 0; i < layer.size(); ++i) layer[i] = bf16_to_float(run.out[i]);
+  EXPECT_LT(ref::relative_frobenius_error(layer.data(), want.data(), want.size()), kOssBound);
+}
+
+TEST(Layer, OssBadInputIsRejected) {
+  const Fixture& f = oss_fixture();
+  CpuLayerConfig cfg;
+  cfg.num_ranks = 2;
+  cfg.max_tokens = 8;
+  // FP8 weights for an MXFP4 model, and the other way round.
+  expect_error([&] { CpuMoeLayer l(f.model, fixture().weights, identity_placement(16, 2), 0, cfg); },
+               {"layer weights are FP8", "expert_format mxfp4"});
+  expect_error([&] { CpuMoeLayer l(fixture().model, f.weights, identity_placement(16, 2), 0, cfg); },
+               {"layer weights are MXFP4", "expert_format fp8"});
+  ModelSpec wider = f.model;
+  wider.hidden_size = 192;
+  expect_error([&] { CpuMoeLayer l(wider, f.weights, identity_placement(16, 2), 0, cfg); }, {"hidden 160", "192"});
+  expect_error([&] { dequantize_layer_f64(f.weights); }, {"MXFP4", "LayerOracle"});
+}
+
+// FP8 weights made by hand (the GPU benchmarks do) leave the padded sizes 0: the layer uses the model's.
+TEST(Layer, Fp8WeightsNeedNoPaddedSizes) {
+  MoeLayerWeights w = fixture().weights;
+  w.padded_hidden = w.padded_intermediate = 0;
+  CpuLayerConfig cfg;
+  cfg.num_ranks = 2;
+  cfg.max_tokens = 8;
+  const CpuMoeLayer layer(fixture().model, w, identity_placement(16, 2), 0, cfg);
+  EXPECT_EQ(layer.ep_config().hidden, 256);
+  MoeLayerWeights oss = oss_fixture().weights;
+  oss.padded_hidden = 0;
+  expect_error([&] { CpuMoeLayer l(oss_fixture().model, oss, identity_placement(16, 2), 0, cfg); },
+               {"padded to hidden 0", "multiples of 128"});
 }

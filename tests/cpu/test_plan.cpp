@@ -641,3 +641,51 @@ TEST(PlanSpeed, TwentyBatchSizesUnder50ms) {
   RecordProperty("best_ms", std::to_string(best_ms));
   EXPECT_LT(best_ms, 50.0);
 }
+
+// ---- expert weight formats: FP8 and MXFP4 floors side by side -------------------------------
+
+TEST(PlanFormats, BytesPerParameter) {
+  EXPECT_EQ(expert_bytes_per_param("fp8"), 1.0 + 4.0 / 16384);  // 1 B + 4 B per 128 x 128 block
+  EXPECT_EQ(expert_bytes_per_param("mxfp4"), 0.53125);          // (4 + 8/32) bits / 8
+  expect_error([] { expert_bytes_per_param("nvfp4"); }, {"'nvfp4'", "fp8 or mxfp4"});
+}
+
+// gpt-oss-120b on one H200: routed experts 36·128·3·2880² = 114,661,785,600 parameters.
+TEST(PlanFormats, GptOss120bByHand) {
+  const PlanResult r = plan(input("gpt-oss-120b", "h200", 1, {1, 64, 1024}));
+  ASSERT_EQ(r.expert_formats.size(), 2u);
+  const double routed = 114661785600.0, other = 116.8e9 * 0.53 - routed * 0.53;
+  const double bw = load_gpu_spec("h200").hbm_bandwidth;
+  for (size_t f = 0; f < 2; ++f) {
+    const ExpertFormatPlan& fp = r.expert_formats[f];
+    EXPECT_EQ(fp.format, kExpertFormats[f]);
+    expect_rel(fp.routed_weight_bytes, routed * fp.bytes_per_param);
+    ASSERT_EQ(fp.rows.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      const PlanRow& row = fp.rows[i];
+      // Only the routed experts' bytes change: (C·routed·bpp_format + other) / BW.
+      expect_rel(row.weight_read_ms, (r.rows[i].coverage * routed * fp.bytes_per_param + other) / bw * 1e3);
+      EXPECT_EQ(row.coverage, r.rows[i].coverage);
+      EXPECT_EQ(row.compute_ms, r.rows[i].compute_ms);
+      EXPECT_EQ(row.floor_ms, std::max(row.weight_read_ms, row.compute_ms));
+    }
+  }
+  // At full coverage the MXFP4 floor is (0.53125·routed + other) / (1.000244·routed + other) of FP8's.
+  const double ratio = r.expert_formats[1].rows[2].floor_ms / r.expert_formats[0].rows[2].floor_ms;
+  expect_rel(ratio, (0.53125 * routed + other) / ((1 + 4.0 / 16384) * routed + other), 1e-6);
+  EXPECT_NEAR(ratio, 0.536, 0.001);
+  // The plan's own rows keep the spec's weight_bytes_per_param for every weight.
+  expect_rel(r.rows[2].weight_read_ms, (r.rows[2].coverage * routed * 0.53 + other) / bw * 1e3);
+  // A dense model has no experts to store either way.
+  EXPECT_TRUE(plan(input("llama-3-70b", "h200", 1, {1})).expert_formats.empty());
+}
+
+TEST(PlanFormats, Json) {
+  const json j = json::parse(plan_to_json(plan(input("gpt-oss-20b", "h200", 1, {1, 8}))));
+  ASSERT_EQ(j["expert_formats"].size(), 2u);
+  EXPECT_EQ(j["expert_formats"][1]["format"], "mxfp4");
+  EXPECT_EQ(j["expert_formats"][1]["bytes_per_param"], 0.53125);
+  for (const char* key : {"batch", "step_weight_bytes_per_gpu", "weight_read_ms", "floor_ms", "dominant", "tpot_ms"})
+    EXPECT_TRUE(j["expert_formats"][0]["rows"][1].contains(key)) << key;
+  EXPECT_TRUE(json::parse(plan_to_json(plan(input("llama-3-70b", "h200", 1, {1}))))["expert_formats"].is_null());
+}

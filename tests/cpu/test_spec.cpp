@@ -20,7 +20,7 @@ json h200() { return json::parse(to_json(load_gpu_spec("h200"))); }
 TEST(Spec, EveryEmbeddedSpecLoads) {
   auto models = embedded_model_names();
   for (const char* want : {"llama-3-70b", "deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3.5-397b-a17b", "glm-4.5",
-                           "gpt-oss-120b", "mixtral-8x7b", "tiny-moe"})
+                           "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b", "tiny-moe"})
     EXPECT_NE(std::find(models.begin(), models.end(), want), models.end()) << want;
   for (const auto& name : models) EXPECT_EQ(load_model_spec(name).name, name);
   auto gpus = embedded_gpu_names();
@@ -138,4 +138,100 @@ TEST(Spec, EveryNumberHasARange) {
   } catch (const Error& e) {
     EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
   }
+}
+
+// ---- the fields of gpt-oss's MoE block ----
+
+namespace {
+json gpt_oss() { return json::parse(to_json(load_model_spec("gpt-oss-120b"))); }
+}  // namespace
+
+TEST(Spec, GptOssFigures) {
+  for (const char* name : {"gpt-oss-20b", "gpt-oss-120b"}) {
+    SCOPED_TRACE(name);
+    const ModelSpec m = load_model_spec(name);
+    EXPECT_EQ(m.hidden_size, 2880);
+    EXPECT_EQ(m.moe_intermediate_size, 2880);
+    EXPECT_EQ(m.num_experts_per_token, 4);
+    EXPECT_EQ(m.num_shared_experts, 0);
+    EXPECT_EQ(m.expert_format, "mxfp4");
+    EXPECT_EQ(m.router.scoring, "topk_softmax");
+    EXPECT_TRUE(m.router.logit_bias);
+    EXPECT_TRUE(m.expert_bias);
+    EXPECT_EQ(m.activation.kind, "clamped_swiglu");
+    EXPECT_DOUBLE_EQ(m.activation.alpha, 1.702);
+    EXPECT_DOUBLE_EQ(m.activation.limit, 7.0);
+    EXPECT_EQ(to_json(parse_model_spec(to_json(m), "roundtrip")), to_json(m));
+  }
+  EXPECT_EQ(load_model_spec("gpt-oss-20b").num_layers, 24);
+  EXPECT_EQ(load_model_spec("gpt-oss-20b").num_routed_experts, 32);
+  EXPECT_EQ(load_model_spec("gpt-oss-120b").num_layers, 36);
+  EXPECT_EQ(load_model_spec("gpt-oss-120b").num_routed_experts, 128);
+  // DeepSeek-style specs leave the new fields out and get the defaults, which to_json leaves out too.
+  const ModelSpec v3 = load_model_spec("deepseek-v3");
+  EXPECT_EQ(v3.expert_format, "fp8");
+  EXPECT_EQ(v3.activation.kind, "silu");
+  EXPECT_FALSE(v3.expert_bias);
+  EXPECT_FALSE(v3.router.logit_bias);
+  const json j = deepseek();
+  for (const char* key : {"expert_format", "activation", "expert_bias"}) EXPECT_FALSE(j.contains(key)) << key;
+  EXPECT_FALSE(j["router"].contains("logit_bias"));
+}
+
+TEST(Spec, RejectsBadExpertFields) {
+  auto bad = [](json j, std::initializer_list<std::string> fragments) {
+    expect_error([&] { parse_model_spec(j.dump(), "t"); }, fragments);
+  };
+  json j = gpt_oss();
+  j["expert_format"] = "nvfp4";
+  bad(j, {"'expert_format' = \"nvfp4\"", "\"fp8\" or \"mxfp4\""});
+  j = gpt_oss();
+  j["activation"]["kind"] = "gelu";
+  bad(j, {"t.activation", "'kind' = \"gelu\""});
+  j = gpt_oss();
+  j["activation"]["alpha"] = 0;
+  bad(j, {"t.activation", "'alpha' = 0", "> 0"});
+  j = gpt_oss();
+  j["activation"].erase("limit");
+  bad(j, {"t.activation", "missing field 'limit'"});
+  j = gpt_oss();
+  j["activation"] = {{"kind", "silu"}, {"limit", 7.0}};
+  bad(j, {"'limit' applies to kind \"clamped_swiglu\" only"});
+  j = gpt_oss();
+  j["activation"]["beta"] = 1;
+  bad(j, {"unknown field 'beta'"});
+  j = gpt_oss();
+  j["expert_bias"] = "yes";
+  bad(j, {"'expert_bias'", "true or false"});
+  j = gpt_oss();
+  j["router"]["num_groups"] = 8;
+  j["router"]["topk_groups"] = 4;
+  bad(j, {"topk_softmax", "num_groups = 8 must be 1"});
+  j = gpt_oss();
+  j["router"]["normalize_topk"] = false;
+  bad(j, {"topk_softmax", "normalize_topk must be true"});
+  j = gpt_oss();
+  j["num_shared_experts"] = 1;
+  j["shared_intermediate_size"] = 2880;
+  bad(j, {"mxfp4", "no shared experts", "num_shared_experts = 1"});
+  j = gpt_oss();
+  j["hidden_size"] = 2890;
+  bad(j, {"hidden_size = 2890 must be a multiple of 32"});
+  j = gpt_oss();
+  j["moe_intermediate_size"] = 100;
+  bad(j, {"moe_intermediate_size = 100 must be a multiple of 32"});
+  // What the FP8 (DeepSeek-V3) layout cannot hold.
+  j = deepseek();
+  j["expert_bias"] = true;
+  bad(j, {"expert_bias = true needs expert_format \"mxfp4\""});
+  j = deepseek();
+  j["router"]["logit_bias"] = true;
+  bad(j, {"logit_bias = true needs expert_format \"mxfp4\""});
+  // An FP8 model may use the clamped SwiGLU and top-k-then-softmax: the layer does either format.
+  j = deepseek();
+  j["activation"] = {{"kind", "clamped_swiglu"}, {"alpha", 1.702}, {"limit", 7.0}};
+  j["router"]["scoring"] = "topk_softmax";
+  j["router"]["num_groups"] = 1;
+  j["router"]["topk_groups"] = 1;
+  EXPECT_EQ(parse_model_spec(j.dump(), "t").activation.kind, "clamped_swiglu");
 }

@@ -16,11 +16,13 @@
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/fp8.h"
+#include "moekit/mxfp4.h"
 
 namespace fs = std::filesystem;
 using namespace moekit;
@@ -62,6 +64,19 @@ ModelSpec odd_spec() {
   s.shared_intermediate_size = 0;
   s.router.scoring = "softmax";
   s.num_moe_layers = 1;
+  return s;
+}
+
+// A small gpt-oss-style model: hidden 160 and inter 96 (padded to 256 and 128), 4 experts, 2 MoE layers.
+ModelSpec oss_spec() {
+  ModelSpec s = load_model_spec("gpt-oss-20b");
+  s.name = "oss-test";
+  s.hidden_size = 160;
+  s.moe_intermediate_size = 96;
+  s.num_routed_experts = 4;
+  s.num_experts_per_token = 2;
+  s.num_layers = 2;
+  s.num_moe_layers = 2;
   return s;
 }
 
@@ -590,7 +605,7 @@ TEST(PythonInterop, DeepSeekCheckpointFromThePackageLoads) {
 // dequantisation of each fp8 matrix agrees with moekit's.
 TEST(PythonInterop, GeneratedCheckpointsReadByThePackage) {
   const fs::path dir = test_dir();
-  for (const ModelSpec& spec : {small_spec(), odd_spec()}) {
+  for (const ModelSpec& spec : {small_spec(), odd_spec(), oss_spec()}) {
     SCOPED_TRACE(spec.name);
     const fs::path out = dir / spec.name;
     write_random_weights(spec, {.seed = 21, .max_shard_bytes = 250000}, out.string());
@@ -608,6 +623,16 @@ TEST(PythonInterop, GeneratedCheckpointsReadByThePackage) {
       auto bytes = ckpt.bytes(name, info.dtype, info.shape);
       if (info.dtype == Dtype::kF8E4M3) {
         values = dequantized(ckpt, name);
+      } else if (name.ends_with("_blocks")) {  // MXFP4, decoded by mxfp4.h against the script's numpy decoder
+        const int k = int(info.shape[2] * 32);
+        std::vector<float> row(k);
+        auto scales = ckpt.bytes(name.substr(0, name.size() - 7) + "_scales", Dtype::kU8, {info.shape.data(), 3});
+        for (int64_t r = 0; r < info.shape[0] * info.shape[1]; ++r) {
+          dequantize_row_mxfp4(bytes.data() + r * k / 2, scales.data() + r * (k / 32), k, row.data());
+          values.insert(values.end(), row.begin(), row.end());
+        }
+      } else if (info.dtype == Dtype::kU8) {
+        values.assign(bytes.begin(), bytes.end());
       } else if (info.dtype == Dtype::kBF16) {
         for (size_t i = 0; i < bytes.size() / 2; ++i) values.push_back(bf16_to_float(u16_at(bytes, i)));
       } else {
@@ -703,4 +728,237 @@ TEST(PythonInterop, MutatedFilesAcceptedExactlyAsThePackageAcceptsThem) {
   EXPECT_GE(accepted, num_mutants / 10);
   EXPECT_GE(refused, num_mutants / 2);
   std::cout << "mutants: " << accepted << " accepted and " << refused << " refused by both\n";
+}
+
+// ---- gpt-oss's MXFP4 checkpoints ----
+
+namespace {
+
+
+// The format's definition, independent of mxfp4.h: the e2m1 table and ldexp.
+constexpr double kE2m1[16] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
+double mxfp4_value(const uint8_t* row_bytes, const uint8_t* row_scales, int64_t i) {
+  const uint8_t byte = row_bytes[i / 2];
+  return kE2m1[i % 2 == 0 ? byte & 0xF : byte >> 4] * std::ldexp(1.0, int(row_scales[i / 32]) - 127);
+}
+
+// File matrix `proj` of expert e, row r, column c, decoded from the checkpoint's blocks and scales.
+double file_value(const Checkpoint& ckpt, int layer, const std::string& proj, int e, int64_t r, int64_t c) {
+  const std::string blocks = gpt_oss_expert_tensor_name(layer, proj, "blocks"), scales = gpt_oss_expert_tensor_name(layer, proj, "scales");
+  const TensorInfo& bi = ckpt.info(blocks);
+  const int64_t rows = bi.shape[1], groups = bi.shape[2];
+  auto b = ckpt.bytes(blocks, Dtype::kU8, bi.shape);
+  auto s = ckpt.bytes(scales, Dtype::kU8, ckpt.info(scales).shape);
+  const size_t row = size_t(e * rows + r);
+  return mxfp4_value(b.data() + row * groups * 16, s.data() + row * groups, c);
+}
+
+double bf16_tensor_value(const Checkpoint& ckpt, const std::string& name, size_t i) {
+  auto bytes = ckpt.bytes(name, Dtype::kBF16, ckpt.info(name).shape);
+  return bf16_to_float(u16_at(bytes, i));
+}
+
+}  // namespace
+
+TEST(WeightNames, FollowGptOss) {
+  EXPECT_EQ(gpt_oss_expert_tensor_name(3, "gate_up_proj", "blocks"), "model.layers.3.mlp.experts.gate_up_proj_blocks");
+  EXPECT_EQ(gpt_oss_expert_tensor_name(35, "down_proj", "scales"), "model.layers.35.mlp.experts.down_proj_scales");
+  EXPECT_EQ(gpt_oss_expert_tensor_name(0, "down_proj", "bias"), "model.layers.0.mlp.experts.down_proj_bias");
+  EXPECT_EQ(gpt_oss_router_weight_name(7), "model.layers.7.mlp.router.weight");
+  EXPECT_EQ(gpt_oss_router_bias_name(7), "model.layers.7.mlp.router.bias");
+}
+
+// Sizes worked out by hand from weights.h's table.
+TEST(RandomWeights, GptOssPlanSaysTheBytes) {
+  // oss_spec, per layer: router 4*160*2 = 1280, bias 8; gate_up blocks 4*192*5*16 = 61440, scales
+  // 3840, bias 4*192*2 = 1536; down blocks 4*160*3*16 = 30720, scales 1920, bias 1280.
+  const RandomWeightsPlan small = plan_random_weights(oss_spec(), {});
+  EXPECT_EQ(small.tensor_bytes, 2u * 102024);
+  EXPECT_EQ(small.shards[0].tensors[0].name, "model.layers.0.mlp.router.weight");
+  // gpt-oss-20b, one layer: 423,751,744 B (of which blocks 398 MB); gpt-oss-120b, 36 layers: 61.0 GB.
+  EXPECT_EQ(plan_random_weights(load_model_spec("gpt-oss-20b"), {.num_layers = 1}).tensor_bytes, 423751744u);
+  EXPECT_EQ(plan_random_weights(load_model_spec("gpt-oss-120b"), {}).tensor_bytes, 61020251136u);
+  expect_error([&] { plan_random_weights(oss_spec(), {.first_expert = 1, .num_experts = 2}); },
+               {"experts [1, 3) of model 'oss-test'", "holds all 4 experts of a layer in one tensor"});
+}
+
+// Generate, load, and compare every loaded value with the file's, both decoded here: gate rows from
+// the file's even rows, up rows from its odd rows, the padding zero, biases de-interleaved alike.
+TEST(RandomWeights, GptOssWriteThenLoadValueByValue) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = oss_spec();
+  write_random_weights(spec, {.seed = 7, .max_shard_bytes = 40000}, dir.string());
+  const Checkpoint ckpt = Checkpoint::open(dir.string());
+  EXPECT_EQ(ckpt.tensor_names().size(), 2u * 8);
+  EXPECT_EQ(ckpt.info(gpt_oss_expert_tensor_name(1, "gate_up_proj", "blocks")).dtype, Dtype::kU8);
+  EXPECT_EQ(ckpt.info(gpt_oss_expert_tensor_name(1, "gate_up_proj", "blocks")).shape, (std::vector<int64_t>{4, 192, 5, 16}));
+  EXPECT_EQ(ckpt.info(gpt_oss_expert_tensor_name(1, "down_proj", "scales")).shape, (std::vector<int64_t>{4, 160, 3}));
+  EXPECT_EQ(ckpt.info(gpt_oss_expert_tensor_name(1, "down_proj", "bias")).dtype, Dtype::kBF16);
+  EXPECT_EQ(ckpt.file_of(gpt_oss_expert_tensor_name(1, "down_proj", "blocks")).path(),
+            ckpt.file_of(gpt_oss_expert_tensor_name(1, "down_proj", "scales")).path());
+
+  const int layer = 1, first = 1, e_loc = 2, hidden = 160, inter = 96, hidden_p = 256, inter_p = 128;
+  const MoeLayerWeights w = load_moe_layer(ckpt, spec, layer, first, e_loc);
+  ASSERT_TRUE(w.is_mxfp4());
+  EXPECT_EQ(w.num_local_experts(), 2);
+  EXPECT_EQ(w.padded_hidden, hidden_p);
+  EXPECT_EQ(w.padded_intermediate, inter_p);
+  EXPECT_TRUE(w.w1.w.empty() && !w.has_shared_experts());
+  const Mxfp4ExpertWeights &w1 = w.w1_mxfp4, &w2 = w.w2_mxfp4;
+  ASSERT_EQ(w1.layout.n, 2 * inter_p);
+  ASSERT_EQ(w1.layout.k, hidden_p);
+  ASSERT_EQ(w2.layout.n, hidden_p);
+  ASSERT_EQ(w2.layout.k, inter_p);
+  ASSERT_EQ(w1.bias.size(), size_t(e_loc) * 2 * inter_p);
+  ASSERT_EQ(w2.bias.size(), size_t(e_loc) * hidden_p);
+  const std::string b1 = gpt_oss_expert_tensor_name(layer, "gate_up_proj", "bias"), b2 = gpt_oss_expert_tensor_name(layer, "down_proj", "bias");
+  size_t nonzero = 0;
+  for (int i = 0; i < e_loc; ++i) {
+    const int e = first + i;
+    for (int n = 0; n < 2 * inter_p; ++n) {
+      const bool up = n >= inter_p;
+      const int j = up ? n - inter_p : n;  // intermediate column
+      const int64_t file_row = 2 * j + (up ? 1 : 0);
+      const uint8_t* row = &w1.w[w1.layout.w_offset(i, n)];
+      const uint8_t* scales = &w1.scales[w1.layout.scale_offset(i, n)];
+      for (int c = 0; c < hidden_p; ++c) {
+        const double want = j < inter && c < hidden ? file_value(ckpt, layer, "gate_up_proj", e, file_row, c) : 0.0;
+        ASSERT_EQ(mxfp4_value(row, scales, c), want) << "expert " << e << " W1 row " << n << " col " << c;
+        nonzero += want != 0.0;
+      }
+      const double want_bias = j < inter ? bf16_tensor_value(ckpt, b1, size_t(e) * 2 * inter + size_t(file_row)) : 0.0;
+      ASSERT_EQ(double(w1.bias[size_t(i) * 2 * inter_p + n]), want_bias) << "expert " << e << " W1 bias " << n;
+    }
+    for (int n = 0; n < hidden_p; ++n) {
+      for (int c = 0; c < inter_p; ++c) {
+        const double want = n < hidden && c < inter ? file_value(ckpt, layer, "down_proj", e, n, c) : 0.0;
+        ASSERT_EQ(mxfp4_value(&w2.w[w2.layout.w_offset(i, n)], &w2.scales[w2.layout.scale_offset(i, n)], c), want)
+            << "expert " << e << " W2 row " << n << " col " << c;
+      }
+      const double want_bias = n < hidden ? bf16_tensor_value(ckpt, b2, size_t(e) * hidden + n) : 0.0;
+      ASSERT_EQ(double(w2.bias[size_t(i) * hidden_p + n]), want_bias) << "expert " << e << " W2 bias " << n;
+    }
+  }
+  EXPECT_GT(nonzero, size_t(e_loc) * 2 * inter * hidden * 9 / 10);  // the real part is not zero
+  // Padding blocks carry the unit scale.
+  EXPECT_EQ(w1.scales[w1.layout.scale_offset(0, 0) + hidden / 32], kMxfp4UnitScale);
+  EXPECT_EQ(w2.scales[w2.layout.scale_offset(0, hidden)], kMxfp4UnitScale);
+  ASSERT_EQ(w.router_weight.size(), 4u * hidden);
+  ASSERT_EQ(w.router_logit_bias.size(), 4u);
+  for (size_t i = 0; i < w.router_weight.size(); ++i)
+    ASSERT_EQ(double(w.router_weight[i]), bf16_tensor_value(ckpt, gpt_oss_router_weight_name(layer), i));
+  for (size_t e = 0; e < 4; ++e)
+    EXPECT_EQ(double(w.router_logit_bias[e]), bf16_tensor_value(ckpt, gpt_oss_router_bias_name(layer), e));
+  EXPECT_TRUE(w.router_bias.empty());  // no DeepSeek-style selection bias
+}
+
+// N(0, 1/fan_in) before quantisation, quantised per 32 by the OCP rule: each block's largest |code| is 4 or 6.
+TEST(RandomWeights, GptOssValuesHaveTheIntendedScale) {
+  const fs::path dir = test_dir();
+  ModelSpec spec = oss_spec();
+  spec.hidden_size = 512;
+  spec.moe_intermediate_size = 256;
+  spec.num_moe_layers = 1;
+  write_random_weights(spec, {.seed = 3}, dir.string());
+  const Checkpoint ckpt = Checkpoint::open(dir.string());
+  for (auto [proj, rows, cols] : {std::tuple{"gate_up_proj", 512, 512}, {"down_proj", 512, 256}}) {
+    const std::string blocks = gpt_oss_expert_tensor_name(0, proj, "blocks");
+    auto b = ckpt.bytes(blocks, Dtype::kU8, ckpt.info(blocks).shape);
+    double sumsq = 0;
+    for (int e = 0; e < 4; ++e)
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) sumsq += std::pow(file_value(ckpt, 0, proj, e, r, c), 2);
+    // MXFP4's rounding adds about 10% of noise variance to the N(0, 1/fan_in) values.
+    EXPECT_NEAR(std::sqrt(sumsq / (4.0 * rows * cols) * cols), 1.0, 0.08) << proj;
+    for (size_t block = 0; block < b.size() / 16; ++block) {
+      int largest = 0;
+      for (int i = 0; i < 16; ++i) largest = std::max({largest, b[block * 16 + i] & 7, (b[block * 16 + i] >> 4) & 7});
+      ASSERT_TRUE(largest == 6 || largest == 7) << proj << " block " << block;
+    }
+  }
+}
+
+TEST(LoadMoeLayer, BadGptOssCheckpointsAreClearErrors) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = oss_spec();
+  write_random_weights(spec, {.num_layers = 1, .seed = 1, .max_shard_bytes = 20000}, (dir / "gen").string());
+  const Checkpoint gen = Checkpoint::open((dir / "gen").string());
+  EXPECT_NO_THROW(load_moe_layer(gen, spec, 0, 0, 4));
+  auto variant = [&](const std::string& file, const std::function<std::optional<TensorDecl>(const std::string&)>& edit,
+                     const std::vector<uint8_t>& bytes = {}) {
+    rewrite_checkpoint(gen, dir / file, edit, bytes);
+    return Checkpoint::open((dir / file).string());
+  };
+  using D = std::optional<TensorDecl>;
+  const std::string gu_blocks = gpt_oss_expert_tensor_name(0, "gate_up_proj", "blocks"),
+                    gu_scales = gpt_oss_expert_tensor_name(0, "gate_up_proj", "scales"),
+                    down_bias = gpt_oss_expert_tensor_name(0, "down_proj", "bias"), router = gpt_oss_router_weight_name(0),
+                    router_bias = gpt_oss_router_bias_name(0);
+  auto drop = [&](const std::string& name) { return [name](const std::string& n) { return n == name ? D(TensorDecl{}) : D(); }; };
+  auto bytes_of = [&](const std::string& name) {
+    auto b = gen.bytes(name, gen.info(name).dtype, gen.info(name).shape);
+    return std::vector<uint8_t>(b.begin(), b.end());
+  };
+
+  for (const std::string& name : {gu_blocks, gu_scales, down_bias, router, router_bias}) {
+    const Checkpoint c = variant("missing.safetensors", drop(name));
+    expect_error([&] { load_moe_layer(c, spec, 0, 0, 4); }, {"tensor '" + name + "' not found in checkpoint"});
+  }
+  // A spec without biases does not read them.
+  ModelSpec no_bias = spec;
+  no_bias.expert_bias = false;
+  no_bias.router.logit_bias = false;
+  const Checkpoint without = variant("without.safetensors", [&](const std::string& n) {
+    return n.ends_with("_bias") || n == router_bias ? D(TensorDecl{}) : D();
+  });
+  const MoeLayerWeights plain = load_moe_layer(without, no_bias, 0, 0, 4);
+  EXPECT_TRUE(plain.w1_mxfp4.bias.empty() && plain.router_logit_bias.empty());
+
+  const Checkpoint shape = variant("shape.safetensors", [&](const std::string& n) {
+    return n == gu_blocks ? D(TensorDecl{gu_blocks, Dtype::kU8, {4, 192, 6, 16}}) : D();
+  }, std::vector<uint8_t>(4 * 192 * 6 * 16));
+  expect_error([&] { load_moe_layer(shape, spec, 0, 0, 4); },
+               {"tensor '" + gu_blocks + "' in '", "expected dtype U8 shape [4, 192, 5, 16], got U8 [4, 192, 6, 16]"});
+  const Checkpoint dtype = variant("dtype.safetensors", [&](const std::string& n) {
+    return n == gu_scales ? D(TensorDecl{gu_scales, Dtype::kI8, {4, 192, 5}}) : D();
+  }, bytes_of(gu_scales));
+  expect_error([&] { load_moe_layer(dtype, spec, 0, 0, 4); }, {"expected dtype U8 shape [4, 192, 5], got I8 [4, 192, 5]"});
+  const Checkpoint f16 = variant("f16.safetensors", [&](const std::string& n) {
+    return n == down_bias ? D(TensorDecl{down_bias, Dtype::kF16, {4, 160}}) : D();
+  }, bytes_of(down_bias));
+  expect_error([&] { load_moe_layer(f16, spec, 0, 0, 4); },
+               {"tensor '" + down_bias + "' in '", "expected dtype BF16 or F32 shape [4, 160], got F16 [4, 160]"});
+
+  // A NaN scale byte (255) at expert 2, row 7, block 1; and 253, whose 6 would overflow fp32.
+  for (uint8_t bad : {uint8_t(255), uint8_t(253)}) {
+    std::vector<uint8_t> scales = bytes_of(gu_scales);
+    scales[(2 * 192 + 7) * 5 + 1] = bad;
+    const Checkpoint c = variant("scale.safetensors", [&](const std::string& n) {
+      return n == gu_scales ? D(TensorDecl{gu_scales, Dtype::kU8, {4, 192, 5}}) : D();
+    }, scales);
+    expect_error([&] { load_moe_layer(c, spec, 0, 0, 4); },
+                 {"tensor '" + gu_scales + "'", fmt::format("expert 2 row 7 block 1 holds the e8m0 byte {}", bad), "at most 252"});
+    EXPECT_NO_THROW(load_moe_layer(c, spec, 0, 3, 1));  // expert 3 alone is fine
+  }
+  // A NaN bias (F32 here: BF16 biases widen, F32 ones are read as they are).
+  std::vector<float> nan_bias(4 * 160, 0.5f);
+  nan_bias[1 * 160 + 9] = std::nanf("");
+  const Checkpoint nan = variant("nan.safetensors", [&](const std::string& n) {
+    return n == down_bias ? D(TensorDecl{down_bias, Dtype::kF32, {4, 160}}) : D();
+  }, std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(nan_bias.data()), reinterpret_cast<const uint8_t*>(nan_bias.data() + nan_bias.size())));
+  expect_error([&] { load_moe_layer(nan, spec, 0, 0, 4); }, {"tensor '" + down_bias + "'", "element [1, 9] holds nan, expected a finite bias"});
+  EXPECT_EQ(load_moe_layer(nan, spec, 0, 2, 2).w2_mxfp4.bias[0], 0.5f);
+
+  // A model whose sizes are not the file's, and a truncated shard.
+  ModelSpec wider = spec;
+  wider.hidden_size = 192;
+  expect_error([&] { load_moe_layer(gen, wider, 0, 0, 4); }, {"expected dtype U8 shape [4, 192, 6, 16], got U8 [4, 192, 5, 16]"});
+  ModelSpec odd = spec;
+  odd.hidden_size = 170;
+  expect_error([&] { load_moe_layer(gen, odd, 0, 0, 4); }, {"hidden_size = 170 is not a multiple of 32"});
+  expect_error([&] { load_moe_layer(gen, spec, 0, 3, 2); }, {"experts [3, 5) must be a non-empty range inside [0, 4)"});
+  const Checkpoint one = variant("one.safetensors", [](const std::string&) { return D(); });
+  const fs::path file = dir / "one.safetensors";
+  fs::resize_file(file, fs::file_size(file) - 100);
+  expect_error([&] { load_moe_layer(Checkpoint::open(file.string()), spec, 0, 0, 4); }, {file.string(), "truncated"});
 }

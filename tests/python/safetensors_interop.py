@@ -11,7 +11,8 @@ checked here follows a formula that the C++ test computes on its own.
   summarize DIR             read a sharded checkpoint (index + files) with the package, check the
                             index against the files and every fp8 weight against its scales' shape,
                             print JSON {tensor: {"dtype", "shape", "sum", "sumsq"}} of the values
-                            (fp8 weights dequantised with their weight_scale_inv)
+                            (fp8 weights dequantised with their weight_scale_inv, MXFP4 blocks
+                            with their scales, which count as bytes)
   mutants DIR COUNT SEED    the differential mode: write COUNT files made by mutating small valid
                             files (header bytes, lengths, offsets, dtypes, shapes, NUL, byte order
                             mark, whitespace, duplicates, nesting, truncation; deterministic for a
@@ -212,6 +213,19 @@ def summarize(ckpt_dir):
             values = bits.view(np.float32).astype(np.float64)
         elif dtype == "F32":
             values = np.frombuffer(t["data"], dtype="<f4").astype(np.float64)
+        elif dtype == "U8" and name.endswith("_blocks"):
+            # MXFP4 (gpt-oss): 16 bytes per block of 32 e2m1 codes, low nibble first, each block
+            # times 2^(scale - 127) from the tensor of the same name ending in _scales.
+            s = tensors[name[: -len("_blocks")] + "_scales"]
+            if s["dtype"] != "U8" or list(s["shape"]) != shape[:-1]:
+                fail(f"{name}: scales {s['dtype']} {s['shape']}, expected U8 {shape[:-1]}")
+            codes = np.frombuffer(t["data"], dtype=np.uint8).reshape(-1, 16)
+            nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(-1, 32)
+            e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+            exponents = np.frombuffer(s["data"], dtype=np.uint8).astype(np.int64).reshape(-1, 1) - 127
+            values = np.ldexp(e2m1[nibbles], exponents)
+        elif dtype == "U8":
+            values = np.frombuffer(t["data"], dtype=np.uint8).astype(np.float64)
         else:
             fail(f"{name}: unexpected dtype {dtype}")
         out[name] = {"dtype": dtype, "shape": shape, "sum": float(values.sum()), "sumsq": float((values ** 2).sum())}

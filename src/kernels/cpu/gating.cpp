@@ -13,15 +13,19 @@
 namespace moekit::ref {
 
 void router_logits(const float* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
-                   float* logits) {
+                   float* logits, const float* logit_bias) {
   MOEKIT_CHECK(num_tokens >= 0 && hidden > 0 && num_experts > 0,
                fmt::format("router_logits: tokens {}, hidden {}, experts {}: expected tokens >= 0 and positive sizes",
                            num_tokens, hidden, num_experts));
+  if (logit_bias)
+    for (int e = 0; e < num_experts; ++e)
+      MOEKIT_CHECK(std::isfinite(logit_bias[e]),
+                   fmt::format("router_logits: logit bias of expert {} is {}, expected a finite value", e, logit_bias[e]));
   for (int t = 0; t < num_tokens; ++t) {
     const float* xt = x + size_t(t) * hidden;
     for (int e = 0; e < num_experts; ++e) {
       const float* we = router_weight + size_t(e) * hidden;
-      double sum = 0.0;
+      double sum = logit_bias ? double(logit_bias[e]) : 0.0;
       for (int i = 0; i < hidden; ++i) sum += double(xt[i]) * double(we[i]);
       logits[size_t(t) * num_experts + e] = float(sum);
     }
@@ -31,8 +35,11 @@ void router_logits(const float* x, int num_tokens, int hidden, const float* rout
 namespace {
 
 void check_router(int num_experts, int k, const RouterSpec& router) {
-  MOEKIT_CHECK(router.scoring == "softmax" || router.scoring == "sigmoid",
-               fmt::format("select_experts: scoring '{}', expected 'softmax' or 'sigmoid'", router.scoring));
+  MOEKIT_CHECK(router.scoring == "softmax" || router.scoring == "sigmoid" || router.scoring == "topk_softmax",
+               fmt::format("select_experts: scoring '{}', expected 'softmax', 'sigmoid' or 'topk_softmax'", router.scoring));
+  MOEKIT_CHECK(router.scoring != "topk_softmax" || (router.num_groups == 1 && router.normalize_topk),
+               fmt::format("select_experts: scoring 'topk_softmax' needs num_groups = 1 and normalize_topk, got {} and {}",
+                           router.num_groups, router.normalize_topk));
   MOEKIT_CHECK(k >= 1 && k <= num_experts,
                fmt::format("select_experts: k = {}, expected 1 <= k <= E = {}", k, num_experts));
   MOEKIT_CHECK(router.num_groups >= 1 && num_experts % router.num_groups == 0,
@@ -76,7 +83,7 @@ void select_experts(const float* logits, int num_tokens, int num_experts, int k,
       MOEKIT_CHECK(std::isfinite(bias[e]),
                    fmt::format("select_experts: bias of expert {} is {}, expected a finite value", e, bias[e]));
 
-  const bool sigmoid = router.scoring == "sigmoid";
+  const bool sigmoid = router.scoring == "sigmoid", topk_softmax = router.scoring == "topk_softmax";
   const int num_groups = router.num_groups;
   const int group_size = num_experts / num_groups;
   std::vector<double> score(num_experts), sel(num_experts), group_score(num_groups), member(group_size);
@@ -85,6 +92,8 @@ void select_experts(const float* logits, int num_tokens, int num_experts, int k,
     const float* lt = logits + size_t(t) * num_experts;
     if (sigmoid) {
       for (int e = 0; e < num_experts; ++e) score[e] = 1.0 / (1.0 + std::exp(-double(lt[e])));
+    } else if (topk_softmax) {
+      for (int e = 0; e < num_experts; ++e) score[e] = double(lt[e]);
     } else {
       double max_logit = *std::max_element(lt, lt + num_experts), sum = 0.0;
       for (int e = 0; e < num_experts; ++e) sum += score[e] = std::exp(double(lt[e]) - max_logit);
@@ -109,6 +118,12 @@ void select_experts(const float* logits, int num_tokens, int num_experts, int k,
     }
     top_indices(sel, k, order);
 
+    if (topk_softmax) {
+      // The softmax of the k chosen logits (normalised below), shifted by the first chosen one
+      // (the largest without a selection bias) so that exp cannot overflow.
+      const double shift = score[order[0]];
+      for (int j = 0; j < k; ++j) score[order[j]] = std::exp(score[order[j]] - shift);
+    }
     double sum = 0.0;
     for (int j = 0; j < k; ++j) sum += score[order[j]];
     // DeepSeek-V3 adds 1e-20 so that k sigmoids that all underflowed to 0 give weights 0, not NaN.

@@ -200,6 +200,12 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.rank = ep.rank();
   s.decode = s.ec.mode == EpMode::kLowLatency;
   MOEKIT_CHECK(model.is_moe(), fmtr("model '{}' is dense: it has no MoE layer", model.name));
+  // gpt-oss's block (MXFP4 experts, biases, the clamped SwiGLU) runs on the CPU layer only so far.
+  MOEKIT_CHECK(model.expert_format == "fp8" && !weights.is_mxfp4() && model.activation.kind == "silu" &&
+                   !model.expert_bias && !model.router.logit_bias,
+               fmtr("model '{}': expert_format {}, activation {}, expert biases {}, router logit bias {}: the GPU "
+                    "layer runs FP8 experts with SiLU and no biases; use the CPU layer (layer_cpu.h)",
+                    model.name, model.expert_format, model.activation.kind, model.expert_bias, model.router.logit_bias));
   MOEKIT_CHECK(model.hidden_size % kQuantBlock == 0 && model.moe_intermediate_size % kQuantBlock == 0,
                fmtr("model '{}': hidden_size {} and moe_intermediate_size {}, expected multiples of {}", model.name,
                     model.hidden_size, model.moe_intermediate_size, kQuantBlock));

@@ -1,0 +1,131 @@
+// MXFP4 (mxfp4.h) against an independent decoder written here from the format's definition (OCP
+// Microscaling v1.0): the e2m1 table and ldexp. Every code with every scale, value by value; the
+// packing order; rounding and saturation of the encoder; the quantisation rule; bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "expect_error.h"
+#include "moekit/mxfp4.h"
+
+using namespace moekit;
+
+namespace {
+
+// e2m1: bit 3 sign, then the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for codes 0..7.
+constexpr double kE2m1[16] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
+
+// e8m0: 2^(s - 127).
+double e8m0(int s) { return std::ldexp(1.0, s - 127); }
+
+// The independent encoder: the nearest table magnitude, a tie to the even code, above 6 -> 6.
+int nearest_code(double x) {
+  const double a = std::fabs(x);
+  int best = 0;
+  for (int c = 1; c < 8; ++c) {
+    const double d = std::fabs(kE2m1[c] - a), d_best = std::fabs(kE2m1[best] - a);
+    if (d < d_best || (d == d_best && c % 2 == 0)) best = c;
+  }
+  return (std::signbit(x) ? 8 : 0) | best;
+}
+
+}  // namespace
+
+TEST(Mxfp4, EveryCodeIsTheTableValue) {
+  for (int c = 0; c < 16; ++c) {
+    const float v = e2m1_to_float(uint8_t(c));
+    EXPECT_EQ(double(v), kE2m1[c]) << "code " << c;
+    EXPECT_EQ(std::signbit(v), std::signbit(kE2m1[c])) << "code " << c;  // code 8 is -0
+    EXPECT_EQ(e2m1_to_float(uint8_t(c | 0xF0)), v) << "only the low 4 bits count";
+  }
+}
+
+TEST(Mxfp4, EveryScaleIsAPowerOfTwo) {
+  for (int s = 0; s < 255; ++s) EXPECT_EQ(double(e8m0_to_float(uint8_t(s))), e8m0(s)) << "scale byte " << s;
+  EXPECT_TRUE(std::isnan(e8m0_to_float(255)));
+}
+
+// Every (code, scale) pair the loader accepts, decoded by dequantize_row_mxfp4, equals the table
+// value times ldexp exactly: the product is exact in fp32 (2 significant bits) for scales up to 252.
+TEST(Mxfp4, RowsDecodeEveryCodeWithEveryScaleExactly) {
+  // A row of 256 values: 8 groups of 32; every code appears in both nibbles of the 128 bytes.
+  const int k = 256;
+  std::vector<uint8_t> packed(k / 2), scales(k / kMxfp4Group);
+  for (int j = 0; j < k / 2; ++j) packed[j] = uint8_t(j % 16 | (((j / 16 + j) % 16) << 4));
+  std::vector<float> out(k);
+  for (int s0 = 0; s0 <= kMxfp4MaxScale; s0 += int(scales.size())) {
+    for (size_t g = 0; g < scales.size(); ++g) scales[g] = uint8_t(std::min<int>(s0 + int(g), kMxfp4MaxScale));
+    dequantize_row_mxfp4(packed.data(), scales.data(), k, out.data());
+    for (int i = 0; i < k; ++i) {
+      const uint8_t byte = packed[i / 2];
+      const int code = i % 2 == 0 ? byte & 0xF : byte >> 4;  // element 2j is the low nibble of byte j
+      const double want = kE2m1[code] * e8m0(scales[i / kMxfp4Group]);
+      ASSERT_EQ(double(out[i]), want) << "element " << i << " code " << code << " scale " << int(scales[i / kMxfp4Group]);
+      ASSERT_TRUE(std::isfinite(out[i]));
+    }
+  }
+}
+
+TEST(Mxfp4, ScalesAboveTheLimitAreRefused) {
+  std::vector<uint8_t> packed(16, 0x77), scales = {253};
+  std::vector<float> out(32);
+  expect_error([&] { dequantize_row_mxfp4(packed.data(), scales.data(), 32, out.data()); }, {"e8m0 byte 253", "at most 252"});
+  scales[0] = 255;
+  expect_error([&] { dequantize_row_mxfp4(packed.data(), scales.data(), 32, out.data()); }, {"e8m0 byte 255"});
+  expect_error([&] { dequantize_row_mxfp4(packed.data(), scales.data(), 48, out.data()); }, {"k = 48", "multiple of 32"});
+}
+
+TEST(Mxfp4, EncoderRoundsToNearestTiesToEvenAndSaturates) {
+  // Midpoints and neighbours of every step, and values past 6.
+  for (double a : {0.0, 0.1, 0.25, 0.3, 0.75, 1.0, 1.25, 1.3, 1.75, 2.2, 2.5, 2.9, 3.5, 4.9, 5.0, 5.1, 6.0, 7.9, 1e6})
+    for (double x : {a, -a})
+      EXPECT_EQ(int(float_to_e2m1(float(x))), nearest_code(x)) << "x = " << x;
+  EXPECT_EQ(float_to_e2m1(0.25f), 0);    // tie between 0 (code 0) and 0.5 (code 1)
+  EXPECT_EQ(float_to_e2m1(0.75f), 2);    // tie between 0.5 (1) and 1 (2)
+  EXPECT_EQ(float_to_e2m1(5.0f), 6);     // tie between 4 (6) and 6 (7)
+  EXPECT_EQ(float_to_e2m1(-100.0f), 15); // -6
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-8.0f, 8.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const float x = u(rng);
+    ASSERT_EQ(int(float_to_e2m1(x)), nearest_code(x)) << "x = " << x;
+  }
+}
+
+// The OCP rule: X = 2^(floor(log2 amax) - 2), each value the nearest e2m1 of x / X.
+TEST(Mxfp4, QuantisationFollowsTheRule) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int k = 4096;
+  std::vector<float> x(k), back(k);
+  for (int i = 0; i < k; ++i) x[i] = normal(rng) * std::ldexp(1.0f, i / 512 - 4);  // groups of different magnitudes
+  x[100] = 0.0f;
+  std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // an all-zero group
+  std::vector<uint8_t> packed(k / 2), scales(k / kMxfp4Group);
+  quantize_row_mxfp4(x.data(), k, packed.data(), scales.data());
+  dequantize_row_mxfp4(packed.data(), scales.data(), k, back.data());
+  for (int g = 0; g < k / kMxfp4Group; ++g) {
+    double amax = 0;
+    for (int i = 0; i < kMxfp4Group; ++i) amax = std::max(amax, std::fabs(double(x[g * kMxfp4Group + i])));
+    if (amax == 0) {
+      EXPECT_EQ(scales[g], kMxfp4UnitScale) << "group " << g;
+      for (int i = 0; i < kMxfp4Group; ++i) EXPECT_EQ(back[g * kMxfp4Group + i], 0.0f);
+      continue;
+    }
+    const int s = int(std::floor(std::log2(amax))) - 2 + 127;
+    ASSERT_EQ(int(scales[g]), s) << "group " << g;
+    int largest = 0;
+    for (int i = 0; i < kMxfp4Group; ++i) {
+      const int idx = g * kMxfp4Group + i;
+      const int code = nearest_code(double(x[idx]) / e8m0(s));
+      EXPECT_EQ(double(back[idx]), kE2m1[code] * e8m0(s)) << "element " << idx;
+      largest = std::max(largest, code & 7);
+    }
+    EXPECT_TRUE(largest == 6 || largest == 7) << "group " << g << ": the largest |value| is 4 or 6 times the scale";
+  }
+  x[7] = NAN;
+  expect_error([&] { quantize_row_mxfp4(x.data(), k, packed.data(), scales.data()); }, {"x[7] = nan", "not finite"});
+}
