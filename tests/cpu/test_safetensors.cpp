@@ -243,7 +243,7 @@ TEST(Safetensors, HeaderAcceptedExactlyAsThePackageAcceptsIt) {
   refused("{" + u8x4 + "}" + std::string("\0\0\0", 3), "1234", {"header byte 53 is NUL (0x00)"});
   refused("{" + u8x4 + std::string("}\0garbage", 9), "1234", {"is NUL"});
   refused("\xEF\xBB\xBF{" + u8x4 + "}", "1234", {"byte order mark"});
-  refused("{" + u8x4 + "}\xEF\xBB\xBF", "1234", {"malformed JSON header"});
+  refused("{" + u8x4 + "}\xEF\xBB\xBF", "1234", {"header: malformed JSON"});
   // JSON whitespace around the object is fine, as the package's reader takes it.
   EXPECT_EQ(accepted(" \t\r\n{" + u8x4 + "} \t\r\n", "1234").tensors().size(), 1u);
 
@@ -273,8 +273,8 @@ TEST(Safetensors, HeaderAcceptedExactlyAsThePackageAcceptsIt) {
            std::string(levels - 2, ']') + "}}";
   };
   EXPECT_EQ(accepted(nested(127), "1234").tensors().size(), 1u);
-  refused(nested(128), "1234", {"nests deeper than 127 levels"});
-  refused(std::string(100000, '[') + std::string(100000, ']'), "", {"nests deeper than 127 levels"});
+  refused(nested(128), "1234", {"nested deeper than 127 levels"});
+  refused(std::string(100000, '[') + std::string(100000, ']'), "", {"nested deeper than 127 levels"});
 
   // The package's dtypes, the sub-byte ones in whole bytes only.
   EXPECT_EQ(accepted(R"({"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]},"b":{"dtype":"C64","shape":[1],"data_offsets":[3,11]},"c":{"dtype":"F8_E8M0","shape":[1],"data_offsets":[11,12]},"d":{"dtype":"F6_E2M3","shape":[4],"data_offsets":[12,15]}})",

@@ -77,7 +77,8 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.num_slots = num_slots;
   c.mode = mode;
   c.block_m = kContiguousAlign;
-  c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && shared_expert_in_slab(model);
+  c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && shared_expert_in_slab(model) &&
+                c.max_tokens <= kFusedMaxTokens;
   c.validate();
   return c;
 }
@@ -318,7 +319,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   MOEKIT_CUDA_CHECK(cudaMemset(s.status, 0, sizeof(LayerStatus)));
 
   // Routed experts: gate_up [rows, 2 inter], act [rows, inter] + scales, y [rows, d].
-  s.fused = s.decode && config.pipeline == GpuPipeline::kFused;
+  s.fused = s.decode && config.pipeline == GpuPipeline::kFused && s.t_max <= kFusedMaxTokens;
   s.merged = s.fused && s.shared_slot && config.merge_shared;
   MOEKIT_CHECK(!s.merged || s.ec.self_slab,
                fmtr("rank {}: the fused pipeline runs the shared expert as local expert E_loc and needs an EpBuffer "
