@@ -141,11 +141,21 @@ inline Placement make_placement(int num_ranks, bool redundant) {
 
 // Two placements of the same E + 8 slots over P ranks with different hot experts (the first 8,
 // the last 8): a rebalance between them moves replicas between ranks and inside ranks.
+// The second placement's GPU rows are rotated by one: balanced_placement keeps expert e on GPU
+// e mod P (its replicas too), so without the rotation every move's source would be on its own GPU
+// and the peer and host copy paths would never run (seen on an H200, 2026-11-30). With it, every
+// changed slot takes its expert from another rank.
 inline std::pair<Placement, Placement> drifted_placements(int num_ranks) {
   const int E = fixture().model.num_routed_experts;
   std::vector<double> load_a(E, 1.0), load_b(E, 1.0);
   for (int e = 0; e < 8; ++e) load_a[e] = 8.0, load_b[E - 1 - e] = 8.0;
-  return {balanced_placement(load_a, 8, num_ranks), balanced_placement(load_b, 8, num_ranks)};
+  const Placement a = balanced_placement(load_a, 8, num_ranks), drifted = balanced_placement(load_b, 8, num_ranks);
+  const int slots = drifted.num_slots, e_loc = drifted.slots_per_gpu();
+  std::vector<int32_t> rotated(slots);
+  for (int g = 0; g < num_ranks; ++g)
+    for (int i = 0; i < e_loc; ++i)
+      rotated[size_t(g) * e_loc + i] = drifted.phy2log_row(0)[size_t((g + 1) % num_ranks) * e_loc + i];
+  return {a, placement_from_phy2log(rotated, 1, E, slots, 1, 1, num_ranks)};
 }
 
 // How many of rank `rank`'s live slots do not hold, bit for bit, the W1, W2 and scales of the
