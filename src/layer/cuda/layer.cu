@@ -8,6 +8,7 @@
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gating.cuh"
 #include "layer/cuda/expert_mover.h"
+#include "layer/cuda/layer_impl.cuh"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
 #include "moekit/eplb.h"
@@ -20,8 +21,6 @@ namespace moekit::gpu {
 
 namespace {
 
-enum Stage { kStart, kGate, kSend, kRecv, kGemm1, kAct, kGemm2, kCombineSend, kCombineRecv, kNumStages };
-
 const char* fault_name(int kind) {
   switch (LayerFault(kind)) {
     case LayerFault::kNonFiniteLogit: return "a non-finite router logit";
@@ -31,8 +30,6 @@ const char* fault_name(int kind) {
 }
 
 int round_up(int v, int unit) { return (v + unit - 1) / unit * unit; }
-
-constexpr int kNumClocks = int(GpuStage::kCount);
 
 }  // namespace
 
@@ -83,94 +80,6 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   return c;
 }
 
-struct GpuMoeLayer::Impl {
-  GpuLayerConfig cfg;
-  EpBuffer* ep = nullptr;
-  EpConfig ec;
-  bool decode = true;
-  bool fused = false;  // decode with GpuPipeline::kFused
-  // The shared expert has the routed experts' shapes: its weights are local slot E_loc of W1 and
-  // W2 (always, so layers sharing weights agree), and in the fused pipeline it is expert E_loc of
-  // the routed GEMMs, its rows the EP buffer's self slab (EpConfig::self_slab).
-  bool shared_slot = false, merged = false;
-  // Fused: GEMM1 with the SiLU·up + FP8 epilogue (else GEMM1 to BF16 and the activation kernel).
-  bool gated = false;
-  int rank = 0, d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0, m_max = 0;
-  int rows = 0, t_pad = 0;
-  RouterParams router;
-  ReplicaTable replicas;
-  int32_t *log2phy = nullptr, *replica_count = nullptr;
-  std::vector<int32_t> local_experts;  // the logical expert of each local slot
-  // The placement served (all its layers) and this layer's row of it; the moves' plan.
-  std::unique_ptr<Placement> current, pending;
-  int placement_layer = 0;
-  SlotBytes slot_bytes;
-  std::unique_ptr<ExpertMover> mover;  // staging_slots > 0
-  std::vector<GpuExpertSlots> peers;   // [P] or empty: where moves may copy from
-  Impl* owner = nullptr;               // the layer whose weights this one uses (share_weights_with)
-  int num_sharers = 0;                 // layers using this one's weights
-  std::vector<void*> allocations;
-
-  float *router_w = nullptr, *router_bias = nullptr;
-  uint8_t *w1 = nullptr, *w2 = nullptr, *sw1 = nullptr, *sw2 = nullptr;
-  float *w1s = nullptr, *w2s = nullptr, *sw1s = nullptr, *sw2s = nullptr;
-  float* logits = nullptr;
-  int32_t *topk_idx = nullptr, *topk_slot = nullptr;
-  float* topk_w = nullptr;
-  unsigned long long* counts = nullptr;
-  LayerStatus* status = nullptr;
-  uint16_t *gate_up = nullptr, *y = nullptr;
-  uint8_t* act = nullptr;
-  float* act_scales = nullptr;
-  // Shared expert: the rank's tokens as one masked expert of t_pad rows.
-  uint8_t *sx = nullptr, *s_act = nullptr;
-  float *sx_scales = nullptr, *s_act_scales = nullptr;
-  int32_t* s_m = nullptr;
-  uint16_t *s_gate_up = nullptr, *s_out = nullptr;
-
-  std::unique_ptr<MaskedGemm> gemm1, gemm2, shared1, shared2;
-  std::unique_ptr<ContiguousGemm> cgemm1, cgemm2;
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-  bool timing = false, timed_step = false;
-  cudaEvent_t events[kNumStages] = {};
-  // Stage clock: [GpuStage][start, end] and the reset image the step starts by copying in.
-  bool timeline = false;
-  unsigned long long *clocks = nullptr, *clocks_reset = nullptr;
-  int num_tokens = 0;
-  enum class Phase { kIdle, kDispatched, kComputed } phase = Phase::kIdle;
-
-  Impl() = default;
-  Impl(const Impl&) = delete;
-  Impl& operator=(const Impl&) = delete;
-  ~Impl();
-
-  template <class T>
-  T* alloc(size_t count) {
-    void* p = nullptr;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
-    allocations.push_back(p);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  T* upload(const std::vector<T>& host) {
-    T* p = alloc<T>(host.size());
-    MOEKIT_CUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return p;
-  }
-  void mark(Stage s, cudaStream_t stream) {
-    if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
-  }
-  void run_shared(const uint16_t* x, cudaStream_t stream);
-  // The launch options of a stage's kernels: PDL in the fused pipeline, the stage's stamp pair.
-  LaunchOptions launch(GpuStage stage) const {
-    return {fused, timeline ? clocks + 2 * int(stage) : nullptr};
-  }
-  void set_clocks(bool on);
-  // Writes the placement's log2phy (at the fixed stride) and replica_count, on `stream` (or
-  // synchronously when null).
-  void upload_table(const Placement& placement, int layer, cudaStream_t stream);
-};
 
 namespace {
 
@@ -439,190 +348,6 @@ GpuMoeLayer::Impl::~Impl() {
   if (join) cudaEventDestroy(join);
   if (side) cudaStreamDestroy(side);
   for (void* p : allocations) cudaFree(p);
-}
-
-void GpuMoeLayer::Impl::upload_table(const Placement& placement, int layer, cudaStream_t stream) {
-  MOEKIT_CHECK(placement.max_replicas <= replicas.max_replicas,
-               fmtr("placement with {} replicas of one expert, expected at most {}", placement.max_replicas,
-                    replicas.max_replicas));
-  std::vector<int32_t> table(size_t(num_experts) * replicas.max_replicas, -1);
-  const int32_t* src = placement.log2phy_row(layer);
-  for (int e = 0; e < num_experts; ++e)
-    std::copy(src + size_t(e) * placement.max_replicas, src + size_t(e + 1) * placement.max_replicas,
-              table.begin() + size_t(e) * replicas.max_replicas);
-  const int32_t* count = placement.replica_count_row(layer);
-  if (stream) {
-    // Pageable sources: the copies are staged before they return, so the vectors may go.
-    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(log2phy, table.data(), table.size() * 4, cudaMemcpyHostToDevice, stream));
-    MOEKIT_CUDA_CHECK(cudaMemcpyAsync(replica_count, count, size_t(num_experts) * 4, cudaMemcpyHostToDevice, stream));
-  } else {
-    MOEKIT_CUDA_CHECK(cudaMemcpy(log2phy, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-    MOEKIT_CUDA_CHECK(cudaMemcpy(replica_count, count, size_t(num_experts) * 4, cudaMemcpyHostToDevice));
-  }
-}
-
-int GpuMoeLayer::set_placement(const Placement& placement, int placement_layer, const MoeLayerWeights& weights,
-                               cudaStream_t stream) {
-  Impl& s = *impl_;
-  MOEKIT_CHECK(s.phase == Impl::Phase::kIdle, fmtr("rank {}: set_placement during a step", s.rank));
-  MOEKIT_CHECK(!s.owner && s.num_sharers == 0,
-               fmtr("rank {}: set_placement on a layer that shares its weights with another", s.rank));
-  MOEKIT_CHECK(placement.num_experts == s.num_experts && placement.num_gpus == s.ec.num_ranks &&
-                   placement.num_slots == s.ec.num_slots,
-               fmtr("new placement of {} experts in {} slots on {} GPUs, expected {} experts in {} slots on {}",
-                    placement.num_experts, placement.num_slots, placement.num_gpus, s.num_experts, s.ec.num_slots,
-                    s.ec.num_ranks));
-  MOEKIT_CHECK(placement_layer >= 0 && placement_layer < placement.num_layers,
-               fmtr("placement layer {}, expected 0..{}", placement_layer, placement.num_layers - 1));
-  MOEKIT_CHECK(weights.first_expert == 0 && weights.num_local_experts() == s.num_experts,
-               fmtr("layer weights hold experts [{}, {}), expected all {}", weights.first_expert,
-                    weights.first_expert + weights.num_local_experts(), s.num_experts));
-  MOEKIT_CHECK(!(s.mover && s.mover->active()), fmtr("rank {}: set_placement while moves are in flight", s.rank));
-  s.upload_table(placement, placement_layer, stream);
-  *s.current = placement;
-  s.placement_layer = placement_layer;
-  const int32_t* phy2log = placement.phy2log_row(placement_layer);
-  int moved = 0;
-  for (int i = 0; i < s.e_loc; ++i) {
-    const int e = phy2log[s.rank * s.e_loc + i];
-    if (e == s.local_experts[i]) continue;
-    // Only the changed slot's operands travel: W1, W2 and their block scales.
-    auto copy = [&](const ExpertWeights& all, uint8_t* w, float* scales) {
-      const WeightLayout& l = all.layout;
-      const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / kQuantBlock) * (l.k / kQuantBlock);
-      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(w + i * w_per, all.w.data() + e * w_per, w_per, cudaMemcpyHostToDevice, stream));
-      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(scales + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float),
-                                        cudaMemcpyHostToDevice, stream));
-    };
-    copy(weights.w1, s.w1, s.w1s);
-    copy(weights.w2, s.w2, s.w2s);
-    s.local_experts[i] = e;
-    ++moved;
-  }
-  return moved;
-}
-
-GpuExpertSlots GpuMoeLayer::expert_slots() const {
-  const Impl& s = *impl_;
-  return {s.w1, s.w1s, s.w2, s.w2s};
-}
-
-std::vector<GpuExpertSlots> GpuMoeLayer::map_peer_slots() {
-  Impl& s = *impl_;
-  // Four collectives, in the same order on every rank.
-  const std::vector<void*> w1 = s.ep->map_peer_allocations(s.w1), w1s = s.ep->map_peer_allocations(s.w1s),
-                           w2 = s.ep->map_peer_allocations(s.w2), w2s = s.ep->map_peer_allocations(s.w2s);
-  std::vector<GpuExpertSlots> out(w1.size());
-  for (size_t r = 0; r < out.size(); ++r)
-    out[r] = {static_cast<const uint8_t*>(w1[r]), static_cast<const float*>(w1s[r]), static_cast<const uint8_t*>(w2[r]),
-              static_cast<const float*>(w2s[r])};
-  return out;
-}
-
-void GpuMoeLayer::set_peer_slots(const std::vector<GpuExpertSlots>& peers) {
-  Impl& s = *impl_;
-  MOEKIT_CHECK(int(peers.size()) == s.ec.num_ranks,
-               fmtr("rank {}: set_peer_slots with {} entries, expected one per rank ({})", s.rank, peers.size(),
-                    s.ec.num_ranks));
-  MOEKIT_CHECK(!(s.mover && s.mover->active()), fmtr("rank {}: set_peer_slots while moves are in flight", s.rank));
-  s.peers = peers;
-}
-
-void GpuMoeLayer::begin_moves(const Placement& placement, int placement_layer, const std::vector<ExpertMove>& moves,
-                              const MoeLayerWeights* host_weights, cudaStream_t stream) {
-  Impl& s = *impl_;
-  MOEKIT_CHECK(s.phase == Impl::Phase::kIdle, fmtr("rank {}: begin_moves during a step", s.rank));
-  MOEKIT_CHECK(!s.owner && s.num_sharers == 0,
-               fmtr("rank {}: begin_moves on a layer that shares its weights with another", s.rank));
-  MOEKIT_CHECK(s.mover != nullptr,
-               fmtr("rank {}: begin_moves on a layer with staging_slots = 0 (GpuLayerConfig); set_placement copies "
-                    "from the host instead", s.rank));
-  MOEKIT_CHECK(placement_layer == s.placement_layer,
-               fmtr("rank {}: begin_moves for placement layer {}, but this layer serves layer {}", s.rank,
-                    placement_layer, s.placement_layer));
-  validate_moves(*s.current, placement, placement_layer, moves);
-  MOEKIT_CHECK(placement.max_replicas <= s.replicas.max_replicas,
-               fmtr("placement with {} replicas of one expert, expected at most {}", placement.max_replicas,
-                    s.replicas.max_replicas));
-  if (host_weights)
-    MOEKIT_CHECK(host_weights->first_expert == 0 && host_weights->num_local_experts() == s.num_experts &&
-                     host_weights->hidden_size == s.d && host_weights->intermediate_size == s.inter,
-                 fmtr("rank {}: begin_moves host weights hold experts [{}, {}) of hidden {} and inter {}, expected "
-                      "all {} of hidden {} and inter {}",
-                      s.rank, host_weights->first_expert, host_weights->first_expert + host_weights->num_local_experts(),
-                      host_weights->hidden_size, host_weights->intermediate_size, s.num_experts, s.d, s.inter));
-  const SlotBytes& b = s.slot_bytes;
-  // The operands of one slot of `slots` (a rank's arrays), at local index i.
-  auto at = [&](const GpuExpertSlots& slots, size_t i) {
-    return GpuExpertSlots{slots.w1 + i * b.w1, slots.w1_scales + i * (b.w1_scales / sizeof(float)),
-                          slots.w2 + i * b.w2, slots.w2_scales + i * (b.w2_scales / sizeof(float))};
-  };
-  std::vector<ExpertMover::Copy> copies;
-  for (const ExpertMove& m : moves) {
-    if (m.layer != placement_layer || m.dst_gpu != s.rank) continue;
-    const size_t src_local = size_t(m.src_slot % s.e_loc);
-    GpuExpertSlots src;
-    if (m.src_gpu == s.rank) {
-      src = at(GpuExpertSlots{s.w1, s.w1s, s.w2, s.w2s}, src_local);  // a copy inside this GPU
-    } else if (int(s.peers.size()) > m.src_gpu && s.peers[m.src_gpu].valid()) {
-      src = at(s.peers[m.src_gpu], src_local);  // from the peer's slot, over NVLink
-    } else {
-      MOEKIT_CHECK(host_weights != nullptr,
-                   fmtr("rank {}: slot {} needs expert {} from rank {}, whose slots this process cannot read "
-                        "(set_peer_slots), and no host weights were given", s.rank, m.slot, m.expert, m.src_gpu));
-      const size_t e = size_t(m.expert);  // host arrays hold every expert: [E, ...]
-      src = at(GpuExpertSlots{host_weights->w1.w.data(), host_weights->w1.scales.data(), host_weights->w2.w.data(),
-                              host_weights->w2.scales.data()},
-               e);
-    }
-    copies.push_back({m.slot % s.e_loc, src});
-  }
-  s.mover->begin(std::move(copies), stream);
-  s.pending = std::make_unique<Placement>(placement);
-}
-
-size_t GpuMoeLayer::advance_moves(size_t max_bytes) {
-  MOEKIT_CHECK(impl_->mover, fmtr("rank {}: advance_moves without staging_slots", impl_->rank));
-  return impl_->mover->advance(max_bytes);
-}
-
-bool GpuMoeLayer::moves_issued() const { return !impl_->mover || impl_->mover->issued(); }
-
-void GpuMoeLayer::wait_moves(cudaStream_t stream) {
-  MOEKIT_CHECK(impl_->mover, fmtr("rank {}: wait_moves without staging_slots", impl_->rank));
-  impl_->mover->wait(stream);
-}
-
-int GpuMoeLayer::commit_moves(cudaStream_t stream) {
-  Impl& s = *impl_;
-  MOEKIT_CHECK(s.phase == Impl::Phase::kIdle, fmtr("rank {}: commit_moves during a step", s.rank));
-  MOEKIT_CHECK(s.mover && s.mover->active() && s.pending,
-               fmtr("rank {}: commit_moves without moves in flight (begin_moves first)", s.rank));
-  check(stream);  // the barrier step completed on every rank (a dead peer is the EP's named timeout)
-  const int n = s.mover->commit(LiveSlots{s.w1, s.w1s, s.w2, s.w2s}, stream);
-  s.upload_table(*s.pending, s.placement_layer, stream);
-  const int32_t* phy2log = s.pending->phy2log_row(s.placement_layer);
-  s.local_experts.assign(phy2log + s.rank * s.e_loc, phy2log + (s.rank + 1) * s.e_loc);
-  s.current = std::move(s.pending);
-  return n;
-}
-
-void GpuMoeLayer::abort_moves() {
-  Impl& s = *impl_;
-  if (s.mover) s.mover->abort();
-  s.pending.reset();
-}
-
-bool GpuMoeLayer::moving() const { return impl_->mover && impl_->mover->active(); }
-size_t GpuMoeLayer::move_bytes() const { return impl_->mover ? impl_->mover->total_bytes() : 0; }
-
-int GpuMoeLayer::advance_calls(int rank, const std::vector<ExpertMove>& moves, int placement_layer,
-                               size_t max_bytes) const {
-  const Impl& s = *impl_;
-  MOEKIT_CHECK(rank >= 0 && rank < s.ec.num_ranks, fmtr("advance_calls: rank {}, expected 0..{}", rank, s.ec.num_ranks - 1));
-  int copies = 0;
-  for (const ExpertMove& m : moves) copies += m.layer == placement_layer && m.dst_gpu == rank;
-  return ExpertMover::advance_calls(ExpertMover::chunk_sizes(s.slot_bytes, s.cfg.move_chunk_bytes, copies), max_bytes);
 }
 
 void GpuMoeLayer::Impl::run_shared(const uint16_t* x, cudaStream_t stream) {

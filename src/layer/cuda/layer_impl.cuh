@@ -1,0 +1,117 @@
+// Internal to src/layer/cuda: what one GpuMoeLayer holds (include/moekit/layer.h), shared by
+// layer.cu (set-up and the step's three phases) and layer_placement.cu (placements and the staged
+// weight moves between GPUs).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "kernels/cuda/gating.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "layer/cuda/expert_mover.h"
+#include "moekit/cuda_check.h"
+#include "moekit/eplb.h"
+#include "moekit/gemm.h"
+#include "moekit/layer.h"
+#include "moekit/rebalance.h"
+
+namespace moekit::gpu {
+
+// The stage events of a timed eager step (set_timing), in step order.
+enum Stage { kStart, kGate, kSend, kRecv, kGemm1, kAct, kGemm2, kCombineSend, kCombineRecv, kNumStages };
+
+constexpr int kNumClocks = int(GpuStage::kCount);  // the stage clock's pairs
+
+struct GpuMoeLayer::Impl {
+  GpuLayerConfig cfg;
+  EpBuffer* ep = nullptr;
+  EpConfig ec;
+  bool decode = true;
+  bool fused = false;  // decode with GpuPipeline::kFused
+  // The shared expert has the routed experts' shapes: its weights are local slot E_loc of W1 and
+  // W2 (always, so layers sharing weights agree), and in the fused pipeline it is expert E_loc of
+  // the routed GEMMs, its rows the EP buffer's self slab (EpConfig::self_slab).
+  bool shared_slot = false, merged = false;
+  // Fused: GEMM1 with the SiLU·up + FP8 epilogue (else GEMM1 to BF16 and the activation kernel).
+  bool gated = false;
+  int rank = 0, d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0, m_max = 0;
+  int rows = 0, t_pad = 0;
+  RouterParams router;
+  ReplicaTable replicas;
+  int32_t *log2phy = nullptr, *replica_count = nullptr;
+  std::vector<int32_t> local_experts;  // the logical expert of each local slot
+  // The placement served (all its layers) and this layer's row of it; the moves' plan.
+  std::unique_ptr<Placement> current, pending;
+  int placement_layer = 0;
+  SlotBytes slot_bytes;
+  std::unique_ptr<ExpertMover> mover;  // staging_slots > 0
+  std::vector<GpuExpertSlots> peers;   // [P] or empty: where moves may copy from
+  Impl* owner = nullptr;               // the layer whose weights this one uses (share_weights_with)
+  int num_sharers = 0;                 // layers using this one's weights
+  std::vector<void*> allocations;
+
+  float *router_w = nullptr, *router_bias = nullptr;
+  uint8_t *w1 = nullptr, *w2 = nullptr, *sw1 = nullptr, *sw2 = nullptr;
+  float *w1s = nullptr, *w2s = nullptr, *sw1s = nullptr, *sw2s = nullptr;
+  float* logits = nullptr;
+  int32_t *topk_idx = nullptr, *topk_slot = nullptr;
+  float* topk_w = nullptr;
+  unsigned long long* counts = nullptr;
+  LayerStatus* status = nullptr;
+  uint16_t *gate_up = nullptr, *y = nullptr;
+  uint8_t* act = nullptr;
+  float* act_scales = nullptr;
+  // Shared expert: the rank's tokens as one masked expert of t_pad rows.
+  uint8_t *sx = nullptr, *s_act = nullptr;
+  float *sx_scales = nullptr, *s_act_scales = nullptr;
+  int32_t* s_m = nullptr;
+  uint16_t *s_gate_up = nullptr, *s_out = nullptr;
+
+  std::unique_ptr<MaskedGemm> gemm1, gemm2, shared1, shared2;
+  std::unique_ptr<ContiguousGemm> cgemm1, cgemm2;
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  bool timing = false, timed_step = false;
+  cudaEvent_t events[kNumStages] = {};
+  // Stage clock: [GpuStage][start, end] and the reset image the step starts by copying in.
+  bool timeline = false;
+  unsigned long long *clocks = nullptr, *clocks_reset = nullptr;
+  int num_tokens = 0;
+  enum class Phase { kIdle, kDispatched, kComputed } phase = Phase::kIdle;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl();
+
+  template <class T>
+  T* alloc(size_t count) {
+    void* p = nullptr;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    allocations.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  T* upload(const std::vector<T>& host) {
+    T* p = alloc<T>(host.size());
+    MOEKIT_CUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return p;
+  }
+  void mark(Stage s, cudaStream_t stream) {
+    if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
+  }
+  void run_shared(const uint16_t* x, cudaStream_t stream);
+  // The launch options of a stage's kernels: PDL in the fused pipeline, the stage's stamp pair.
+  LaunchOptions launch(GpuStage stage) const {
+    return {fused, timeline ? clocks + 2 * int(stage) : nullptr};
+  }
+  void set_clocks(bool on);
+  // Writes the placement's log2phy (at the fixed stride) and replica_count, on `stream` (or
+  // synchronously when null).
+  void upload_table(const Placement& placement, int layer, cudaStream_t stream);
+};
+
+}  // namespace moekit::gpu
