@@ -34,6 +34,19 @@
 //   and every segment is padded to a multiple of kContiguousAlign rows, padding at its end, so
 //   that every block of the GEMM's BM rows belongs to a single expert.
 //
+// MXFP4 weights (problem.weights = WeightFormat::kMxfp4; gpt-oss's experts), either layout:
+//   w       [E_loc, N, K/2] packed e2m1 codes (layout.h's Mxfp4WeightLayout, values in mxfp4.h),
+//           permuted within each 64-byte run by mxfp4_codes_for_gemm (mxfp4.h) into the order
+//           the tensor core's register fragments take them
+//   w_mx_scales [E_loc, K/128, N] 32-bit words: the e8m0 scales of each row's 128-deep block with
+//           the widening's shifts, made from the checkpoint's [E_loc, N, K/32] by
+//           mxfp4_scales_for_gemm (mxfp4.h); a tile's words are one run in memory
+//   bias    [E_loc, N] fp32 or null: added to the fp32 accumulator before the BF16 rounding
+//   w_scales must be null. The weights stream from HBM at 4.25 bits each and are widened to e4m3
+//   in registers; the result is reference.h's MXFP4 contract (exact widening for groups within
+//   2^14 of their 128-deep block's largest scale). Tiles are always swap-AB with block_n = 128;
+//   the SiLU·up epilogue is not available with MXFP4 weights.
+//
 // Requirements (checked when a plan is made, with the bad value in the message): N and K
 // multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
 // M_total a multiple of kContiguousAlign, all pointers non-null, device buffers 16-byte aligned,
@@ -71,12 +84,15 @@ struct GemmConfig {
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
   int num_ctas = 0;      // persistent grid size
   int smem_bytes = 0;
+  int math_warpgroups = 0;  // MXFP4 only: 2, or 4 (two pairs taking a tile's k blocks in turn, block_m = 16)
   std::string to_string() const;
 };
 
 enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights };
 
 enum class GemmEpilogue { kBf16, kSiluMulFp8 };
+
+enum class WeightFormat { kFp8, kMxfp4 };
 
 struct MaskedGemmProblem {
   int num_experts = 0;  // E_loc
@@ -85,6 +101,7 @@ struct MaskedGemmProblem {
   int max_m = 0;        // M_max
   int expected_m = 0;   // typical rows per expert with tokens; 0: unknown (assume M_max)
   GemmEpilogue epilogue = GemmEpilogue::kBf16;
+  WeightFormat weights = WeightFormat::kFp8;
 };
 
 struct ContiguousGemmProblem {
@@ -92,6 +109,7 @@ struct ContiguousGemmProblem {
   int n = 0;
   int k = 0;
   int total_m = 0;  // M_total
+  WeightFormat weights = WeightFormat::kFp8;
 };
 
 // Heuristics (pure functions of the problem and the multiprocessor count).
@@ -107,6 +125,8 @@ struct MaskedGemmBuffers {
   uint16_t* out = nullptr;          // kBf16
   uint8_t* act = nullptr;           // kSiluMulFp8
   float* act_scales = nullptr;      // kSiluMulFp8
+  const uint32_t* w_mx_scales = nullptr;  // kMxfp4
+  const float* bias = nullptr;      // kMxfp4, optional
 };
 
 struct ContiguousGemmBuffers {
@@ -116,6 +136,8 @@ struct ContiguousGemmBuffers {
   const uint8_t* w = nullptr;
   const float* w_scales = nullptr;
   uint16_t* out = nullptr;
+  const uint32_t* w_mx_scales = nullptr;  // kMxfp4
+  const float* bias = nullptr;      // kMxfp4, optional
 };
 
 class MaskedGemm {

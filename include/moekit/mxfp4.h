@@ -77,4 +77,29 @@ void quantize_row_mxfp4(const float* x, int k, uint8_t* packed, uint8_t* scales)
 // byte above kMxfp4MaxScale is an Error naming it (the loader refuses them before they get here).
 void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, float* out);
 
+// ---- The GPU GEMM's encodings (gemm.h; the kernel's side is kernels/cuda/mxfp4_convert.cuh) ----
+// The GEMM widens each 32-value group to e4m3 as P · 2^shift_g, shift_g = s_g - max_g' s_g' + 6
+// over the four groups of a row's 128-deep block of K, and applies 2^(max s - 6 - 127) per row
+// after the tensor core. The loader rewrites a checkpoint's codes and scales once for it, with
+// the same number of bytes (4.25 bits per weight).
+//
+// Scales: the checkpoint's [E, N, K/32] -> one 32-bit word per (expert, 128-deep block, row),
+// [E, K/128, N], so that a tile's words are one run of 512 bytes. Word bits: 0..7 the largest
+// scale byte of the block; then four 5-bit fields, group g's shift + kGemmShiftBias at bit
+// kGemmShiftFirstBit + 5g, the shift clamped at -kGemmShiftBias (every e2m1 value times 2^-13 or
+// less rounds to e4m3's 0, so the clamp changes no widened value); bit kGemmScaleFastBit is set
+// when every shift is >= -5 (the widening's table is then one add). Needs n, k multiples of 128
+// and every scale byte <= kMxfp4MaxScale (an Error naming the value otherwise).
+constexpr int kGemmShiftBias = 13, kGemmShiftBits = 5, kGemmShiftFirstBit = 8, kGemmScaleFastBit = 28;
+void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* scales, uint32_t* out);
+
+// Codes: each row's packed codes [K/2] -> the same number of bytes, one 32-bit word per (row,
+// 32-value group g, lane q of a tensor-core quad) holding the 8 values of K g·32 + 4q + {0..3}
+// (values 0..3) and g·32 + 16 + 4q + {0..3} (values 4..7): the thread's A fragment. Within a
+// 64-byte run (one 128-deep block) word q·4 + g is that of lane q and group g, so a thread reads
+// its 16 bytes at once. Word bits: nibble i (bits 4i..4i+3) has value i's magnitude (code & 7) in
+// bits 0..2; the sign (code & 8) of value i < 4 is bit 8i + 7, of value i >= 4 bit 8(i - 4) + 3.
+// Needs k a multiple of 128.
+void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* codes, uint8_t* out);
+
 }  // namespace moekit

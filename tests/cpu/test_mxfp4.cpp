@@ -3,6 +3,7 @@
 // packing order; rounding and saturation of the encoder; the quantisation rule; bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -129,3 +130,71 @@ TEST(Mxfp4, QuantisationFollowsTheRule) {
   x[7] = NAN;
   expect_error([&] { quantize_row_mxfp4(x.data(), k, packed.data(), scales.data()); }, {"x[7] = nan", "not finite"});
 }
+
+namespace moekit {
+namespace {
+
+// The GEMM's scale words, field by field from the definition in mxfp4.h.
+TEST(Mxfp4, ScalesForGemmEncodeEachBlock) {
+  const Mxfp4WeightLayout l{3, 256, 384};
+  std::vector<uint8_t> scales(l.scale_elems());
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> d(90, 140);
+  for (auto& x : scales) x = uint8_t(d(rng));
+  scales[0] = 0;  // a group far below its block's largest: the shift is clamped at -13
+  std::vector<uint32_t> out(l.scale_elems() / 4, 0xEEEEEEEEu);
+  mxfp4_scales_for_gemm(l, scales.data(), out.data());
+  int clamped = 0, slow = 0;
+  for (int e = 0; e < l.num_experts; ++e)
+    for (int n = 0; n < l.n; ++n)
+      for (int kb = 0; kb < l.k / 128; ++kb) {
+        const uint8_t* s = &scales[l.scale_offset(e, n) + kb * 4];
+        const int smax = *std::max_element(s, s + 4);
+        const uint32_t w = out[(size_t(e) * (l.k / 128) + kb) * l.n + n];
+        ASSERT_EQ(int(w & 0xFF), smax) << "e " << e << " n " << n << " kb " << kb;
+        bool fast = true;
+        for (int g = 0; g < 4; ++g) {
+          const int shift = int(s[g]) - smax + 6;
+          const int field = int((w >> (kGemmShiftFirstBit + 5 * g)) & 31);
+          EXPECT_EQ(field - kGemmShiftBias, std::max(shift, -13)) << "group " << g;
+          clamped += shift < -13;
+          fast = fast && shift >= -5;
+        }
+        EXPECT_EQ(bool(w >> kGemmScaleFastBit & 1), fast);
+        EXPECT_EQ(w >> (kGemmScaleFastBit + 1), 0u);
+        slow += !fast;
+      }
+  EXPECT_GT(clamped, 0) << "the draw must reach the clamp";
+  EXPECT_GT(slow, 0) << "and the rounded tables";
+  expect_error([&] { mxfp4_scales_for_gemm(Mxfp4WeightLayout{1, 2880, 128}, scales.data(), out.data()); }, {"N = 2880"});
+  scales[5] = 253;
+  expect_error([&] { mxfp4_scales_for_gemm(l, scales.data(), out.data()); }, {"e8m0 byte 253"});
+}
+
+// The GEMM's code words: decoding each word by its definition gives back every code of the row.
+TEST(Mxfp4, CodesForGemmHoldEachFragmentWithItsSigns) {
+  const Mxfp4WeightLayout l{2, 3, 256};
+  std::vector<uint8_t> codes(l.w_bytes()), out(l.w_bytes());
+  std::mt19937 rng(7);
+  for (auto& c : codes) c = uint8_t(rng());
+  mxfp4_codes_for_gemm(l, codes.data(), out.data());
+  auto code_at = [&](size_t row_byte0, int k) { return (codes[row_byte0 + k / 2] >> (4 * (k % 2))) & 0xF; };
+  for (int e = 0; e < l.num_experts; ++e)
+    for (int n = 0; n < l.n; ++n)
+      for (int kb = 0; kb < l.k / 128; ++kb)
+        for (int q = 0; q < 4; ++q)
+          for (int g = 0; g < 4; ++g) {
+            const uint8_t* b = &out[l.w_offset(e, n) + kb * 64 + (q * 4 + g) * 4];
+            const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+            for (int i = 0; i < 8; ++i) {
+              const int k = kb * 128 + g * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
+              const int sign_bit = i < 4 ? 8 * i + 7 : 8 * (i - 4) + 3;
+              const int got = int((w >> (4 * i)) & 7) | int((w >> sign_bit) & 1) << 3;
+              ASSERT_EQ(got, code_at(l.w_offset(e, n), k)) << "e " << e << " n " << n << " k " << k;
+            }
+          }
+  expect_error([&] { mxfp4_codes_for_gemm(Mxfp4WeightLayout{1, 1, 96}, codes.data(), out.data()); }, {"K = 96"});
+}
+
+}  // namespace
+}  // namespace moekit

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_buffer.h"
+#include "gemm_operands.h"
 #include "kernels/cuda/activation.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
@@ -24,25 +25,6 @@ namespace {
 
 constexpr uint16_t kPoison = 0xFFFF;  // a BF16 NaN: an unwritten element can never pass
 
-
-// Random FP8 codes: every finite e4m3 value, or only the positive ones; never NaN.
-std::vector<uint8_t> random_fp8(size_t n, std::mt19937& rng, bool positive = false) {
-  std::vector<uint8_t> v(n);
-  std::uniform_int_distribution<int> d(0, 255);
-  for (auto& x : v) {
-    int c;
-    do c = d(rng); while ((c & 0x7F) == 0x7F || (positive && (c & 0x80)));
-    x = uint8_t(c);
-  }
-  return v;
-}
-
-std::vector<float> random_scales(size_t n, std::mt19937& rng) {
-  std::vector<float> v(n);
-  std::uniform_real_distribution<float> d(0.5e-3f, 2e-3f);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
 
 // out[n] for one token row: sum over K blocks of a_scale(kb) * w_scale(n, kb) * dot(a, w) in float64.
 struct Operands {

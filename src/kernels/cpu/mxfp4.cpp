@@ -57,4 +57,55 @@ void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, f
   }
 }
 
+void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* scales, uint32_t* out) {
+  MOEKIT_CHECK(l.num_experts > 0 && l.n > 0 && l.n % kQuantBlock == 0 && l.k > 0 && l.k % kQuantBlock == 0,
+               fmt::format("mxfp4_scales_for_gemm: E = {}, N = {}, K = {}; expected E >= 1 and N, K positive "
+                           "multiples of {}", l.num_experts, l.n, l.k, kQuantBlock));
+  const int k_blocks = l.k / kQuantBlock, per_block = kQuantBlock / kMxfp4Group;
+  for (int e = 0; e < l.num_experts; ++e)
+    for (int n = 0; n < l.n; ++n) {
+      const uint8_t* row = scales + l.scale_offset(e, n);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const uint8_t* s = row + kb * per_block;
+        int smax = 0;
+        for (int g = 0; g < per_block; ++g) {
+          MOEKIT_CHECK(s[g] <= kMxfp4MaxScale,
+                       fmt::format("mxfp4_scales_for_gemm: expert {} row {} scale {} is the e8m0 byte {}, expected at "
+                                   "most {}", e, n, kb * per_block + g, s[g], kMxfp4MaxScale));
+          smax = std::max(smax, int(s[g]));
+        }
+        uint32_t word = uint32_t(smax);
+        bool fast = true;
+        for (int g = 0; g < per_block; ++g) {
+          const int shift = std::max(int(s[g]) - smax + 6, -kGemmShiftBias);
+          fast = fast && shift >= -5;
+          word |= uint32_t(shift + kGemmShiftBias) << (kGemmShiftFirstBit + kGemmShiftBits * g);
+        }
+        out[(size_t(e) * k_blocks + kb) * l.n + n] = word | (fast ? 1u << kGemmScaleFastBit : 0u);
+      }
+    }
+}
+
+void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, uint8_t* out) {
+  MOEKIT_CHECK(l.num_experts > 0 && l.n > 0 && l.k > 0 && l.k % kQuantBlock == 0,
+               fmt::format("mxfp4_codes_for_gemm: E = {}, N = {}, K = {}; expected E, N >= 1 and K a positive "
+                           "multiple of {}", l.num_experts, l.n, l.k, kQuantBlock));
+  const size_t runs = l.w_bytes() / 64;  // 128 values each
+  for (size_t r = 0; r < runs; ++r) {
+    const uint8_t* in = codes + r * 64;
+    auto code = [&](int k) { return (in[k / 2] >> (4 * (k % 2))) & 0xF; };
+    for (int q = 0; q < 4; ++q)
+      for (int g = 0; g < 4; ++g) {
+        uint32_t word = 0;
+        for (int i = 0; i < 8; ++i) {
+          const int c = code(g * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4));
+          word |= uint32_t(c & 7) << (4 * i);
+          if (c & 8) word |= 1u << (i < 4 ? 8 * i + 7 : 8 * (i - 4) + 3);
+        }
+        uint8_t* o = out + r * 64 + (q * 4 + g) * 4;
+        for (int b = 0; b < 4; ++b) o[b] = uint8_t(word >> (8 * b));
+      }
+  }
+}
+
 }  // namespace moekit

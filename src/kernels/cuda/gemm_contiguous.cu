@@ -26,7 +26,7 @@ void with_contiguous_instance(const GemmConfig& cfg, F&& f) {
 
 std::string describe(const ContiguousGemmProblem& p) {
   return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
-         " M_total=" + std::to_string(p.total_m);
+         " M_total=" + std::to_string(p.total_m) + (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "");
 }
 
 }  // namespace
@@ -42,9 +42,9 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   check_pointer(b.a, "a");
   check_pointer(b.a_scales, "a_scales");
   check_pointer(b.row_expert, "row_expert");
-  check_pointer(b.w, "w");
-  check_pointer(b.w_scales, "w_scales");
   check_pointer(b.out, "out");
+  const bool mxfp4 = p.weights == WeightFormat::kMxfp4;
+  check_weight_buffers(mxfp4, b.w, b.w_scales, b.w_mx_scales, b.bias);
   const int k_blocks = p.k / kBlockK;
 
   Impl& im = *impl_;
@@ -53,11 +53,15 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
-  with_contiguous_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, 0); });
+  if (mxfp4) {
+    bind_mxfp4_weights(im, false, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
+  } else {
+    with_contiguous_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, 0); });
+    im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, true);
+  }
 
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
   im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm, kBlockK, true);
-  im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, false);
 
   im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * (p.n / bn));

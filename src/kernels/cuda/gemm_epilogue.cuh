@@ -21,17 +21,64 @@ struct Fragment {
   int math_warp;  // 0 .. math warps - 1
 };
 
-// swap-AB: accumulator rows are weight rows n, columns are tokens: out[e, t0 + col, w0 + row].
-template <int kBlockT, int kRegs>
+// swap-AB: accumulator rows are weight rows n, columns are tokens. Masked: out[e, t0 + col,
+// w0 + row] for tokens below masked_m; contiguous: out[t0 + col, w0 + row] for rows that are not
+// padding. args.bias (MXFP4 plans only; null otherwise): bias[e, w0 + row] is added in fp32 before
+// the rounding.
+template <bool kMasked, int kBlockT, int kRegs>
 __device__ __forceinline__ void store_bf16_transposed(const KernelArgs& args, const TileInfo& t, const float* acc,
                                                       const Fragment& f) {
-  uint16_t* out = args.out + (size_t(t.e) * args.rows + t.t0) * args.n + t.w0;
+  const size_t row0 = kMasked ? size_t(t.e) * args.rows + t.t0 : size_t(t.t0);
+  uint16_t* out = args.out + row0 * args.n + t.w0;
+  float bias[2] = {0.0f, 0.0f};
+  if (args.bias) {
+    bias[0] = __ldg(args.bias + size_t(t.e) * args.n + t.w0 + f.row);
+    bias[1] = __ldg(args.bias + size_t(t.e) * args.n + t.w0 + f.row + 8);
+  }
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) {
     const int col = (i / 4) * 8 + f.col + i % 2;
     const int row = f.row + ((i / 2) % 2) * 8;
-    if (t.t0 + col < t.m_valid) out[size_t(col) * args.n + row] = float_to_bf16(acc[i]);
+    const bool real = kMasked ? t.t0 + col < t.m_valid : __ldg(args.row_expert + t.t0 + col) >= 0;
+    if (real) out[size_t(col) * args.n + row] = float_to_bf16(acc[i] + bias[(i / 2) % 2]);
   }
+}
+
+// Split-K: each split of a tile writes its fp32 partials to the workspace; the last split to
+// arrive (an atomic counter per tile, which it resets for the next launch) sums them in split
+// order, so the result does not depend on which split finished last. Returns true in the CTA
+// that stores the tile (acc then holds the sum). Called by all math threads.
+template <int kAccRegs, int kMathThreads>
+__device__ __forceinline__ bool reduce_splits(const KernelArgs& args, const TileInfo& t, float* acc, int mtid,
+                                              int* last_flag) {
+  const int splits = args.num_splits;
+  float* my = args.partials + (size_t(t.slot) * splits + t.split) * kAccRegs * kMathThreads;
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) __stcg(my + i * kMathThreads + mtid, acc[i]);
+  __threadfence();
+  math_barrier<kMathThreads>();
+  if (mtid == 0) *last_flag = atomicAdd(args.counters + t.slot, 1) == splits - 1;
+  math_barrier<kMathThreads>();
+  if (!*last_flag) return false;
+  __threadfence();
+  if (mtid == 0) args.counters[t.slot] = 0;  // every split has arrived: ready for the next launch
+  // The loads of one split are independent, so all kAccRegs of them are in flight together: one
+  // L2 round trip per split, not per register (the per-register chain cost ~5 us per tile, run 1).
+  const float* base = args.partials + size_t(t.slot) * splits * kAccRegs * kMathThreads;
+  float sum[kAccRegs];
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) sum[i] = 0.0f;
+  for (int sp = 0; sp < splits; ++sp) {
+    const float* part_sp = base + size_t(sp) * kAccRegs * kMathThreads + mtid;
+    float v[kAccRegs];
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) v[i] = sp == t.split ? acc[i] : __ldcg(part_sp + i * kMathThreads);
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) sum[i] += v[i];
+  }
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = sum[i];
+  return true;
 }
 
 // Normal orientation: accumulator rows are tokens, columns weight rows; two columns per store.

@@ -81,52 +81,13 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // loads; the consumers touch nothing the previous kernel writes except through the producer's
   // loads, and write nothing it reads.
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
-    ptx::grid_dependency_wait();
-    ptx::launch_dependents();
-  }
+  begin_gemm(args, early_weights, full, empty, kMathWGs * 4);
   if (threadIdx.x == 0) {
-    stamp_start(args.stamp);
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
     ptx::prefetch_tensormap(&tma_sa);
-    for (int s = 0; s < stages; ++s) {
-      ptx::mbar_init(&full[s], 1);
-      ptx::mbar_init(&empty[s], kMathWGs * 4);  // one arrive per math warp
-    }
-    ptx::fence_barrier_init();
   }
-  int num_tiles;
-  if constexpr (kMasked) {
-    for (int e = threadIdx.x; e < args.num_experts; e += blockDim.x) {
-      int m = min(max(__ldg(args.masked_m + e), 0), args.rows);
-      m_of[e] = m;
-      prefix[e + 1] = num_w_blocks * ((m + kBlockT - 1) / kBlockT) * args.num_splits;
-    }
-    __syncthreads();
-    if (warp == 0) {  // inclusive scan of prefix[1..E]: one contiguous chunk per lane
-      int chunk = (args.num_experts + 31) / 32;
-      int begin = min(lane * chunk, args.num_experts), end = min(begin + chunk, args.num_experts);
-      int sum = 0;
-      for (int e = begin; e < end; ++e) sum += prefix[e + 1];
-      int incl = sum;
-      for (int o = 1; o < 32; o *= 2) {
-        int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      int run = incl - sum;
-      for (int e = begin; e < end; ++e) {
-        run += prefix[e + 1];
-        prefix[e + 1] = run;
-      }
-      if (lane == 0) prefix[0] = 0;
-    }
-    __syncthreads();
-    num_tiles = prefix[args.num_experts];
-  } else {
-    __syncthreads();
-    num_tiles = (args.rows / kBlockT) * num_w_blocks * args.num_splits;
-  }
+  const int num_tiles = count_tiles<kMasked, kBlockT>(args, num_w_blocks, prefix, m_of);
 
   if (warp < 4) {
     // ---------------- producer ----------------
@@ -136,49 +97,20 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     const uint64_t policy_a = ptx::policy_evict_last();
     // A stage's weight rows: one box of kBlockW rows, or (gated) the gate box and the up box
     // inter rows further down.
-    auto load_w = [&](int stage, int kb, int w_row) {
+    auto load_w = [&](int stage, int kb, const TileInfo& t) {
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
         ptx::tma_load_2d(w_tiles + stage * Layout::kWTile + sl * kBlockW * kBlockK, &tma_w, &full[stage],
-                         kb * kBlockK, w_row + sl * (args.n / 2), policy_w);
+                         kb * kBlockK, t.e * args.n + t.w0 + sl * (args.n / 2), policy_w);
     };
-    // Early weights: the first ring of stages gets its weight tile (and the expect-tx of the
-    // whole stage) before the wait; the activation loads of those stages follow it.
-    int prefetched = 0;
-    if (early_weights) {
-      for (int tile = blockIdx.x; tile < num_tiles && prefetched < stages; tile += gridDim.x) {
-        TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
-        for (int kb = t.kb_begin; kb < t.kb_end && prefetched < stages; ++kb, ++prefetched) {
-          if (lane == 0) {
-            ptx::mbar_arrive_expect_tx(&full[prefetched], Layout::kTxBytes);
-            load_w(prefetched, kb, t.e * args.n + t.w0);
-          }
-        }
-      }
-      ptx::grid_dependency_wait();
-      ptx::launch_dependents();
-    }
-    int iter = 0, s = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
-      if (t.e < 0) continue;
-      const int w_row = t.e * args.n + t.w0;
+    auto load_a = [&](int stage, int kb, const TileInfo& t) {
       const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
       const int sa_row = kMasked ? t.e * k_blocks : 0;
-      for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
-        if (lane == 0) {
-          if (iter >= prefetched) {
-            ptx::mbar_wait(&empty[s], phase ^ 1);
-            ptx::mbar_arrive_expect_tx(&full[s], Layout::kTxBytes);
-            load_w(s, kb, w_row);
-          }
-          ptx::tma_load_2d(a_tiles + s * Layout::kATile, &tma_a, &full[s], kb * kBlockK, a_row, policy_a);
-          ptx::tma_load_2d(sa_tiles + s * Layout::kSaFloats, &tma_sa, &full[s], t.t0, sa_row + kb, policy_a);
-        }
-        if (++s == stages) s = 0, phase ^= 1;
-      }
-    }
+      ptx::tma_load_2d(a_tiles + stage * Layout::kATile, &tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
+      ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, &tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
+    };
+    produce<kMasked, kBlockT, kBlockW>(args, num_tiles, num_w_blocks, prefix, m_of, full, empty, Layout::kTxBytes,
+                                       early_weights, load_w, load_a);
     return;
   }
 
@@ -290,39 +222,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     }
 
     // ---------------- split-K reduction ----------------
-    bool store = true;  // false: another split of this tile writes it
-    if (args.num_splits > 1) {
-      const int splits = args.num_splits;
-      float* my = args.partials + (size_t(t.slot) * splits + t.split) * kAccRegs * kMathThreads;
-#pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) __stcg(my + i * kMathThreads + mtid, acc[i]);
-      __threadfence();
-      math_barrier<kMathThreads>();
-      if (mtid == 0) last_flag = atomicAdd(args.counters + t.slot, 1) == splits - 1;
-      math_barrier<kMathThreads>();
-      store = last_flag;
-      if (store) {
-        __threadfence();
-        if (mtid == 0) args.counters[t.slot] = 0;  // every split has arrived: ready for the next launch
-        // Sum in split order (deterministic). The loads of one split are independent, so all
-        // kAccRegs of them are in flight together: one L2 round trip per split, not per register
-        // (the per-register chain cost ~5 us per tile, run 1).
-        const float* base = args.partials + size_t(t.slot) * splits * kAccRegs * kMathThreads;
-        float sum[kAccRegs];
-#pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) sum[i] = 0.0f;
-        for (int sp = 0; sp < splits; ++sp) {
-          const float* part_sp = base + size_t(sp) * kAccRegs * kMathThreads + mtid;
-          float v[kAccRegs];
-#pragma unroll
-          for (int i = 0; i < kAccRegs; ++i) v[i] = sp == t.split ? acc[i] : __ldcg(part_sp + i * kMathThreads);
-#pragma unroll
-          for (int i = 0; i < kAccRegs; ++i) sum[i] += v[i];
-        }
-#pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) acc[i] = sum[i];
-      }
-    }
+    const bool store = args.num_splits == 1 || reduce_splits<kAccRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
 
     // ---------------- epilogue, straight from the registers ----------------
     const Fragment f{frag_row, frag_col, mtid, warp - 4};
@@ -330,7 +230,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     } else if constexpr (kGated) {
       store_silu_mul_fp8<kBlockT, kRegs, kMathThreads>(args, t, acc, acc + kRegs, f);
     } else if constexpr (kSwapAB) {
-      store_bf16_transposed<kBlockT, kRegs>(args, t, acc, f);
+      store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
     } else {
       store_bf16<kMasked, kRegs>(args, t, acc, f);
     }

@@ -9,6 +9,8 @@
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
 // (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64.
+// MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above up to 128 tokens per block,
+// contiguous with blocks of 128 tokens.
 #include <algorithm>
 
 #include "kernels/cuda/gemm_host.cuh"
@@ -34,6 +36,10 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   if (p.epilogue == GemmEpilogue::kSiluMulFp8) {
     cfg.swap_ab = true;
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : 64;
+  } else if (p.weights == WeightFormat::kMxfp4) {
+    cfg.swap_ab = true;  // the only MXFP4 orientation; more tokens take more 128-token blocks
+    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
+    cfg.math_warpgroups = cfg.block_m == 16 ? 4 : 2;
   } else if (m <= 128) {
     cfg.swap_ab = true;
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
@@ -53,12 +59,18 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
 
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms) {
   GemmConfig cfg;
-  cfg.swap_ab = false;
   cfg.block_n = 128;
-  long tiles128 = long(p.total_m / 128) * (p.n / 128);
-  cfg.block_m = tiles128 >= num_sms ? 128 : 64;
   cfg.num_splits = 1;
   cfg.num_ctas = num_sms;
+  if (p.weights == WeightFormat::kMxfp4) {  // swap-AB, 128 tokens on the MMA's N side
+    cfg.swap_ab = true;
+    cfg.block_m = 128;
+    cfg.math_warpgroups = 2;
+    return cfg;
+  }
+  cfg.swap_ab = false;
+  long tiles128 = long(p.total_m / 128) * (p.n / 128);
+  cfg.block_m = tiles128 >= num_sms ? 128 : 64;
   return cfg;
 }
 

@@ -15,6 +15,7 @@ std::string GemmConfig::to_string() const {
   std::ostringstream os;
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
      << " stages=" << num_stages << " splits=" << num_splits << " ctas=" << num_ctas << " smem=" << smem_bytes;
+  if (math_warpgroups) os << " math_wgs=" << math_warpgroups;
   return os.str();
 }
 
@@ -65,6 +66,18 @@ void check_pointer(const void* p, const char* name) {
                std::string("GEMM: ") + name + " is not 16-byte aligned (TMA needs 16-byte aligned global memory)");
 }
 
+void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, const uint32_t* w_mx_scales, const float* bias) {
+  check_pointer(w, "w");
+  if (mxfp4) {
+    MOEKIT_CHECK(w_scales == nullptr, "GEMM: w_scales is set with MXFP4 weights; their scales go in w_mx_scales (gemm.h)");
+    check_pointer(w_mx_scales, "w_mx_scales");
+  } else {
+    check_pointer(w_scales, "w_scales");
+    MOEKIT_CHECK(w_mx_scales == nullptr, "GEMM: w_mx_scales is set with FP8 weights; expected weights = WeightFormat::kMxfp4");
+    MOEKIT_CHECK(bias == nullptr, "GEMM: bias is supported with MXFP4 weights only (gpt-oss); FP8 plans take none");
+  }
+}
+
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg) {
   const char* env = std::getenv("MOEKIT_PRINT_CONFIGS");
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
@@ -84,10 +97,28 @@ int num_sms() {
   return v;
 }
 
+void allow_smem(const void* kernel, int smem_bytes) {
+  int device = 0, optin = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attr{};
+  MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int limit = optin - int(attr.sharedSizeBytes);
+  MOEKIT_CHECK(smem_bytes <= limit, "GEMM plan needs " + std::to_string(smem_bytes) +
+                                        " B of dynamic shared memory, the device allows " + std::to_string(limit));
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+}
+
 void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMap& tma_a, const CUtensorMap& tma_w,
-                   const CUtensorMap& tma_sa, const KernelArgs& args, cudaStream_t stream) {
-  launch_kernel_ex(launch.kernel, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream,
-                   (args.flags & kFlagPdl) != 0, tma_a, tma_w, tma_sa, args);
+                   const CUtensorMap& tma_sa, const CUtensorMap& tma_ws, const KernelArgs& args, cudaStream_t stream) {
+  const bool pdl = (args.flags & kFlagPdl) != 0;
+  if (launch.kernel_mxfp4) {
+    launch_kernel_ex(launch.kernel_mxfp4, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream, pdl, tma_a,
+                     tma_w, tma_sa, tma_ws, args);
+  } else {
+    launch_kernel_ex(launch.kernel, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream, pdl, tma_a, tma_w,
+                     tma_sa, args);
+  }
 }
 
 void PlanCore::bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out,
@@ -107,7 +138,9 @@ void PlanCore::bind(int num_experts, int n, int k, int rows, const float* w_scal
   }
 }
 
-void PlanCore::run(cudaStream_t stream) const { launch_kernel(launch, cfg, tma_a, tma_w, tma_sa, args, stream); }
+void PlanCore::run(cudaStream_t stream) const {
+  launch_kernel(launch, cfg, tma_a, tma_w, tma_sa, tma_ws, args, stream);
+}
 
 void PlanCore::set_overlap(Overlap overlap) {
   args.flags = overlap == Overlap::kNone             ? 0

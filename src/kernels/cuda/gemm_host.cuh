@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/cuda/gemm_fp8.cuh"
+#include "kernels/cuda/gemm_mxfp4.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/gemm.h"
 
@@ -22,57 +23,55 @@ CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t c
 
 void check_shape(int n, int k);            // N, K positive multiples of 128
 void check_pointer(const void* p, const char* name);  // non-null, 16-byte aligned
+// w, and w_scales (FP8) or w_mx_scales (MXFP4), each with the other format's pointers null; bias only
+// with MXFP4 (checked by bind_mxfp4_weights).
+void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, const uint32_t* w_mx_scales, const float* bias);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
 int max_smem_per_block();
 int num_sms();
 
-// Stages that fit next to the fixed part, capped where deeper buys nothing. kWRows: weight rows
-// per stage; extra_static: static shared memory beyond the kernel's own few words (the gated
-// epilogue's amax exchange).
-template <int kBlockT, int kWRows>
+// Stages that fit next to the fixed part, capped where deeper buys nothing. Layout: the
+// kernel's SmemLayout (or Mxfp4SmemLayout); extra_static: static shared memory beyond the
+// kernel's own few words (the gated epilogue's amax exchange).
+template <class Layout>
 int stages_that_fit(int num_experts, int extra_static) {
-  int per = SmemLayout<kBlockT, kWRows>::kStageBytes;
-  int fixed = SmemLayout<kBlockT, kWRows>::bytes(0, num_experts) + 2048 + extra_static;  // + static shared and slack
+  int per = Layout::kStageBytes;
+  int fixed = Layout::bytes(0, num_experts) + 2048 + extra_static;  // + static shared and slack
   int s = (max_smem_per_block() - fixed) / per;
   return s > 16 ? 16 : s;
 }
 
-// Fills num_stages, smem_bytes and num_ctas of cfg for the instance <kBlockT, kWRows>.
-template <int kBlockT, int kWRows>
+// Fills num_stages, smem_bytes and num_ctas of cfg for a kernel with shared-memory Layout.
+template <class Layout>
 void finish_config(GemmConfig& cfg, int num_experts, int extra_static) {
-  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<kBlockT, kWRows>(num_experts, extra_static);
+  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<Layout>(num_experts, extra_static);
   MOEKIT_CHECK(cfg.num_stages >= 2, "GEMM config: " + std::to_string(cfg.num_stages) +
                                         " pipeline stages do not fit in shared memory; expected at least 2");
-  cfg.smem_bytes = SmemLayout<kBlockT, kWRows>::bytes(cfg.num_stages, num_experts);
+  cfg.smem_bytes = Layout::bytes(cfg.num_stages, num_experts);
   MOEKIT_CHECK(cfg.smem_bytes <= max_smem_per_block(),
                "GEMM config needs " + std::to_string(cfg.smem_bytes) + " bytes of shared memory; the device has " +
                    std::to_string(max_smem_per_block()));
   if (cfg.num_ctas <= 0) cfg.num_ctas = num_sms();
 }
 
+// Raises a kernel's dynamic shared-memory limit to the device's opt-in maximum (less its static
+// shared memory) after checking that smem_bytes fits. The limit belongs to the kernel function,
+// not to a plan: a later plan of the same kernel with a smaller ring never lowers it below what
+// an earlier plan launches with.
+void allow_smem(const void* kernel, int smem_bytes);
+
+// A plan's kernel: FP8 weights (three TMA maps) or MXFP4 weights (a fourth, for the scales).
 struct Launch {
   void (*kernel)(CUtensorMap, CUtensorMap, CUtensorMap, KernelArgs) = nullptr;
+  void (*kernel_mxfp4)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, KernelArgs) = nullptr;
   int threads = 0;
 };
 
 template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated>
 Launch get_launch(int smem_bytes) {
-  auto kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>;
-  // The limit belongs to the kernel function, not to a plan: raise it to the device's opt-in
-  // maximum, so a later plan of the same kernel with a smaller ring never lowers it below what
-  // an earlier plan launches with.
-  // (The dynamic limit is the opt-in maximum less the kernel's static shared memory.)
-  int device = 0, optin = 0;
-  MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
-  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes attr{};
-  MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const int limit = optin - int(attr.sharedSizeBytes);
-  MOEKIT_CHECK(smem_bytes <= limit, "GEMM plan needs " + std::to_string(smem_bytes) +
-                                        " B of dynamic shared memory, the device allows " + std::to_string(limit));
-  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
   Launch l;
-  l.kernel = kernel;
+  l.kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>;
+  allow_smem(reinterpret_cast<const void*>(l.kernel), smem_bytes);
   l.threads = (kMathWGs + 1) * 128;
   return l;
 }
@@ -80,7 +79,7 @@ Launch get_launch(int smem_bytes) {
 // One launch of a plan's kernel (with the programmatic-serialisation attribute when
 // args.flags has kFlagPdl).
 void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMap& tma_a, const CUtensorMap& tma_w,
-                   const CUtensorMap& tma_sa, const KernelArgs& args, cudaStream_t stream);
+                   const CUtensorMap& tma_sa, const CUtensorMap& tma_ws, const KernelArgs& args, cudaStream_t stream);
 
 // Split-K workspace owned by a plan.
 struct SplitWorkspace {
@@ -94,6 +93,7 @@ struct SplitWorkspace {
 struct PlanCore {
   GemmConfig cfg;
   CUtensorMap tma_a{}, tma_w{}, tma_sa{};
+  CUtensorMap tma_ws{};  // MXFP4: the weights' e8m0 scales
   KernelArgs args;
   Launch launch;
   SplitWorkspace workspace;
@@ -122,10 +122,28 @@ struct Instance {
   static Launch launch(GemmConfig& cfg, int num_experts) {
     constexpr int kWRows = kGated ? 2 * kBlockW : kBlockW;
     constexpr int kExtraStatic = kGated ? kMathWGs * 4 * kBlockT * 4 : 0;  // gemm_epilogue.cuh's warp_amax
-    finish_config<kBlockT, kWRows>(cfg, num_experts, kExtraStatic);
+    finish_config<SmemLayout<kBlockT, kWRows>>(cfg, num_experts, kExtraStatic);
     return get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>(cfg.smem_bytes);
   }
 };
+
+// One compiled MXFP4 kernel instance (swap-AB, 128 weight rows per tile, 2 or 4 math warpgroups).
+template <bool kMasked, int kBlockT, int kMathWGs = 2>
+struct Mxfp4Instance {
+  static Launch launch(GemmConfig& cfg, int num_experts) {
+    finish_config<Mxfp4SmemLayout<kBlockT, kMathWGs>>(cfg, num_experts, 0);
+    Launch l;
+    l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT, kMathWGs>;
+    allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);
+    l.threads = (kMathWGs + 1) * 128;
+    return l;
+  }
+};
+
+// The MXFP4 parts of a plan (gemm_mxfp4.cu): checks the buffers, picks the instance, builds the
+// weight and scale TMA maps (tma_a and tma_sa are the FP8 plan's).
+void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
+                        const uint32_t* w_mx_scales, const float* bias);
 
 // Split-K factor: 1 unless the tiles leave SMs idle in the only wave (gemm_heuristic.cu).
 int choose_splits(long tiles, int num_sms, int k_blocks);

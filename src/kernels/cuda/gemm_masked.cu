@@ -51,7 +51,8 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
 std::string describe(const MaskedGemmProblem& p) {
   return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
          " M_max=" + std::to_string(p.max_m) + " expected_m=" + std::to_string(p.expected_m) +
-         (p.epilogue == GemmEpilogue::kSiluMulFp8 ? " epilogue=silu-mul-fp8" : "");
+         (p.epilogue == GemmEpilogue::kSiluMulFp8 ? " epilogue=silu-mul-fp8" : "") +
+         (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "");
 }
 
 }  // namespace
@@ -66,10 +67,12 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   MOEKIT_CHECK(p.expected_m >= 0, "masked GEMM: expected_m = " + std::to_string(p.expected_m) + " must be >= 0");
   check_pointer(b.a, "a");
   check_pointer(b.a_scales, "a_scales");
-  check_pointer(b.w, "w");
-  check_pointer(b.w_scales, "w_scales");
   check_pointer(b.masked_m, "masked_m");
   const bool gated = p.epilogue == GemmEpilogue::kSiluMulFp8;
+  const bool mxfp4 = p.weights == WeightFormat::kMxfp4;
+  check_weight_buffers(mxfp4, b.w, b.w_scales, b.w_mx_scales, b.bias);
+  MOEKIT_CHECK(!(mxfp4 && gated), "masked GEMM: the SiLU·up epilogue needs FP8 weights; with MXFP4 weights use "
+                                  "the BF16 output (gemm.h)");
   if (gated) {
     MOEKIT_CHECK(p.n % (2 * kBlockK) == 0, "masked GEMM with the SiLU·up epilogue: N = " + std::to_string(p.n) +
                                                " must be 2·inter with inter a multiple of 128");
@@ -86,12 +89,16 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
-  with_masked_instance(im.cfg, p.epilogue,
-                       [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });
+  if (mxfp4) {
+    bind_mxfp4_weights(im, true, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
+  } else {
+    with_masked_instance(im.cfg, p.epilogue,
+                         [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });
+    im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, true);
+  }
 
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
   im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm, kBlockK, true);
-  im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, bn, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
 
   const int cols = gated ? p.n / 2 : p.n;  // output columns

@@ -6,6 +6,9 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/stamp.cuh"
+
 namespace moekit::gemm_detail {
 
 constexpr int kBlockK = 128;        // one quantisation block of K per pipeline stage
@@ -25,6 +28,7 @@ struct KernelArgs {
   int num_splits = 1;
   int num_stages = 0;
   int flags = 0;  // kFlag* below
+  const float* bias = nullptr;     // MXFP4 plans: [E, n] fp32 added before the BF16 rounding
   uint8_t* act = nullptr;          // gated: SiLU·up in FP8 [E, rows, n/2]
   float* act_scales = nullptr;     // gated: its scales [E, n/256, rows]
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
@@ -109,6 +113,108 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
   t.t0 = tb * kBlockT;
   t.w0 = wb * kBlockW;
   return t;
+}
+
+// The number of tiles of a launch, which every thread of the CTA returns. Masked: also fills
+// m_of[e] (masked_m clamped to [0, rows]) and prefix[0..E] (tiles before expert e; an expert
+// without tokens has none, so its weights are never read) in shared memory. Called by the
+// whole CTA (it synchronises).
+template <bool kMasked, int kBlockT>
+__device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blocks, int* prefix, int* m_of) {
+  if constexpr (!kMasked) {
+    __syncthreads();
+    return (args.rows / kBlockT) * num_w_blocks * args.num_splits;
+  } else {
+    for (int e = threadIdx.x; e < args.num_experts; e += blockDim.x) {
+      const int m = min(max(__ldg(args.masked_m + e), 0), args.rows);
+      m_of[e] = m;
+      prefix[e + 1] = num_w_blocks * ((m + kBlockT - 1) / kBlockT) * args.num_splits;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // inclusive scan of prefix[1..E]: one contiguous chunk per lane
+      const int lane = threadIdx.x;
+      const int chunk = (args.num_experts + 31) / 32;
+      const int begin = min(lane * chunk, args.num_experts), end = min(begin + chunk, args.num_experts);
+      int sum = 0;
+      for (int e = begin; e < end; ++e) sum += prefix[e + 1];
+      int incl = sum;
+      for (int o = 1; o < 32; o *= 2) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      int run = incl - sum;
+      for (int e = begin; e < end; ++e) {
+        run += prefix[e + 1];
+        prefix[e + 1] = run;
+      }
+      if (lane == 0) prefix[0] = 0;
+    }
+    __syncthreads();
+    return prefix[args.num_experts];
+  }
+}
+
+// The start of a grouped GEMM kernel, before the tile count: the PDL wait and trigger (unless the
+// producer takes them after its early weight loads), and in thread 0 the stage clock and the
+// ring's barriers (full[s]: the producer's arrive plus the stage's TMA bytes; empty[s]: one arrive
+// per math warp), made visible to TMA.
+__device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_weights, uint64_t* full, uint64_t* empty,
+                                           int math_warps) {
+  if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
+    ptx::grid_dependency_wait();
+    ptx::launch_dependents();
+  }
+  if (threadIdx.x == 0) {
+    stamp_start(args.stamp);
+    for (int s = 0; s < args.num_stages; ++s) {
+      ptx::mbar_init(&full[s], 1);
+      ptx::mbar_init(&empty[s], math_warps);
+    }
+    ptx::fence_barrier_init();
+  }
+}
+
+// The producer warp's loop (lane 0 issues): for every k block of every tile of this CTA, wait
+// for the stage to be free, announce tx_bytes, load_w(stage, kb, tile) (the weights) and
+// load_a(stage, kb, tile) (activations and their scales). Early weights: the first ring of
+// stages gets its weights (and the whole stage's expect-tx) before the PDL wait; their
+// activation loads follow it.
+template <bool kMasked, int kBlockT, int kBlockW, class LoadW, class LoadA>
+__device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, int num_w_blocks, const int* prefix,
+                                        const int* m_of, uint64_t* full, uint64_t* empty, uint32_t tx_bytes,
+                                        bool early_weights, LoadW&& load_w, LoadA&& load_a) {
+  const int lane = threadIdx.x % 32, stages = args.num_stages;
+  int prefetched = 0;
+  if (early_weights) {
+    for (int tile = blockIdx.x; tile < num_tiles && prefetched < stages; tile += gridDim.x) {
+      const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+      for (int kb = t.kb_begin; kb < t.kb_end && prefetched < stages; ++kb, ++prefetched) {
+        if (lane == 0) {
+          ptx::mbar_arrive_expect_tx(&full[prefetched], tx_bytes);
+          load_w(prefetched, kb, t);
+        }
+      }
+    }
+    ptx::grid_dependency_wait();
+    ptx::launch_dependents();
+  }
+  int iter = 0, s = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+    if (t.e < 0) continue;
+    for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
+      if (lane == 0) {
+        if (iter >= prefetched) {
+          ptx::mbar_wait(&empty[s], phase ^ 1);
+          ptx::mbar_arrive_expect_tx(&full[s], tx_bytes);
+          load_w(s, kb, t);
+        }
+        load_a(s, kb, t);
+      }
+      if (++s == stages) s = 0, phase ^= 1;
+    }
+  }
 }
 
 // The consumer warpgroups' named barrier (the producer warps have left).

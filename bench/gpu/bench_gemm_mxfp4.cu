@@ -1,0 +1,248 @@
+// bench_gemm_mxfp4: the MXFP4 grouped GEMM beside moekit's FP8 kernel on the same shapes, and
+// beside the copy bandwidth measured in the same run.
+//   masked (decode): both expert GEMMs of a layer back to back (GEMM1 [2·inter, hidden], GEMM2
+//     [hidden, inter]) for 8 DeepSeek-V3 experts (hidden 7168, inter 2048) and for 8 and 32
+//     gpt-oss-120b experts (hidden and inter 2880, padded to 2944 as the loader does), masked_m
+//     all 5 / all 16 / random 1..16 / all 64. Figures: time of the pair per format, the ratio
+//     MXFP4 / FP8 (target <= 0.55), and the MXFP4 bytes read (codes + scales of the experts with
+//     tokens) over the time, in TB/s and as a fraction of copy.
+//   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
+//     each: TFLOP/s of each format and the ratio (target >= 0.9).
+// Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
+// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick]
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench_common.h"
+#include "gemm_bench.cuh"
+#include "moekit/cuda_check.h"
+#include "moekit/gemm.h"
+#include "moekit/mxfp4.h"
+
+using namespace moekit;
+using nlohmann::json;
+using namespace moekit::gemm_bench;
+
+namespace {
+
+// Random bytes; `fp8` avoids the NaN codes, `lo..hi` (when hi > 0) maps bytes into that range.
+__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed, bool fp8, int lo, int hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    uint8_t c = uint8_t(h);
+    if (fp8 && (c & 0x7F) == 0x7F) c = 0x3C;
+    if (hi > 0) c = uint8_t(lo + int(h % uint32_t(hi - lo + 1)));
+    p[i] = c;
+  }
+}
+__global__ void fix_scale_words(uint32_t* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint32_t h = p[i];
+    uint32_t w = 124u | (1u << kGemmScaleFastBit);
+    for (int g = 0; g < 4; ++g) w |= (((h >> (8 * g)) % 7u) + kGemmShiftBias) << (kGemmShiftFirstBit + 5 * g);
+    p[i] = w;
+  }
+}
+void bytes(uint8_t* p, size_t n, uint32_t seed, bool fp8, int lo = 0, int hi = 0) {
+  fill_bytes<<<1024, 256>>>(p, n, seed, fp8, lo, hi);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+// One GEMM's device buffers in either format (weights, activations, scales, output).
+struct Gemm {
+  int e, n, k, rows;  // rows: M_max (masked) or M_total (contiguous)
+  bool mx;
+  uint8_t *a, *w;
+  uint32_t* w8m0 = nullptr;
+  float *as, *ws = nullptr;
+  uint16_t* out;
+  Gemm(int e_, int n_, int k_, int rows_, bool mx_, uint32_t seed) : e(e_), n(n_), k(k_), rows(rows_), mx(mx_) {
+    a = device_alloc<uint8_t>(size_t(e) * rows * k);
+    as = device_alloc<float>(size_t(e) * (k / 128) * rows);
+    out = device_alloc<uint16_t>(size_t(e) * rows * n);
+    bytes(a, size_t(e) * rows * k, seed, true);
+    fill_scales(as, size_t(e) * (k / 128) * rows, seed + 1);
+    if (mx) {
+      w = device_alloc<uint8_t>(size_t(e) * n * k / 2);
+      w8m0 = device_alloc<uint32_t>(size_t(e) * n * k / 128);
+      bytes(w, size_t(e) * n * k / 2, seed + 2, false);
+      // Scale words as mxfp4_scales_for_gemm writes them for scale bytes 118..124: the largest
+      // byte, four shift fields, the fast flag (the bench draws shifts in [0, 6]).
+      bytes(reinterpret_cast<uint8_t*>(w8m0), size_t(e) * n * k / 32, seed + 3, false, 0, 255);
+      fix_scale_words<<<1024, 256>>>(w8m0, size_t(e) * n * k / 128);
+      MOEKIT_CUDA_CHECK_LAUNCH();
+    } else {
+      w = device_alloc<uint8_t>(size_t(e) * n * k);
+      ws = device_alloc<float>(size_t(e) * (n / 128) * (k / 128));
+      bytes(w, size_t(e) * n * k, seed + 2, true);
+      fill_scales(ws, size_t(e) * (n / 128) * (k / 128), seed + 3);
+    }
+  }
+  ~Gemm() {
+    for (void* p : {(void*)a, (void*)w, (void*)w8m0, (void*)as, (void*)ws, (void*)out}) cudaFree(p);
+  }
+};
+
+std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected, int wgs) {
+  MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
+  p.weights = g.mx ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
+  MaskedGemmBuffers b;
+  b.a = g.a;
+  b.a_scales = g.as;
+  b.w = g.w;
+  b.w_scales = g.ws;
+  b.w_mx_scales = g.w8m0;
+  b.masked_m = m;
+  b.out = g.out;
+  GemmConfig cfg = choose_masked_config(p, 132);
+  cfg.num_ctas = 0;
+  if (wgs > 0 && cfg.block_m == 16) cfg.math_warpgroups = wgs;
+  return std::make_unique<MaskedGemm>(p, b, &cfg);
+}
+
+struct Shape {
+  const char* name;
+  int experts, hidden, inter;
+};
+
+// The pair GEMM1 + GEMM2 of `shape` in one format, two rotating sets; returns the median us.
+double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int iters, std::string& config, int wgs = 0) {
+  const int max_m = 128, expected = *std::max_element(mm.begin(), mm.end());
+  int32_t* m = device_alloc<int32_t>(mm.size());
+  MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<std::unique_ptr<Gemm>> g;
+  std::vector<std::unique_ptr<MaskedGemm>> plans;
+  for (int set = 0; set < 2; ++set) {
+    g.push_back(std::make_unique<Gemm>(s.experts, 2 * s.inter, s.hidden, max_m, mx, 100 * set + 1));
+    g.push_back(std::make_unique<Gemm>(s.experts, s.hidden, s.inter, max_m, mx, 100 * set + 51));
+    plans.push_back(masked_plan(*g[2 * set], m, expected, wgs));
+    plans.push_back(masked_plan(*g[2 * set + 1], m, expected, wgs));
+  }
+  config = plans[0]->config().to_string();
+  const double us = median_us(iters, [&](int i) {
+    plans[2 * (i % 2)]->run(nullptr);
+    plans[2 * (i % 2) + 1]->run(nullptr);
+  });
+  MOEKIT_CUDA_CHECK(cudaGetLastError());
+  cudaFree(m);
+  return us;
+}
+
+json run_masked(const Shape& s, const std::string& name, const std::vector<int32_t>& mm, double copy_tbps, int iters) {
+  std::string cfg8, cfg4, cfg4b;
+  const double us8 = time_pair(s, false, mm, iters, cfg8), us4 = time_pair(s, true, mm, iters, cfg4);
+  const double us4_2wg = time_pair(s, true, mm, iters, cfg4b, 2);  // the 2-warpgroup kernel, for comparison
+  int hit = 0;
+  for (int x : mm) hit += x > 0;
+  const double params = double(hit) * 3.0 * s.hidden * s.inter;  // both GEMMs of the experts with tokens
+  const double mx_bytes = params * (0.5 + 1.0 / 32), fp8_bytes = params * (1.0 + 4.0 / 16384);
+  json r{{"shape", s.name}, {"experts", s.experts}, {"case", name}, {"masked_m", mm}, {"us_fp8", us8},
+         {"us_mxfp4", us4}, {"ratio", us4 / us8}, {"mxfp4_TBps", mx_bytes / (us4 * 1e-6) / 1e12},
+         {"fp8_TBps", fp8_bytes / (us8 * 1e-6) / 1e12}, {"config_fp8", cfg8}, {"config_mxfp4", cfg4},
+         {"us_mxfp4_2wg", us4_2wg}};
+  r["mxfp4_fraction_of_copy"] = r["mxfp4_TBps"].get<double>() / copy_tbps;
+  std::printf("%-22s %-11s %9.1f %9.1f %7.3f %9.3f %7.1f%% %9.3f %9.1f   %s\n", (std::string(s.name) + " x" +
+              std::to_string(s.experts)).c_str(), name.c_str(), us8, us4, us4 / us8, r["mxfp4_TBps"].get<double>(),
+              100 * r["mxfp4_fraction_of_copy"].get<double>(), r["fp8_TBps"].get<double>(), us4_2wg, cfg4.c_str());
+  return r;
+}
+
+double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, int iters, std::string& config,
+                       int block_m = 0) {
+  const int total = experts * rows_per_expert;
+  std::vector<int32_t> re(total);
+  for (int i = 0; i < total; ++i) re[i] = i / rows_per_expert;
+  int32_t* d_re = device_alloc<int32_t>(total);
+  MOEKIT_CUDA_CHECK(cudaMemcpy(d_re, re.data(), total * 4, cudaMemcpyHostToDevice));
+  Gemm g(1, n, k, total, false, 7);  // activations and output (one "expert" of M_total rows)
+  Gemm w(experts, n, k, 4, mx, 9);   // the weights
+  ContiguousGemmProblem p{experts, n, k, total};
+  p.weights = mx ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
+  ContiguousGemmBuffers b;
+  b.a = g.a;
+  b.a_scales = g.as;
+  b.row_expert = d_re;
+  b.w = w.w;
+  b.w_scales = w.ws;
+  b.w_mx_scales = w.w8m0;
+  b.out = g.out;
+  GemmConfig forced = choose_contiguous_config(p, 132);
+  if (block_m > 0) forced.block_m = block_m;
+  forced.num_ctas = 0;
+  ContiguousGemm plan(p, b, &forced);
+  config = plan.config().to_string();
+  const double us = median_us(iters, [&](int) { plan.run(nullptr); });
+  cudaFree(d_re);
+  return us;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else {
+      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick]\n");
+      return 2;
+    }
+  }
+  try {
+    json out;
+    const double copy = bench::measure_copy_bandwidth() / 1e12;
+    out["copy_TBps"] = copy;
+    std::printf("copy bandwidth %.3f TB/s (read + write)\n", copy);
+    const int iters = quick ? 10 : 30;
+    std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s %9s   %s\n", "shape",
+                "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s", "us 2wg", "config (mxfp4 gemm1)");
+    std::mt19937 rng(2026);
+    std::uniform_int_distribution<int> d16(1, 16);
+    for (const Shape& s : {Shape{"deepseek-v3", 8, 7168, 2048}, Shape{"gpt-oss-120b", 8, 2944, 2944},
+                           Shape{"gpt-oss-120b", 32, 2944, 2944}}) {
+      std::vector<int32_t> rnd(s.experts);
+      for (auto& x : rnd) x = d16(rng);
+      for (auto& [name, mm] : std::vector<std::pair<std::string, std::vector<int32_t>>>{
+               {"all 5", std::vector<int32_t>(s.experts, 5)}, {"all 16", std::vector<int32_t>(s.experts, 16)},
+               {"rand 1..16", rnd}, {"all 64", std::vector<int32_t>(s.experts, 64)}})
+        out["masked"].push_back(run_masked(s, name, mm, copy, iters));
+    }
+    std::printf("\ncontiguous, 8 experts, N 4096 K 7168\n%-12s %10s %10s %9s %9s %7s   %s\n", "rows/expert", "us fp8",
+                "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
+    for (int rows : {512, 2048, 8192}) {
+      std::string c8, c4, c4b;
+      const double us8 = time_contiguous(false, 8, rows, 4096, 7168, quick ? 5 : 10, c8);
+      const double us4 = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, c4);
+      const double us4b = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, c4b, 64);
+      std::printf("%-12d %10s %10.1f %9s %9.1f %7.3f   %s\n", rows, "", us4b, "", 2.0 * 8 * rows * 4096.0 * 7168.0 /
+                  (us4b * 1e-6) / 1e12, us8 / us4b, c4b.c_str());
+      const double flops = 2.0 * 8 * rows * 4096.0 * 7168.0;
+      const double tf8 = flops / (us8 * 1e-6) / 1e12, tf4 = flops / (us4 * 1e-6) / 1e12;
+      std::printf("%-12d %10.1f %10.1f %9.1f %9.1f %7.3f   %s\n", rows, us8, us4, tf8, tf4, tf4 / tf8, c4.c_str());
+      out["contiguous"].push_back(json{{"rows_per_expert", rows}, {"us_fp8", us8}, {"us_mxfp4", us4},
+                                       {"TFLOPs_fp8", tf8}, {"TFLOPs_mxfp4", tf4}, {"ratio", tf4 / tf8},
+                                       {"config_fp8", c8}, {"config_mxfp4", c4}});
+    }
+    if (!json_path.empty()) {
+      FILE* f = std::fopen(json_path.c_str(), "w");
+      MOEKIT_CHECK(f != nullptr, "cannot write " + json_path);
+      std::fputs(out.dump(1).c_str(), f);
+      std::fclose(f);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gemm_mxfp4: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

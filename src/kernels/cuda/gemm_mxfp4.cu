@@ -1,0 +1,55 @@
+// The MXFP4 parts of the grouped GEMM plans (gemm.h, kernel in gemm_mxfp4.cuh): the compiled
+// instances, the weight and scale TMA maps, the bias.
+#include <string>
+
+#include "kernels/cuda/gemm_host.cuh"
+
+namespace moekit::gemm_detail {
+
+namespace {
+
+Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
+  const std::string bad = std::string(masked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
+                          " is not compiled; expected ";
+  MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128");
+  if (cfg.math_warpgroups == 0) cfg.math_warpgroups = 2;
+  MOEKIT_CHECK(cfg.math_warpgroups == 2 || (cfg.math_warpgroups == 4 && masked && cfg.block_m == 16),
+               bad + "math_warpgroups 2, or 4 (masked, block_m = 16)");
+  if (cfg.math_warpgroups == 4) return Mxfp4Instance<true, 16, 4>::launch(cfg, num_experts);
+  if (!masked) {
+    switch (cfg.block_m) {
+      case 64: return Mxfp4Instance<false, 64>::launch(cfg, num_experts);
+      case 128: return Mxfp4Instance<false, 128>::launch(cfg, num_experts);
+    }
+    MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
+  }
+  switch (cfg.block_m) {
+    case 16: return Mxfp4Instance<true, 16>::launch(cfg, num_experts);
+    case 32: return Mxfp4Instance<true, 32>::launch(cfg, num_experts);
+    case 64: return Mxfp4Instance<true, 64>::launch(cfg, num_experts);
+    case 128: return Mxfp4Instance<true, 128>::launch(cfg, num_experts);
+  }
+  MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64, 128}");
+  return {};
+}
+
+}  // namespace
+
+void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
+                        const uint32_t* w_mx_scales, const float* bias) {
+  check_pointer(w, "w");
+  check_pointer(w_mx_scales, "w_mx_scales");
+  MOEKIT_CHECK(bias == nullptr || reinterpret_cast<uintptr_t>(bias) % 4 == 0,
+               "GEMM: bias is not 4-byte aligned; expected an fp32 device array [E_loc, N]");
+  plan.launch = mxfp4_launch(plan.cfg, masked, masked ? num_experts : 0);
+  const int k_blocks = k / kBlockK;
+  // Codes: rows of K/2 bytes, a box of 128 rows x 64 bytes (one 128-deep block), no swizzle (the
+  // consumers read them with ordinary loads). Scales: [E·K/128, N] 4-byte words, a box of one
+  // block row x 128 weight rows (TMA moves them as fp32 words; the bits are not touched).
+  plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n, uint64_t(k) / 2, uint64_t(k) / 2, 128, kBlockK / 2,
+                           false);
+  plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * k_blocks, n, n, 1, 128, false);
+  plan.args.bias = bias;
+}
+
+}  // namespace moekit::gemm_detail

@@ -1,0 +1,290 @@
+// gemm_mxfp4.cuh: the grouped GEMM with MXFP4 weights (gpt-oss) and FP8 activations, for sm_90a;
+// masked (decode) and contiguous (prefill) layouts, swap-AB only.
+//
+// It is the FP8 kernel (gemm_fp8.cuh: persistent CTAs, one TMA producer warp, a ring of stages
+// with full/empty mbarriers, the same tile schedule, two-level accumulation, split-K and BF16
+// epilogue) with the weights taken from registers: a weight stage holds 128 rows x 128 K of
+// packed e2m1 codes (64 B a row) and 4 e8m0 scales per row (4.25 bits per weight read from HBM),
+// and every math thread widens the codes of its own A fragment (mxfp4_convert.cuh) straight into
+// the registers of a register-sourced wgmma: no widened tile goes through shared memory, and no
+// barrier or proxy fence stands between the widening and the tensor core. The codes are stored
+// in the order of those fragments (mxfp4_codes_for_gemm, mxfp4.h): a thread's 64 codes of one row
+// and stage are 16 consecutive bytes, one conflict-free 16-byte load. Within a stage the widening
+// of group g + 1 runs while the wgmma of group g does.
+//
+// Weights are the MMA's M side (64 rows per math warpgroup, 128 per tile) because only the A
+// operand may come from registers; tokens (16..128 per tile) are the N side, which suits decode
+// and prefill alike. Promotion of a block partial: acc += part · a_scale(token) · 2^(base - 127)
+// with base the row's block exponent (mxfp4_convert.cuh), read from the same scale word the
+// widening uses.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/gemm_epilogue.cuh"
+#include "kernels/cuda/gemm_schedule.cuh"
+#include "kernels/cuda/mxfp4_convert.cuh"
+#include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/stamp.cuh"
+
+namespace moekit::gemm_detail {
+
+// Shared memory of the MXFP4 kernel, in order: A tiles (1024-aligned for the swizzle), packed
+// weight tiles, weight-scale tiles, A-scale rows, full and empty barriers, then (masked) prefix
+// [E+1] and m_of [E].
+template <int kBlockT, int kMathWGs = 2>
+struct Mxfp4SmemLayout {
+  static constexpr int kWRows = 128;
+  static constexpr int kATile = kBlockT * kBlockK;
+  static constexpr int kWTile = kWRows * kBlockK / 2;
+  static constexpr int kWsTile = kWRows * 4;
+  static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;
+  static constexpr int kStageBytes = kATile + kWTile + kWsTile + kSaFloats * 4 + 16;
+  static constexpr uint32_t kTxBytes = kATile + kWTile + kWsTile + kBlockT * 4;
+  // With two warpgroup pairs, the second pair's accumulators meet the first's here at a tile's end.
+  static constexpr int kExchangeBytes = kMathWGs == 4 ? 256 * (kBlockT / 2) * 4 : 0;
+  static int bytes(int stages, int num_experts) {
+    return 1024 + kExchangeBytes + stages * kStageBytes + (2 * num_experts + 1) * 4;
+  }
+};
+
+// The A fragments of one stage for this thread: a[g] for the four 32-value groups, rows r and
+// r + 8 of its warp (codes_*: the row's 16 bytes, mxfp4_codes_for_gemm's words; scales_*: the
+// row's scale word of the block).
+__device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& codes_r8, uint32_t scales_r,
+                                            uint32_t scales_r8, uint32_t (&a)[4][4]) {
+  const uint32_t words_r[4] = {codes_r.x, codes_r.y, codes_r.z, codes_r.w};
+  const uint32_t words_r8[4] = {codes_r8.x, codes_r8.y, codes_r8.z, codes_r8.w};
+  uint2 t_r[4], t_r8[4];
+  if (mxfp4_detail::block_shifts_fast(scales_r & scales_r8)) {  // one branch per stage, nearly always taken
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      t_r[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r, g));
+      t_r8[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r8, g));
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      t_r[g] = mxfp4_detail::e4m3_table(mxfp4_detail::group_shift_field(scales_r, g));
+      t_r8[g] = mxfp4_detail::e4m3_table(mxfp4_detail::group_shift_field(scales_r8, g));
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    const uint2 lo = mxfp4_detail::e2m1x8_to_e4m3(words_r[g], t_r[g]);
+    const uint2 hi = mxfp4_detail::e2m1x8_to_e4m3(words_r8[g], t_r8[g]);
+    a[g][0] = lo.x;  // row r,     K 4q .. 4q+3
+    a[g][1] = hi.x;  // row r + 8, K 4q .. 4q+3
+    a[g][2] = lo.y;  // row r,     K 16 + 4q ..
+    a[g][3] = hi.y;  // row r + 8, K 16 + 4q ..
+  }
+}
+
+template <bool kMasked, int kBlockT, int kMathWGs>
+__global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
+    grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
+                              const __grid_constant__ CUtensorMap tma_sa, const __grid_constant__ CUtensorMap tma_ws,
+                              const KernelArgs args) {
+  // Two math warpgroups hold a tile's 128 rows. With four, two such pairs take a tile's k blocks
+  // in turn (even / odd) and add their accumulators at its end: twice the warps to hide the
+  // widening's latency, for tiles of 16 tokens (at 32, 5 warpgroups' registers spill).
+  static_assert(kMathWGs == 2 || (kMathWGs == 4 && kBlockT == 16), "2 math warpgroups, or 4 with 16 tokens");
+  constexpr int kPairs = kMathWGs / 2, kBlockW = 128, kMathThreads = 256;  // math threads of a pair
+  // Stage pipelining needs a second partial in registers: up to 64 tokens per tile.
+  constexpr bool kPipelined = kBlockT <= 64;
+  using Mma = ptx::WgmmaRS<kBlockT>;
+  constexpr int kRegs = Mma::kRegs;
+  using Layout = Mxfp4SmemLayout<kBlockT, kMathWGs>;
+
+  extern __shared__ uint8_t smem_raw[];
+  // Aligned by an offset into the array (not through an integer), so that the compiler still
+  // knows every pointer below is shared memory and emits shared loads, not generic ones.
+  uint8_t* smem = smem_raw + ((1024 - ptx::smem_addr(smem_raw) % 1024) % 1024);
+  const int stages = args.num_stages;
+  float* exchange = reinterpret_cast<float*>(smem);
+  uint8_t* a_tiles = smem + Layout::kExchangeBytes;
+  uint8_t* w_tiles = a_tiles + stages * Layout::kATile;
+  uint8_t* ws_tiles = w_tiles + stages * Layout::kWTile;
+  float* sa_tiles = reinterpret_cast<float*>(ws_tiles + stages * Layout::kWsTile);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sa_tiles + stages * Layout::kSaFloats);
+  uint64_t* empty = full + stages;
+  int* prefix = reinterpret_cast<int*>(empty + stages);  // [E+1]
+  int* m_of = prefix + args.num_experts + 1;              // [E]
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int num_w_blocks = args.n / kBlockW;
+  const int k_blocks = args.k / kBlockK;
+
+  // PDL as in gemm_fp8.cuh: the trigger always follows this kernel's own wait.
+  const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
+  begin_gemm(args, early_weights, full, empty, 8);  // a stage is read by the 8 warps of one pair
+  if (threadIdx.x == 0) {
+    ptx::prefetch_tensormap(&tma_a);
+    ptx::prefetch_tensormap(&tma_w);
+    ptx::prefetch_tensormap(&tma_sa);
+    ptx::prefetch_tensormap(&tma_ws);
+  }
+  const int num_tiles = count_tiles<kMasked, kBlockT>(args, num_w_blocks, prefix, m_of);
+
+  if (warp < 4) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");  // (the dec/inc pair keeps 64K registers in total)
+    if (warp != 0) return;
+    const uint64_t policy_w = ptx::policy_evict_first();
+    const uint64_t policy_a = ptx::policy_evict_last();
+    auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
+      ptx::tma_load_2d(w_tiles + stage * Layout::kWTile, &tma_w, &full[stage], kb * (kBlockK / 2),
+                       t.e * args.n + t.w0, policy_w);
+      ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, &tma_ws, &full[stage], t.w0, t.e * k_blocks + kb, policy_w);
+    };
+    auto load_a = [&](int stage, int kb, const TileInfo& t) {
+      const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
+      const int sa_row = kMasked ? t.e * k_blocks : 0;
+      ptx::tma_load_2d(a_tiles + stage * Layout::kATile, &tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
+      ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, &tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
+    };
+    produce<kMasked, kBlockT, kBlockW>(args, num_tiles, num_w_blocks, prefix, m_of, full, empty, Layout::kTxBytes,
+                                       early_weights, load_w, load_a);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  // setmaxnreg draws on the CTA's own pool: what the producer gives back. 2 math warpgroups: 384
+  // threads x 168 at launch, the producer frees 128 x 128, the consumers take 2 x 128 x 64. Four:
+  // 640 x 96, 128 x 56 freed, 4 x 128 x 8 taken (at 112 the fourth warpgroup would wait forever).
+  if constexpr (kMathWGs == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  else asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
+  const int wg = (warp / 4 - 1) % 2;    // within the pair
+  const int pair = (warp / 4 - 1) / 2;  // which k blocks: pair, pair + kPairs, ...
+  const int warp_in_wg = warp % 4;
+  const int mtid = threadIdx.x - 128 - pair * kMathThreads;  // 0 .. 255 within the pair
+  const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // A and accumulator rows frag_row, frag_row + 8
+  const int frag_col = (lane % 4) * 2;
+  __shared__ int last_flag;
+
+  int s = 0, iter = 0;  // iter: k blocks of this CTA's earlier tiles (the ring position)
+  uint32_t phase = 0;
+  // One stage: wait for it, widen its weights into A fragments, issue its four wgmmas into
+  // `part` (not waited for).
+  auto issue = [&](float* part) {
+    ptx::mbar_wait(&full[s], phase);
+    const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
+    const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile);
+    const uint4 codes_r = *reinterpret_cast<const uint4*>(w_stage + frag_row * (kBlockK / 2) + (lane % 4) * 16);
+    const uint4 codes_r8 = *reinterpret_cast<const uint4*>(w_stage + (frag_row + 8) * (kBlockK / 2) + (lane % 4) * 16);
+    uint32_t a[4][4];
+    widen_stage(codes_r, codes_r8, ws_stage[frag_row], ws_stage[frag_row + 8], a);
+    const uint64_t desc_n = ptx::make_smem_desc_sw128(a_tiles + s * Layout::kATile);
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+    ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
+#pragma unroll
+    for (int g = 0; g < kBlockK / 32; ++g) Mma::mma(part, a[g], desc_n + 2 * g, g > 0);
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+  };
+  // Promotion of stage st's partial (its wgmmas complete): the scales are read before the stage
+  // is handed back to the producer.
+  auto promote = [&](int st, float* part, float* acc) {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+    const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + st * Layout::kWsTile);
+    const float rf[2] = {mxfp4_detail::row_factor(ws_stage[frag_row]), mxfp4_detail::row_factor(ws_stage[frag_row + 8])};
+    const float* sa = sa_tiles + st * Layout::kSaFloats;
+    float2 sa_pair[kBlockT / 8];
+#pragma unroll
+    for (int j = 0; j < kBlockT / 8; ++j) sa_pair[j] = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(&empty[st]);
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+      const float a_scale = (i % 2) ? sa_pair[i / 4].y : sa_pair[i / 4].x;
+      acc[i] = fmaf(part[i], a_scale * rf[(i / 2) % 2], acc[i]);
+    }
+  };
+  auto advance = [&] {  // to this pair's next k block, kPairs stages further (stages >= 2)
+    s += kPairs;
+    if (s >= stages) s -= stages, phase ^= 1;
+  };
+
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+    if (t.e < 0) continue;
+    float acc[kRegs];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
+    const int kb_first = t.kb_begin + pair;  // this pair's k blocks: kb_first, + kPairs, ...
+    s = (iter + pair) % stages;
+    phase = ((iter + pair) / stages) & 1;
+    iter += t.kb_end - t.kb_begin;
+    if (kb_first >= t.kb_end) {
+      // A tile of one k block leaves the second pair nothing to read; it still adds its zeros.
+    } else if constexpr (kPipelined) {
+      // Two partials in flight: stage kb's wgmmas run while stage kb - 1 is promoted and stage
+      // kb + 1 is widened.
+      float part[2][kRegs];
+      int prev = s;
+      issue(part[0]);
+      advance();
+      int kb = kb_first + kPairs;
+      for (; kb + kPairs < t.kb_end; kb += 2 * kPairs) {
+        int cur = s;
+        issue(part[1]);
+        advance();
+        ptx::wgmma_wait<1>();
+        promote(prev, part[0], acc);
+        prev = cur;
+        cur = s;
+        issue(part[0]);
+        advance();
+        ptx::wgmma_wait<1>();
+        promote(prev, part[1], acc);
+        prev = cur;
+      }
+      if (kb < t.kb_end) {  // an even number of stages: one more into part[1]
+        const int cur = s;
+        issue(part[1]);
+        advance();
+        ptx::wgmma_wait<1>();
+        promote(prev, part[0], acc);
+        ptx::wgmma_wait<0>();
+        promote(cur, part[1], acc);
+      } else {
+        ptx::wgmma_wait<0>();
+        promote(prev, part[0], acc);
+      }
+    } else {
+      float part[kRegs];
+      for (int kb = kb_first; kb < t.kb_end; kb += kPairs) {
+        const int cur = s;
+        issue(part);
+        advance();
+        ptx::wgmma_wait<0>();
+        promote(cur, part, acc);
+      }
+    }
+
+    if constexpr (kPairs == 2) {  // the second pair hands its sums to the first
+      if (pair == 1) {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) exchange[i * kMathThreads + mtid] = acc[i];
+      }
+      ptx::named_barrier(2, 512);
+      if (pair == 0) {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) acc[i] += exchange[i * kMathThreads + mtid];
+      }
+      ptx::named_barrier(2, 512);  // read before the next tile overwrites it
+      if (pair == 1) continue;
+    }
+    const bool store = args.num_splits == 1 || reduce_splits<kRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
+    if (store) store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, Fragment{frag_row, frag_col, mtid, warp - 4});
+  }
+  if (mtid == 0) stamp_end(args.stamp);
+}
+
+}  // namespace moekit::gemm_detail
