@@ -93,7 +93,7 @@ struct Gemm {
   }
 };
 
-std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected, int wgs) {
+std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
   p.weights = g.mx ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
   MaskedGemmBuffers b;
@@ -104,10 +104,7 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   b.w_mx_scales = g.w8m0;
   b.masked_m = m;
   b.out = g.out;
-  GemmConfig cfg = choose_masked_config(p, 132);
-  cfg.num_ctas = 0;
-  if (wgs > 0 && cfg.block_m == 16) cfg.math_warpgroups = wgs;
-  return std::make_unique<MaskedGemm>(p, b, &cfg);
+  return std::make_unique<MaskedGemm>(p, b);
 }
 
 struct Shape {
@@ -116,7 +113,7 @@ struct Shape {
 };
 
 // The pair GEMM1 + GEMM2 of `shape` in one format, two rotating sets; returns the median us.
-double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int iters, std::string& config, int wgs = 0) {
+double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int iters, std::string& config) {
   const int max_m = 128, expected = *std::max_element(mm.begin(), mm.end());
   int32_t* m = device_alloc<int32_t>(mm.size());
   MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
@@ -125,8 +122,8 @@ double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int it
   for (int set = 0; set < 2; ++set) {
     g.push_back(std::make_unique<Gemm>(s.experts, 2 * s.inter, s.hidden, max_m, mx, 100 * set + 1));
     g.push_back(std::make_unique<Gemm>(s.experts, s.hidden, s.inter, max_m, mx, 100 * set + 51));
-    plans.push_back(masked_plan(*g[2 * set], m, expected, wgs));
-    plans.push_back(masked_plan(*g[2 * set + 1], m, expected, wgs));
+    plans.push_back(masked_plan(*g[2 * set], m, expected));
+    plans.push_back(masked_plan(*g[2 * set + 1], m, expected));
   }
   config = plans[0]->config().to_string();
   const double us = median_us(iters, [&](int i) {
@@ -139,21 +136,19 @@ double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int it
 }
 
 json run_masked(const Shape& s, const std::string& name, const std::vector<int32_t>& mm, double copy_tbps, int iters) {
-  std::string cfg8, cfg4, cfg4b;
+  std::string cfg8, cfg4;
   const double us8 = time_pair(s, false, mm, iters, cfg8), us4 = time_pair(s, true, mm, iters, cfg4);
-  const double us4_2wg = time_pair(s, true, mm, iters, cfg4b, 2);  // the 2-warpgroup kernel, for comparison
   int hit = 0;
   for (int x : mm) hit += x > 0;
   const double params = double(hit) * 3.0 * s.hidden * s.inter;  // both GEMMs of the experts with tokens
   const double mx_bytes = params * (0.5 + 1.0 / 32), fp8_bytes = params * (1.0 + 4.0 / 16384);
   json r{{"shape", s.name}, {"experts", s.experts}, {"case", name}, {"masked_m", mm}, {"us_fp8", us8},
          {"us_mxfp4", us4}, {"ratio", us4 / us8}, {"mxfp4_TBps", mx_bytes / (us4 * 1e-6) / 1e12},
-         {"fp8_TBps", fp8_bytes / (us8 * 1e-6) / 1e12}, {"config_fp8", cfg8}, {"config_mxfp4", cfg4},
-         {"us_mxfp4_2wg", us4_2wg}};
+         {"fp8_TBps", fp8_bytes / (us8 * 1e-6) / 1e12}, {"config_fp8", cfg8}, {"config_mxfp4", cfg4}};
   r["mxfp4_fraction_of_copy"] = r["mxfp4_TBps"].get<double>() / copy_tbps;
-  std::printf("%-22s %-11s %9.1f %9.1f %7.3f %9.3f %7.1f%% %9.3f %9.1f   %s\n", (std::string(s.name) + " x" +
+  std::printf("%-22s %-11s %9.1f %9.1f %7.3f %9.3f %7.1f%% %9.3f   %s\n", (std::string(s.name) + " x" +
               std::to_string(s.experts)).c_str(), name.c_str(), us8, us4, us4 / us8, r["mxfp4_TBps"].get<double>(),
-              100 * r["mxfp4_fraction_of_copy"].get<double>(), r["fp8_TBps"].get<double>(), us4_2wg, cfg4.c_str());
+              100 * r["mxfp4_fraction_of_copy"].get<double>(), r["fp8_TBps"].get<double>(), cfg4.c_str());
   return r;
 }
 
@@ -205,8 +200,8 @@ int main(int argc, char** argv) {
     out["copy_TBps"] = copy;
     std::printf("copy bandwidth %.3f TB/s (read + write)\n", copy);
     const int iters = quick ? 10 : 30;
-    std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s %9s   %s\n", "shape",
-                "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s", "us 2wg", "config (mxfp4 gemm1)");
+    std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s   %s\n", "shape",
+                "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s", "config (mxfp4 gemm1)");
     std::mt19937 rng(2026);
     std::uniform_int_distribution<int> d16(1, 16);
     for (const Shape& s : {Shape{"deepseek-v3", 8, 7168, 2048}, Shape{"gpt-oss-120b", 8, 2944, 2944},

@@ -84,7 +84,6 @@ struct GemmConfig {
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
   int num_ctas = 0;      // persistent grid size
   int smem_bytes = 0;
-  int math_warpgroups = 0;  // MXFP4 only: 2, or 4 (two pairs taking a tile's k blocks in turn, block_m = 16)
   std::string to_string() const;
 };
 

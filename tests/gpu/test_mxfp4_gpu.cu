@@ -225,13 +225,12 @@ struct MaskedCase {
   }
 };
 
-GemmConfig swap_config(int block_m, int splits, int math_wgs = 2) {
+GemmConfig swap_config(int block_m, int splits) {
   GemmConfig c;
   c.swap_ab = true;
   c.block_m = block_m;
   c.block_n = 128;
   c.num_splits = splits;
-  c.math_warpgroups = math_wgs;
   return c;
 }
 
@@ -240,28 +239,24 @@ TEST(GemmMxfp4Masked, EveryTilePathAndSplitK) {
   MaskedCase c({6, 512, 1024, 136, 0}, rng);
   const std::vector<int32_t> masked_m = {0, 1, 17, 136, 64, 200};  // none, one, odd, full, block edge, clamped
   for (int bm : {16, 32, 64, 128})
-    for (int wgs : {2, 4}) {
-      if (wgs == 4 && bm != 16) continue;
-      for (int splits : {1, 3}) {
-        const GemmConfig cfg = swap_config(bm, splits, wgs);
-        for (bool bias : {false, true})
-          expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " wgs " +
-                                                             std::to_string(wgs) + " splits " + std::to_string(splits) +
-                                                             (bias ? " bias" : ""));
-      }
+    for (int splits : {1, 3}) {
+      const GemmConfig cfg = swap_config(bm, splits);
+      for (bool bias : {false, true})
+        expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
+                                                           std::to_string(splits) + (bias ? " bias" : ""));
     }
 }
 
-TEST(GemmMxfp4Masked, FourWarpgroupsWithFewKBlocks) {
-  // Two warpgroup pairs take a tile's k blocks in turn: one k block leaves the second pair
-  // nothing, three give it one; split-K 2 of 3 blocks gives tiles of 1 and 2.
+TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
+  // The pipelined loop with one, two and three k blocks per tile (K 128; K 384 whole or split
+  // 2 ways into 1 + 2): the odd and even tails.
   std::mt19937 rng(107);
   for (int k : {128, 384}) {
     MaskedCase c({3, 256, k, 16, 0}, rng);
     for (int splits : {1, 2}) {
       if (splits > k / 128) continue;
-      const GemmConfig cfg = swap_config(16, splits, 4);
-      expect_good(c.run_once({16, 3, 9}, &cfg, true), "4 wgs K " + std::to_string(k) + " splits " + std::to_string(splits));
+      const GemmConfig cfg = swap_config(16, splits);
+      expect_good(c.run_once({16, 3, 9}, &cfg, true), "K " + std::to_string(k) + " splits " + std::to_string(splits));
     }
   }
 }

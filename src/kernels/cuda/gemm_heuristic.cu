@@ -39,7 +39,6 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   } else if (p.weights == WeightFormat::kMxfp4) {
     cfg.swap_ab = true;  // the only MXFP4 orientation; more tokens take more 128-token blocks
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
-    cfg.math_warpgroups = cfg.block_m == 16 ? 4 : 2;
   } else if (m <= 128) {
     cfg.swap_ab = true;
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
@@ -65,7 +64,6 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
   if (p.weights == WeightFormat::kMxfp4) {  // swap-AB, 128 tokens on the MMA's N side
     cfg.swap_ab = true;
     cfg.block_m = 128;
-    cfg.math_warpgroups = 2;
     return cfg;
   }
   cfg.swap_ab = false;

@@ -15,7 +15,6 @@ std::string GemmConfig::to_string() const {
   std::ostringstream os;
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
      << " stages=" << num_stages << " splits=" << num_splits << " ctas=" << num_ctas << " smem=" << smem_bytes;
-  if (math_warpgroups) os << " math_wgs=" << math_warpgroups;
   return os.str();
 }
 

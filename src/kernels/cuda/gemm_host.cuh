@@ -127,15 +127,15 @@ struct Instance {
   }
 };
 
-// One compiled MXFP4 kernel instance (swap-AB, 128 weight rows per tile, 2 or 4 math warpgroups).
-template <bool kMasked, int kBlockT, int kMathWGs = 2>
+// One compiled MXFP4 kernel instance (swap-AB, 2 math warpgroups, 128 weight rows per tile).
+template <bool kMasked, int kBlockT>
 struct Mxfp4Instance {
   static Launch launch(GemmConfig& cfg, int num_experts) {
-    finish_config<Mxfp4SmemLayout<kBlockT, kMathWGs>>(cfg, num_experts, 0);
+    finish_config<Mxfp4SmemLayout<kBlockT>>(cfg, num_experts, 0);
     Launch l;
-    l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT, kMathWGs>;
+    l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT>;
     allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);
-    l.threads = (kMathWGs + 1) * 128;
+    l.threads = 3 * 128;
     return l;
   }
 };

@@ -12,10 +12,6 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
   const std::string bad = std::string(masked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
                           " is not compiled; expected ";
   MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128");
-  if (cfg.math_warpgroups == 0) cfg.math_warpgroups = 2;
-  MOEKIT_CHECK(cfg.math_warpgroups == 2 || (cfg.math_warpgroups == 4 && masked && cfg.block_m == 16),
-               bad + "math_warpgroups 2, or 4 (masked, block_m = 16)");
-  if (cfg.math_warpgroups == 4) return Mxfp4Instance<true, 16, 4>::launch(cfg, num_experts);
   if (!masked) {
     switch (cfg.block_m) {
       case 64: return Mxfp4Instance<false, 64>::launch(cfg, num_experts);

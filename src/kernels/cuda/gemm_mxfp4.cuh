@@ -34,7 +34,7 @@ namespace moekit::gemm_detail {
 // Shared memory of the MXFP4 kernel, in order: A tiles (1024-aligned for the swizzle), packed
 // weight tiles, weight-scale tiles, A-scale rows, full and empty barriers, then (masked) prefix
 // [E+1] and m_of [E].
-template <int kBlockT, int kMathWGs = 2>
+template <int kBlockT>
 struct Mxfp4SmemLayout {
   static constexpr int kWRows = 128;
   static constexpr int kATile = kBlockT * kBlockK;
@@ -43,11 +43,7 @@ struct Mxfp4SmemLayout {
   static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;
   static constexpr int kStageBytes = kATile + kWTile + kWsTile + kSaFloats * 4 + 16;
   static constexpr uint32_t kTxBytes = kATile + kWTile + kWsTile + kBlockT * 4;
-  // With two warpgroup pairs, the second pair's accumulators meet the first's here at a tile's end.
-  static constexpr int kExchangeBytes = kMathWGs == 4 ? 256 * (kBlockT / 2) * 4 : 0;
-  static int bytes(int stages, int num_experts) {
-    return 1024 + kExchangeBytes + stages * kStageBytes + (2 * num_experts + 1) * 4;
-  }
+  static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
 };
 
 // The A fragments of one stage for this thread: a[g] for the four 32-value groups, rows r and
@@ -82,29 +78,27 @@ __device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& c
   }
 }
 
-template <bool kMasked, int kBlockT, int kMathWGs>
-__global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
+template <bool kMasked, int kBlockT>
+__global__ void __launch_bounds__(384, 1)
     grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                               const __grid_constant__ CUtensorMap tma_sa, const __grid_constant__ CUtensorMap tma_ws,
                               const KernelArgs args) {
-  // Two math warpgroups hold a tile's 128 rows. With four, two such pairs take a tile's k blocks
-  // in turn (even / odd) and add their accumulators at its end: twice the warps to hide the
-  // widening's latency, for tiles of 16 tokens (at 32, 5 warpgroups' registers spill).
-  static_assert(kMathWGs == 2 || (kMathWGs == 4 && kBlockT == 16), "2 math warpgroups, or 4 with 16 tokens");
-  constexpr int kPairs = kMathWGs / 2, kBlockW = 128, kMathThreads = 256;  // math threads of a pair
+  // Two math warpgroups hold a tile's 128 rows. (Four, two pairs taking a tile's k blocks in
+  // turn, measured no faster: the widening is bound by the integer pipe's issue rate, not by
+  // latency; docs/gemm-mxfp4.md, runs 6 and 8.)
+  constexpr int kMathWGs = 2, kBlockW = 128, kMathThreads = 256;
   // Stage pipelining needs a second partial in registers: up to 64 tokens per tile.
   constexpr bool kPipelined = kBlockT <= 64;
   using Mma = ptx::WgmmaRS<kBlockT>;
   constexpr int kRegs = Mma::kRegs;
-  using Layout = Mxfp4SmemLayout<kBlockT, kMathWGs>;
+  using Layout = Mxfp4SmemLayout<kBlockT>;
 
   extern __shared__ uint8_t smem_raw[];
   // Aligned by an offset into the array (not through an integer), so that the compiler still
   // knows every pointer below is shared memory and emits shared loads, not generic ones.
   uint8_t* smem = smem_raw + ((1024 - ptx::smem_addr(smem_raw) % 1024) % 1024);
   const int stages = args.num_stages;
-  float* exchange = reinterpret_cast<float*>(smem);
-  uint8_t* a_tiles = smem + Layout::kExchangeBytes;
+  uint8_t* a_tiles = smem;
   uint8_t* w_tiles = a_tiles + stages * Layout::kATile;
   uint8_t* ws_tiles = w_tiles + stages * Layout::kWTile;
   float* sa_tiles = reinterpret_cast<float*>(ws_tiles + stages * Layout::kWsTile);
@@ -120,7 +114,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
   // PDL as in gemm_fp8.cuh: the trigger always follows this kernel's own wait.
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  begin_gemm(args, early_weights, full, empty, 8);  // a stage is read by the 8 warps of one pair
+  begin_gemm(args, early_weights, full, empty, kMathWGs * 4);
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
@@ -131,7 +125,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
   if (warp < 4) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");  // (the dec/inc pair keeps 64K registers in total)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (warp != 0) return;
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
@@ -152,20 +146,20 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   }
 
   // ---------------- consumers ----------------
-  // setmaxnreg draws on the CTA's own pool: what the producer gives back. 2 math warpgroups: 384
-  // threads x 168 at launch, the producer frees 128 x 128, the consumers take 2 x 128 x 64. Four:
-  // 640 x 96, 128 x 56 freed, 4 x 128 x 8 taken (at 112 the fourth warpgroup would wait forever).
-  if constexpr (kMathWGs == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  else asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
-  const int wg = (warp / 4 - 1) % 2;    // within the pair
-  const int pair = (warp / 4 - 1) / 2;  // which k blocks: pair, pair + kPairs, ...
+  // setmaxnreg draws on the CTA's own register pool, i.e. on what the producer gives back: 384
+  // threads x 168 at launch, the producer frees 128 x 128, the consumers take 2 x 128 x 64.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int wg = warp / 4 - 1;
   const int warp_in_wg = warp % 4;
-  const int mtid = threadIdx.x - 128 - pair * kMathThreads;  // 0 .. 255 within the pair
+  const int mtid = threadIdx.x - 128;
   const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // A and accumulator rows frag_row, frag_row + 8
   const int frag_col = (lane % 4) * 2;
   __shared__ int last_flag;
 
-  int s = 0, iter = 0;  // iter: k blocks of this CTA's earlier tiles (the ring position)
+  // The ring position walks on from constants only, so the compiler knows it is the same in every
+  // lane and keeps the barrier and descriptor arithmetic on the uniform datapath, off the vector
+  // integer pipe the widening saturates (recomputed per tile from loaded values: 8% slower, run 6).
+  int s = 0;
   uint32_t phase = 0;
   // One stage: wait for it, widen its weights into A fragments, issue its four wgmmas into
   // `part` (not waited for).
@@ -206,9 +200,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       acc[i] = fmaf(part[i], a_scale * rf[(i / 2) % 2], acc[i]);
     }
   };
-  auto advance = [&] {  // to this pair's next k block, kPairs stages further (stages >= 2)
-    s += kPairs;
-    if (s >= stages) s -= stages, phase ^= 1;
+  auto advance = [&] {
+    if (++s == stages) s = 0, phase ^= 1;
   };
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -217,21 +210,15 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
-    const int kb_first = t.kb_begin + pair;  // this pair's k blocks: kb_first, + kPairs, ...
-    s = (iter + pair) % stages;
-    phase = ((iter + pair) / stages) & 1;
-    iter += t.kb_end - t.kb_begin;
-    if (kb_first >= t.kb_end) {
-      // A tile of one k block leaves the second pair nothing to read; it still adds its zeros.
-    } else if constexpr (kPipelined) {
+    if constexpr (kPipelined) {
       // Two partials in flight: stage kb's wgmmas run while stage kb - 1 is promoted and stage
       // kb + 1 is widened.
       float part[2][kRegs];
       int prev = s;
       issue(part[0]);
       advance();
-      int kb = kb_first + kPairs;
-      for (; kb + kPairs < t.kb_end; kb += 2 * kPairs) {
+      int kb = t.kb_begin + 1;
+      for (; kb + 1 < t.kb_end; kb += 2) {
         int cur = s;
         issue(part[1]);
         advance();
@@ -259,7 +246,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       }
     } else {
       float part[kRegs];
-      for (int kb = kb_first; kb < t.kb_end; kb += kPairs) {
+      for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
         const int cur = s;
         issue(part);
         advance();
@@ -268,19 +255,6 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       }
     }
 
-    if constexpr (kPairs == 2) {  // the second pair hands its sums to the first
-      if (pair == 1) {
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) exchange[i * kMathThreads + mtid] = acc[i];
-      }
-      ptx::named_barrier(2, 512);
-      if (pair == 0) {
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) acc[i] += exchange[i * kMathThreads + mtid];
-      }
-      ptx::named_barrier(2, 512);  // read before the next tile overwrites it
-      if (pair == 1) continue;
-    }
     const bool store = args.num_splits == 1 || reduce_splits<kRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
     if (store) store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, Fragment{frag_row, frag_col, mtid, warp - 4});
   }
