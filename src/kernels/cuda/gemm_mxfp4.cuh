@@ -84,8 +84,7 @@ __global__ void __launch_bounds__(384, 1)
                               const __grid_constant__ CUtensorMap tma_sa, const __grid_constant__ CUtensorMap tma_ws,
                               const KernelArgs args) {
   // Two math warpgroups hold a tile's 128 rows. (Four, two pairs taking a tile's k blocks in
-  // turn, measured no faster: the widening is bound by the integer pipe's issue rate, not by
-  // latency; docs/gemm-mxfp4.md, runs 6 and 8.)
+  // turn, measured no faster: docs/gemm-mxfp4.md, runs 6 and 8.)
   constexpr int kMathWGs = 2, kBlockW = 128, kMathThreads = 256;
   // Stage pipelining needs a second partial in registers: up to 64 tokens per tile.
   constexpr bool kPipelined = kBlockT <= 64;
@@ -158,7 +157,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // The ring position walks on from constants only, so the compiler knows it is the same in every
   // lane and keeps the barrier and descriptor arithmetic on the uniform datapath, off the vector
-  // integer pipe the widening saturates (recomputed per tile from loaded values: 8% slower, run 6).
+  // integer pipe the widening keeps busy (recomputed per tile from loaded values: 8% slower, run 6).
   int s = 0;
   uint32_t phase = 0;
   // One stage: wait for it, widen its weights into A fragments, issue its four wgmmas into
