@@ -4,13 +4,14 @@
 // It is the FP8 kernel (gemm_fp8.cuh: persistent CTAs, one TMA producer warp, a ring of stages
 // with full/empty mbarriers, the same tile schedule, two-level accumulation, split-K and BF16
 // epilogue) with the weights taken from registers: a weight stage holds 128 rows x 128 K of
-// packed e2m1 codes (64 B a row) and 4 e8m0 scales per row (4.25 bits per weight read from HBM),
+// packed e2m1 codes (64 B a row) and one 32-bit word per row with its 4 e8m0 scales re-encoded
+// (mxfp4_scales_for_gemm; 4.25 bits per weight read from HBM),
 // and every math thread widens the codes of its own A fragment (mxfp4_convert.cuh) straight into
 // the registers of a register-sourced wgmma: no widened tile goes through shared memory, and no
 // barrier or proxy fence stands between the widening and the tensor core. The codes are stored
 // in the order of those fragments (mxfp4_codes_for_gemm, mxfp4.h): a thread's 64 codes of one row
-// and stage are 16 consecutive bytes, one conflict-free 16-byte load. Within a stage the widening
-// of group g + 1 runs while the wgmma of group g does.
+// and stage are 16 consecutive bytes, one conflict-free 16-byte load. Tiles of up to 64 tokens
+// keep two partials in flight: stage kb's wgmmas run while kb - 1 is promoted and kb + 1 widened.
 //
 // Weights are the MMA's M side (64 rows per math warpgroup, 128 per tile) because only the A
 // operand may come from registers; tokens (16..128 per tile) are the N side, which suits decode
