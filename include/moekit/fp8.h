@@ -10,11 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define MOEKIT_HD __host__ __device__ __forceinline__
-#else
-#define MOEKIT_HD inline
-#endif
+#include "moekit/hd.h"
 
 namespace moekit {
 

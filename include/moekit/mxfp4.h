@@ -28,13 +28,7 @@
 
 #include "moekit/layout.h"
 
-#ifndef MOEKIT_HD
-#if defined(__CUDACC__)
-#define MOEKIT_HD __host__ __device__ __forceinline__
-#else
-#define MOEKIT_HD inline
-#endif
-#endif
+#include "moekit/hd.h"
 
 namespace moekit {
 
