@@ -58,7 +58,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   using Layout = SmemLayout<kBlockT, kSlabs * kBlockW>;
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = ptx::align_smem_1024(smem_raw);
   const int stages = args.num_stages;
   uint8_t* w_tiles = smem;
   uint8_t* a_tiles = w_tiles + stages * Layout::kWTile;

@@ -94,9 +94,7 @@ __global__ void __launch_bounds__(384, 1)
   using Layout = Mxfp4SmemLayout<kBlockT>;
 
   extern __shared__ uint8_t smem_raw[];
-  // Aligned by an offset into the array (not through an integer), so that the compiler still
-  // knows every pointer below is shared memory and emits shared loads, not generic ones.
-  uint8_t* smem = smem_raw + ((1024 - ptx::smem_addr(smem_raw) % 1024) % 1024);
+  uint8_t* smem = ptx::align_smem_1024(smem_raw);
   const int stages = args.num_stages;
   uint8_t* a_tiles = smem;
   uint8_t* w_tiles = a_tiles + stages * Layout::kATile;

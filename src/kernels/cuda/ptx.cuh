@@ -13,6 +13,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte aligned byte of the dynamic shared memory `raw` (the 128-byte swizzle
+// needs its tiles 1024-aligned; the layouts reserve 1024 bytes of slack). Aligned by an offset
+// into the array, not through an integer: the compiler then still knows every pointer derived
+// from it is shared memory and emits shared loads (LDS), not generic ones (LD.E).
+__device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* raw) {
+  return raw + (1024 - smem_addr(raw) % 1024) % 1024;
+}
+
 // ---- mbarrier -------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
