@@ -70,6 +70,8 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
   if (mxfp4) {
     MOEKIT_CHECK(w_scales == nullptr, "GEMM: w_scales is set with MXFP4 weights; their scales go in w_mx_scales (gemm.h)");
     check_pointer(w_mx_scales, "w_mx_scales");
+    MOEKIT_CHECK(bias == nullptr || reinterpret_cast<uintptr_t>(bias) % 4 == 0,
+                 "GEMM: bias is not 4-byte aligned; expected an fp32 device array [E_loc, N]");
   } else {
     check_pointer(w_scales, "w_scales");
     MOEKIT_CHECK(w_mx_scales == nullptr, "GEMM: w_mx_scales is set with FP8 weights; expected weights = WeightFormat::kMxfp4");

@@ -24,7 +24,7 @@ CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t c
 void check_shape(int n, int k);            // N, K positive multiples of 128
 void check_pointer(const void* p, const char* name);  // non-null, 16-byte aligned
 // w, and w_scales (FP8) or w_mx_scales (MXFP4), each with the other format's pointers null; bias only
-// with MXFP4 (checked by bind_mxfp4_weights).
+// with MXFP4, 4-byte aligned.
 void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, const uint32_t* w_mx_scales, const float* bias);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
 int max_smem_per_block();
@@ -140,8 +140,8 @@ struct Mxfp4Instance {
   }
 };
 
-// The MXFP4 parts of a plan (gemm_mxfp4.cu): checks the buffers, picks the instance, builds the
-// weight and scale TMA maps (tma_a and tma_sa are the FP8 plan's).
+// The MXFP4 parts of a plan (gemm_mxfp4.cu), on buffers check_weight_buffers passed: picks the
+// instance, builds the weight and scale TMA maps (tma_a and tma_sa are the FP8 plan's).
 void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
                         const uint32_t* w_mx_scales, const float* bias);
 
