@@ -32,19 +32,6 @@ using namespace moekit::gemm_bench;
 
 namespace {
 
-// Random bytes; `fp8` avoids the NaN codes, `lo..hi` (when hi > 0) maps bytes into that range.
-__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed, bool fp8, int lo, int hi) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    uint8_t c = uint8_t(h);
-    if (fp8 && (c & 0x7F) == 0x7F) c = 0x3C;
-    if (hi > 0) c = uint8_t(lo + int(h % uint32_t(hi - lo + 1)));
-    p[i] = c;
-  }
-}
 __global__ void fix_scale_words(uint32_t* p, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const uint32_t h = p[i];
@@ -52,10 +39,6 @@ __global__ void fix_scale_words(uint32_t* p, size_t n) {
     for (int g = 0; g < 4; ++g) w |= (((h >> (8 * g)) % 7u) + kGemmShiftBias) << (kGemmShiftFirstBit + 5 * g);
     p[i] = w;
   }
-}
-void bytes(uint8_t* p, size_t n, uint32_t seed, bool fp8, int lo = 0, int hi = 0) {
-  fill_bytes<<<1024, 256>>>(p, n, seed, fp8, lo, hi);
-  MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
 // One GEMM's device buffers in either format (weights, activations, scales, output).
@@ -70,21 +53,21 @@ struct Gemm {
     a = device_alloc<uint8_t>(size_t(e) * rows * k);
     as = device_alloc<float>(size_t(e) * (k / 128) * rows);
     out = device_alloc<uint16_t>(size_t(e) * rows * n);
-    bytes(a, size_t(e) * rows * k, seed, true);
+    fill_fp8(a, size_t(e) * rows * k, seed);
     fill_scales(as, size_t(e) * (k / 128) * rows, seed + 1);
     if (mx) {
       w = device_alloc<uint8_t>(size_t(e) * n * k / 2);
       w8m0 = device_alloc<uint32_t>(size_t(e) * n * k / 128);
-      bytes(w, size_t(e) * n * k / 2, seed + 2, false);
+      fill_bytes(w, size_t(e) * n * k / 2, seed + 2);
       // Scale words as mxfp4_scales_for_gemm writes them for scale bytes 118..124: the largest
       // byte, four shift fields, the fast flag (the bench draws shifts in [0, 6]).
-      bytes(reinterpret_cast<uint8_t*>(w8m0), size_t(e) * n * k / 32, seed + 3, false, 0, 255);
+      fill_bytes(reinterpret_cast<uint8_t*>(w8m0), size_t(e) * n * k / 32, seed + 3);
       fix_scale_words<<<1024, 256>>>(w8m0, size_t(e) * n * k / 128);
       MOEKIT_CUDA_CHECK_LAUNCH();
     } else {
       w = device_alloc<uint8_t>(size_t(e) * n * k);
       ws = device_alloc<float>(size_t(e) * (n / 128) * (k / 128));
-      bytes(w, size_t(e) * n * k, seed + 2, true);
+      fill_fp8(w, size_t(e) * n * k, seed + 2);
       fill_scales(ws, size_t(e) * (n / 128) * (k / 128), seed + 3);
     }
   }

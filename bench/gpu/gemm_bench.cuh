@@ -19,14 +19,15 @@ T* device_alloc(size_t n) {
   return p;
 }
 
-__global__ void fill_random_fp8(uint8_t* p, size_t n, uint32_t seed) {
+// Random bytes of a hash of (index, seed); fp8: the two NaN codes become 0x3C.
+__global__ void fill_random_bytes(uint8_t* p, size_t n, uint32_t seed, bool fp8) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed;
     h ^= h >> 13;
     h *= 0x5bd1e995u;
     h ^= h >> 15;
     uint8_t c = uint8_t(h);
-    if ((c & 0x7F) == 0x7F) c = 0x3C;  // no NaN codes
+    if (fp8 && (c & 0x7F) == 0x7F) c = 0x3C;  // no NaN codes
     p[i] = c;
   }
 }
@@ -40,7 +41,11 @@ __global__ void fill_random_scales(float* p, size_t n, uint32_t seed) {
 }
 
 void fill_fp8(uint8_t* p, size_t n, uint32_t seed) {
-  fill_random_fp8<<<1024, 256>>>(p, n, seed);
+  fill_random_bytes<<<1024, 256>>>(p, n, seed, true);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {  // any byte (MXFP4 codes)
+  fill_random_bytes<<<1024, 256>>>(p, n, seed, false);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 void fill_scales(float* p, size_t n, uint32_t seed) {
