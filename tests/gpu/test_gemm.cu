@@ -23,7 +23,6 @@
 namespace moekit {
 namespace {
 
-constexpr uint16_t kPoison = 0xFFFF;  // a BF16 NaN: an unwritten element can never pass
 
 
 // out[n] for one token row: sum over K blocks of a_scale(kb) * w_scale(n, kb) * dot(a, w) in float64.
@@ -61,23 +60,6 @@ void reference_row(const Operands& w, int e, const uint8_t* a, ScaleFn a_scale, 
   }
 }
 
-struct ErrorStats {
-  double num = 0, den = 0;
-  long unwritten = 0, clobbered = 0;
-  double rel() const { return std::sqrt(num / den); }
-  void add_row(const uint16_t* got, const std::vector<double>& ref) {
-    for (size_t i = 0; i < ref.size(); ++i) {
-      if (got[i] == kPoison) ++unwritten;
-      double g = bf16_to_float(got[i]);
-      double d = std::isnan(g) ? 1e30 : g - ref[i];
-      num += d * d;
-      den += ref[i] * ref[i];
-    }
-  }
-  void check_untouched(const uint16_t* got, int n) {
-    for (int i = 0; i < n; ++i) clobbered += got[i] != kPoison;
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Masked
@@ -179,14 +161,6 @@ void expect_good(const ErrorStats& st, double tol, const std::string& what) {
   EXPECT_GT(st.den, 0) << what;
 }
 
-GemmConfig forced(bool swap, int block_m, int splits) {
-  GemmConfig c;
-  c.swap_ab = swap;
-  c.block_m = block_m;
-  c.block_n = 128;
-  c.num_splits = splits;
-  return c;
-}
 
 TEST(GemmMasked, EveryTilePath) {
   std::mt19937 rng(1234);
