@@ -27,6 +27,15 @@
 // virtual ranks on one GPU and one stream) call every rank's dispatch, then every rank's
 // compute, then every rank's combine (a receive waits for all peers' sends).
 //
+// gpt-oss (expert_format "mxfp4", weights.h): the same step with the MXFP4 GEMMs (gemm.h; 4.25 bits
+// per weight, the experts' biases in their epilogues), the router's logit bias, top-k then softmax
+// (gating.h "topk_softmax") and the clamped SwiGLU in the activation kernel (reference.h). Such
+// models have no shared expert, and their weights come padded to multiples of 128 (hidden 2880 ->
+// 2944): x and out stay [T, hidden] for the caller, the layer copies them into and out of padded
+// rows (zero columns, so results are unchanged) and its EP buffer has the padded hidden
+// (layer_hidden_size). The fused pipeline runs them without the SiLU·up epilogue (PDL chain only);
+// set_placement works, staged moves (staging_slots) and peer slot mapping are refused.
+//
 // Static and captured: every buffer is allocated at set-up for T_max tokens per rank (decode:
 // M_max = P T_max rows per local expert; prefill: the EP config's contiguous_rows()), every
 // GEMM plan is built then, and nothing in a step allocates, synchronises or reads a shape back,
@@ -104,7 +113,7 @@ struct GpuLayerConfig {
   size_t move_chunk_bytes = size_t(4) << 20;  // one copy of a move's chunked transfer
 };
 
-// Where one rank's expert slots live, as this process addresses them: device pointers of this
+// Where one rank's FP8 expert slots live (MXFP4 layers: invalid), as this process addresses them: device pointers of this
 // GPU, or of a peer's mapped into this process. W1 [E_loc, 2 inter, d] fp8 and its scales
 // [E_loc, 2 inter/128, d/128], W2 [E_loc, d, inter] fp8 and its scales [E_loc, d/128, inter/128].
 struct GpuExpertSlots {
@@ -114,6 +123,10 @@ struct GpuExpertSlots {
   const float* w2_scales = nullptr;
   bool valid() const { return w1 && w1_scales && w2 && w2_scales; }
 };
+
+// The hidden size of a layer's EP buffer and GEMMs: the model's, rounded up to a multiple of 128
+// for MXFP4 models (their loader pads the weights so, weights.h).
+int64_t layer_hidden_size(const ModelSpec& model);
 
 // The EP configuration a layer of `model` needs for P ranks holding num_slots physical experts.
 // Decode: T_max is rounded up so that M_max = P T_max is a multiple of 4 (the GEMM's TMA rows of

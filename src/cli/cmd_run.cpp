@@ -202,9 +202,6 @@ void run(const RunOptions& o) {
   MOEKIT_CHECK(spec.expert_format == "mxfp4" || (d % 128 == 0 && spec.moe_intermediate_size % 128 == 0),
                fmt::format("--model {}: hidden_size {} and moe_intermediate_size {} must be multiples of 128 (the FP8 "
                            "block size)", spec.name, d, spec.moe_intermediate_size));
-  MOEKIT_CHECK(o.backend != "cuda" || spec.expert_format == "fp8",
-               fmt::format("--model {} --backend cuda: its MXFP4 experts have no GPU kernels yet; use --backend cpu",
-                           spec.name));
   check_memory(o, spec, int(num_slots));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);

@@ -31,6 +31,7 @@
 #include "moekit/reference.h"
 #include "moekit/simulate.h"
 #include "moekit/weights.h"
+#include "oss_test_model.h"
 
 using namespace moekit;
 namespace fs = std::filesystem;
@@ -45,18 +46,7 @@ const char* kModelJson = R"({
   "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 1.0, "kv_bytes_per_token": 1024,
   "router": {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "normalize_topk": true}
 })";
-// A small gpt-oss-style model: MXFP4 experts with biases, hidden 160 and inter 96 (padded to 256
-// and 128 by the loader), a router with bias, top-4 then softmax, the clamped SwiGLU with limit 1
-// (gpt-oss's 7 would never clamp these values; 1 clamps both branches often).
-const char* kOssModelJson = R"({
-  "name": "test-oss", "hidden_size": 160, "num_layers": 1, "num_moe_layers": 1,
-  "moe_intermediate_size": 96, "num_routed_experts": 16, "num_experts_per_token": 4,
-  "num_shared_experts": 0, "shared_intermediate_size": 0,
-  "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 0.53, "kv_bytes_per_token": 1024,
-  "router": {"scoring": "topk_softmax", "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,
-             "normalize_topk": true, "logit_bias": true},
-  "expert_format": "mxfp4", "activation": {"kind": "clamped_swiglu", "alpha": 1.702, "limit": 1.0}, "expert_bias": true
-})";
+using moekit::testing_models::kOssModelJson;  // the gpt-oss-style model (tests/oss_test_model.h)
 constexpr int kTokens = 48;  // B, all ranks together
 // The MXFP4 layer's bound against the oracle (docs/layer.md): three bf16 roundings the oracle does
 // not make (each expert's y, each rank's partial sum, the output), each with an RMS relative error

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -74,15 +76,18 @@ inline std::vector<T> download(const T* ptr, size_t n) {
   return h;
 }
 
+// A model's layer 0 written by the checkpoint generator and read back (tiny-moe by default).
 struct Fixture {
-  ModelSpec model = load_model_spec("tiny-moe");
-  fs::path dir = fs::temp_directory_path() / ("test_layer_gpu_weights." + std::to_string(getpid()));
+  ModelSpec model;
+  fs::path dir;
   MoeLayerWeights weights;
-  Fixture() {
+  explicit Fixture(ModelSpec m = load_model_spec("tiny-moe"), uint64_t seed = 7)
+      : model(std::move(m)),
+        dir(fs::temp_directory_path() / ("test_layer_gpu_weights." + model.name + "." + std::to_string(getpid()))) {
     fs::remove_all(dir);
     RandomWeightsOptions opt;
     opt.num_layers = 1;
-    opt.seed = 7;
+    opt.seed = seed;
     write_random_weights(model, opt, dir.string());
     weights = load_moe_layer(Checkpoint::open(dir.string()), model, 0, 0, model.num_routed_experts);
   }
@@ -190,8 +195,8 @@ struct CpuResult {
 };
 
 inline CpuResult run_cpu(int P, EpProtocol protocol, const Placement& placement, const std::vector<uint16_t>& x,
-                  const std::vector<int32_t>* idx, const std::vector<float>* w, uint64_t seed) {
-  const Fixture& f = fixture();
+                  const std::vector<int32_t>* idx, const std::vector<float>* w, uint64_t seed,
+                  const Fixture& f = fixture()) {
   const int d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
   CpuLayerConfig cfg;
   cfg.num_ranks = P;
@@ -216,8 +221,9 @@ inline CpuResult run_cpu(int P, EpProtocol protocol, const Placement& placement,
   return r;
 }
 
-// P GPU layers over one EpLocalGroup, with per-rank device inputs and outputs.
+// P GPU layers of a fixture's model over one EpLocalGroup, with per-rank device inputs and outputs.
 struct GpuRig {
+  const Fixture& fx;
   int P;
   gpu::EpMode mode;
   std::unique_ptr<gpu::EpLocalGroup> group;
@@ -232,9 +238,8 @@ struct GpuRig {
   // staged moves (GpuLayerConfig; 0: none).
   GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
          gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true, int staging_slots = 0,
-         size_t move_chunk_bytes = size_t(4) << 20)
-      : P(num_ranks), mode(m) {
-    const Fixture& f = fixture();
+         size_t move_chunk_bytes = size_t(4) << 20, const Fixture& f = fixture())
+      : fx(f), P(num_ranks), mode(m) {
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
     group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline));
     gpu::GpuLayerConfig cfg;
@@ -262,7 +267,7 @@ struct GpuRig {
 
   // Copies rank slices of x (and routing) in and poisons the outputs.
   void load(const std::vector<uint16_t>& all_x, const std::vector<int32_t>* all_idx, const std::vector<float>* all_w) {
-    const int d = int(fixture().model.hidden_size), k = fixture().model.num_experts_per_token;
+    const int d = int(fx.model.hidden_size), k = fx.model.num_experts_per_token;
     for (int r = 0; r < P; ++r) {
       const int t0 = first_token(r, P, kBatch);
       x[r].upload(all_x.data() + size_t(t0) * d, size_t(tokens(r)) * d);
@@ -286,7 +291,7 @@ struct GpuRig {
     for (int r = 0; r < P; ++r) layers[r]->check(stream);
   }
   std::vector<uint16_t> gather_out() const {
-    const int d = int(fixture().model.hidden_size);
+    const int d = int(fx.model.hidden_size);
     std::vector<uint16_t> all;
     for (int r = 0; r < P; ++r) {
       auto part = out[r].download(size_t(tokens(r)) * d);
@@ -295,6 +300,30 @@ struct GpuRig {
     return all;
   }
 };
+
+// The GPU step's routing (logical experts exactly, weights within 1e-6 relative) and every rank's
+// recv_count against the CPU layer's; *same_weight_bits (when given): how many weights have the CPU's bits.
+inline void expect_same_routing(const GpuRig& rig, const CpuResult& cpu, const std::string& what,
+                                size_t* same_weight_bits = nullptr) {
+  const int k = rig.fx.model.num_experts_per_token;
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+  for (int r = 0; r < rig.P; ++r) {
+    auto i = download(rig.layers[r]->topk_idx(), size_t(rig.tokens(r)) * k);
+    auto ww = download(rig.layers[r]->topk_weights(), size_t(rig.tokens(r)) * k);
+    idx.insert(idx.end(), i.begin(), i.end());
+    w.insert(w.end(), ww.begin(), ww.end());
+  }
+  ASSERT_EQ(idx, cpu.topk_idx) << what << ": routing differs from the CPU gate";
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (same_weight_bits) *same_weight_bits += std::memcmp(&w[i], &cpu.topk_weights[i], 4) == 0;
+    ASSERT_NEAR(w[i], cpu.topk_weights[i], 1e-6 * std::fabs(cpu.topk_weights[i])) << what << ": weight " << i;
+  }
+  for (int r = 0; r < rig.P; ++r) {
+    auto count = download(rig.group->rank(r).recv_count(), size_t(rig.layers[r]->num_local_experts()));
+    ASSERT_EQ(count, cpu.recv_count[r]) << what << ": recv_count of rank " << r;
+  }
+}
 
 inline double rel_error(const std::vector<uint16_t>& got, const std::vector<double>& want) {
   std::vector<double> g(got.size());

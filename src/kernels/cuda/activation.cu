@@ -37,16 +37,16 @@ __device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
 }
 
 // One 128-column group g of one row: gate_up [2 inter] -> out [inter] fp8, its scale to *scale.
-__device__ void silu_mul_quant_group(const uint16_t* __restrict__ gate_up, int inter, int g, uint8_t* __restrict__ out,
-                                     float* __restrict__ scale_out) {
+__device__ void silu_mul_quant_group(const GpuActivation& act, const uint16_t* __restrict__ gate_up, int inter, int g,
+                                     uint8_t* __restrict__ out, float* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int c = g * kQuantBlock + lane * 4;
   const uint2 gv = *reinterpret_cast<const uint2*>(gate_up + c);
   const uint2 uv = *reinterpret_cast<const uint2*>(gate_up + inter + c);
-  const float v[4] = {silu_mul(bf16_to_float(uint16_t(gv.x)), bf16_to_float(uint16_t(uv.x))),
-                      silu_mul(bf16_to_float(uint16_t(gv.x >> 16)), bf16_to_float(uint16_t(uv.x >> 16))),
-                      silu_mul(bf16_to_float(uint16_t(gv.y)), bf16_to_float(uint16_t(uv.y))),
-                      silu_mul(bf16_to_float(uint16_t(gv.y >> 16)), bf16_to_float(uint16_t(uv.y >> 16)))};
+  const float v[4] = {activate(act, bf16_to_float(uint16_t(gv.x)), bf16_to_float(uint16_t(uv.x))),
+                      activate(act, bf16_to_float(uint16_t(gv.x >> 16)), bf16_to_float(uint16_t(uv.x >> 16))),
+                      activate(act, bf16_to_float(uint16_t(gv.y)), bf16_to_float(uint16_t(uv.y))),
+                      activate(act, bf16_to_float(uint16_t(gv.y >> 16)), bf16_to_float(uint16_t(uv.y >> 16)))};
   float scale;
   const uint32_t q = quantize_group(v, scale);
   *reinterpret_cast<uint32_t*>(out + c) = q;
@@ -58,7 +58,8 @@ __device__ void silu_mul_quant_group(const uint16_t* __restrict__ gate_up, int i
 // by group (16 dependent rounds at inter = 2048) while the CTA's other warps idle.
 __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int max_m, int inter,
                                              const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
-                                             float* __restrict__ out_scales, unsigned long long* stamp) {
+                                             float* __restrict__ out_scales, GpuActivation act,
+                                             unsigned long long* stamp) {
   begin_kernel(stamp);
   const int e = blockIdx.y;
   const int m0 = blockIdx.x * kRowsPerBlock;
@@ -70,7 +71,7 @@ __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_u
     // layout.h's masked offsets (its methods are host-only): row (e, m) at (e M_max + m) K, scale
     // (e, m, kb) at (e K/128 + kb) M_max + m.
     const size_t row = size_t(e) * max_m + m;
-    silu_mul_quant_group(gate_up + row * 2 * inter, inter, g, out + row * inter,
+    silu_mul_quant_group(act, gate_up + row * 2 * inter, inter, g, out + row * inter,
                          out_scales + (size_t(e) * groups + g) * max_m + m);
   }
   end_kernel(stamp);
@@ -78,7 +79,8 @@ __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_u
 
 __global__ void silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
                                                  const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
-                                                 float* __restrict__ out_scales, unsigned long long* stamp) {
+                                                 float* __restrict__ out_scales, GpuActivation act,
+                                                 unsigned long long* stamp) {
   begin_kernel(stamp);
   const int m0 = blockIdx.x * kRowsPerBlock;
   const int n = min(kRowsPerBlock, total_m - m0);
@@ -87,7 +89,7 @@ __global__ void silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ ga
     const int m = m0 + item / groups, g = item % groups;
     if (row_expert[m] < 0) continue;
     // layout.h's contiguous offsets: row m at m K, scale (m, kb) at kb M_total + m.
-    silu_mul_quant_group(gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
+    silu_mul_quant_group(act, gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
                          out_scales + size_t(g) * total_m + m);
   }
   end_kernel(stamp);
@@ -264,19 +266,20 @@ void quantize_blocks_fp8(const float* w, int64_t batches, int n, int k, uint8_t*
 
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
-                                  const LaunchOptions& opt) {
+                                  const LaunchOptions& opt, const GpuActivation& act) {
   if (num_experts == 0 || max_m == 0) return;
   const dim3 grid((max_m + kRowsPerBlock - 1) / kRowsPerBlock, num_experts);
   launch_kernel_ex(silu_mul_quant_masked_kernel, grid, dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, max_m,
-                   inter, masked_m, out, out_scales, opt.stamp);
+                   inter, masked_m, out, out_scales, act, opt.stamp);
 }
 
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
-                                      uint8_t* out, float* out_scales, cudaStream_t stream, const LaunchOptions& opt) {
+                                      uint8_t* out, float* out_scales, cudaStream_t stream, const LaunchOptions& opt,
+                                      const GpuActivation& act) {
   if (total_m == 0) return;
   launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3((total_m + kRowsPerBlock - 1) / kRowsPerBlock),
                    dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter, row_expert, out,
-                   out_scales, opt.stamp);
+                   out_scales, act, opt.stamp);
 }
 
 void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int max_m, uint8_t* out, float* out_scales,

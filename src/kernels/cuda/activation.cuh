@@ -8,21 +8,22 @@
 #include <cstdint>
 
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/silu_fp8.cuh"
 
 namespace moekit::gpu {
 
-// SiLU(gate)·up + FP8 1x128, masked layout. gate_up [E_loc, M_max, 2 inter] bf16; out
-// [E_loc, M_max, inter] fp8, out_scales [E_loc, inter/128, M_max]; rows >= masked_m[e] (clamped to
-// [0, M_max]) neither read nor written.
+// act(gate, up) + FP8 1x128, masked layout (act: SiLU·up by default, or gpt-oss's clamped SwiGLU).
+// gate_up [E_loc, M_max, 2 inter] bf16; out [E_loc, M_max, inter] fp8, out_scales
+// [E_loc, inter/128, M_max]; rows >= masked_m[e] (clamped to [0, M_max]) neither read nor written.
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
-                                  const LaunchOptions& opt = {});
+                                  const LaunchOptions& opt = {}, const GpuActivation& act = {});
 
 // The same, contiguous layout: gate_up [M_total, 2 inter]; out [M_total, inter], out_scales
 // [inter/128, M_total]; rows with row_expert == -1 untouched.
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
                                       uint8_t* out, float* out_scales, cudaStream_t stream,
-                                      const LaunchOptions& opt = {});
+                                      const LaunchOptions& opt = {}, const GpuActivation& act = {});
 
 // x [T, d] bf16 -> one masked "expert" for the shared expert's GEMM: out [max_m, d] fp8, out_scales
 // [d/128, max_m]; also writes masked_m[0] = T (so a captured graph needs no host write).

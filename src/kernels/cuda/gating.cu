@@ -43,7 +43,7 @@ __device__ void warp_argmax(double& v, int& i) {
 
 __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden,
                                      const float* __restrict__ w, int num_experts, float* __restrict__ logits,
-                                     unsigned long long* stamp) {
+                                     const float* __restrict__ logit_bias, unsigned long long* stamp) {
   begin_kernel(stamp);
   const int lane = threadIdx.x % kWarp;
   const int e = blockIdx.x * kLogitWarps + threadIdx.x / kWarp;
@@ -68,7 +68,7 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 #pragma unroll
   for (int tt = 0; tt < kLogitTokens; ++tt) {
     if (tt >= nt) break;
-    const double s = warp_sum(acc[tt]);
+    const double s = warp_sum(acc[tt]) + (logit_bias ? double(logit_bias[e]) : 0.0);
     if (lane == 0) logits[size_t(t0 + tt) * num_experts + e] = float(s);
   }
   end_kernel(stamp);
@@ -132,6 +132,8 @@ __device__ void select_token(const float* __restrict__ logits, int num_tokens, i
 
   if (router.sigmoid) {
     for (int e = lane; e < num_experts; e += kWarp) score[e] = 1.0 / (1.0 + exp(-double(lt[e])));
+  } else if (router.topk_softmax) {
+    for (int e = lane; e < num_experts; e += kWarp) score[e] = double(lt[e]);  // softmax after the top-k
   } else {
     float m = -INFINITY;
     for (int e = lane; e < num_experts; e += kWarp) m = fmaxf(m, lt[e]);
@@ -197,10 +199,18 @@ __device__ void select_token(const float* __restrict__ logits, int num_tokens, i
     if (lane == j) chosen = bi;
     sum += score[bi];  // the reference's order: entries 0..k-1
   }
+  // topk_softmax: score[chosen] becomes exp(logit - the first chosen logit), summed in entry order.
+  double chosen_score = lane < k ? score[chosen] : 0.0;
+  if (router.topk_softmax) {
+    const double shift = __shfl_sync(0xffffffffu, chosen_score, 0);
+    chosen_score = exp(chosen_score - shift);
+    sum = 0.0;
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, chosen_score, j);
+  }
   if (lane < k) {
     const double norm = router.normalize ? 1.0 / (sum + 1e-20) : 1.0;
     topk_idx[size_t(t) * k + lane] = chosen;
-    topk_weights[size_t(t) * k + lane] = float(score[chosen] * norm * router.scaling);
+    topk_weights[size_t(t) * k + lane] = float(chosen_score * norm * router.scaling);
     if (map.topk_slot) map.topk_slot[size_t(t) * k + lane] = replica_slot(map, t, chosen);
   }
 }
@@ -239,11 +249,11 @@ __global__ void map_replicas_kernel(ReplicaMap map, int num_tokens, int k, const
 }  // namespace
 
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
-                          float* logits, cudaStream_t stream, const LaunchOptions& opt) {
+                          float* logits, cudaStream_t stream, const LaunchOptions& opt, const float* logit_bias) {
   if (num_tokens == 0) return;
   const dim3 grid((num_experts + kLogitWarps - 1) / kLogitWarps, (num_tokens + kLogitTokens - 1) / kLogitTokens);
   launch_kernel_ex(router_logits_kernel, grid, dim3(kLogitWarps * kWarp), 0, stream, opt.pdl, x, num_tokens, hidden,
-                   router_weight, num_experts, logits, opt.stamp);
+                   router_weight, num_experts, logits, logit_bias, opt.stamp);
 }
 
 void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,

@@ -26,13 +26,15 @@ struct RouterParams {
   int topk_groups = 1;
   bool normalize = true;
   double scaling = 1.0;
+  bool topk_softmax = false;  // gpt-oss: top-k on the logits, softmax over the k (gating.h)
 };
 
-// logits [T, E] fp32 = x [T, d] bf16 . w [E, d] fp32 ^T, each dot product summed in fp64 and
-// rounded once to fp32 (the products are exact in fp64; only the summation order differs from
-// gating.h's, see docs/layer-gpu.md).
+// logits [T, E] fp32 = x [T, d] bf16 . w [E, d] fp32 ^T (+ logit_bias [E] when not null: gpt-oss),
+// each dot product and its bias summed in fp64 and rounded once to fp32 (the products are exact in
+// fp64; only the summation order differs from gating.h's, see docs/layer-gpu.md).
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
-                          float* logits, cudaStream_t stream, const LaunchOptions& opt = {});
+                          float* logits, cudaStream_t stream, const LaunchOptions& opt = {},
+                          const float* logit_bias = nullptr);
 
 // The replica map of eplb.h choose_replicas_for_rank, per (token, entry): logical expert ->
 // physical slot, and counts[e] += 1 for every valid entry (EPLB statistics).

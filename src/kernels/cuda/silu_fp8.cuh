@@ -18,6 +18,26 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
 }
 
+// An expert activation on the device (reference.h's ref::Activation): SiLU·up, or gpt-oss's
+// clamped SwiGLU with its constants as fp32.
+struct GpuActivation {
+  bool clamped_swiglu = false;
+  float alpha = 0.0f, limit = 0.0f;
+};
+
+// reference.h's clamped_swiglu in its order: g = min(gate, limit), u = clamp(up, -limit, limit),
+// g / (1 + exp(-(alpha g))) * (u + 1), in fp32 (exp as silu_mul's; a NaN stays NaN).
+__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
+  const float g = gate > limit ? limit : gate;
+  const float u = up > limit ? limit : (up < -limit ? -limit : up);
+  const float e = float(exp(double(-__fmul_rn(alpha, g))));
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), __fadd_rn(u, 1.0f));
+}
+
+__device__ __forceinline__ float activate(const GpuActivation& a, float gate, float up) {
+  return a.clamped_swiglu ? clamped_swiglu(gate, up, a.alpha, a.limit) : silu_mul(gate, up);
+}
+
 // quant.h's scale of a group whose largest magnitude is amax.
 __device__ __forceinline__ float fp8_group_scale(float amax) { return __fdiv_rn(fmaxf(amax, kMinAmax), kFp8Max); }
 

@@ -14,6 +14,7 @@
 #include "moekit/eplb.h"
 #include "moekit/gemm.h"
 #include "moekit/layout.h"
+#include "moekit/mxfp4.h"
 #include "moekit/rebalance.h"
 #include "moekit/weights.h"
 
@@ -60,6 +61,11 @@ bool shared_expert_in_slab(const ModelSpec& model) {
   return shared_inter > 0 && shared_inter == model.moe_intermediate_size;
 }
 
+int64_t layer_hidden_size(const ModelSpec& model) {
+  return model.expert_format == "mxfp4" ? (model.hidden_size + kQuantBlock - 1) / kQuantBlock * kQuantBlock
+                                        : model.hidden_size;
+}
+
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
                          GpuPipeline pipeline) {
   MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
@@ -69,7 +75,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.max_tokens = max_tokens;
   // M_max = P T_max must be a multiple of 4 for the masked GEMM's TMA rows of scales.
   while (mode == EpMode::kLowLatency && (int64_t(num_ranks) * c.max_tokens) % 4 != 0) ++c.max_tokens;
-  c.hidden = int(model.hidden_size);
+  c.hidden = int(layer_hidden_size(model));
   c.topk = model.num_experts_per_token;
   c.num_slots = num_slots;
   c.mode = mode;
@@ -97,7 +103,34 @@ void gather(const ExpertWeights& all, const int32_t* phy2log, int first_slot, in
   }
 }
 
+GpuActivation activation_of(const ActivationSpec& a) {
+  if (a.kind == "silu") return {};
+  MOEKIT_CHECK(a.kind == "clamped_swiglu", fmtr("activation kind '{}', expected silu or clamped_swiglu", a.kind));
+  return {true, float(a.alpha), float(a.limit)};
+}
+
 }  // namespace
+
+// The MXFP4 operand of the same slots in the GEMM's encodings (mxfp4.h): codes in fragment order,
+// one scale word per (expert, 128-deep block, row), and the biases (empty without expert biases).
+void gather_mxfp4(const Mxfp4ExpertWeights& all, const int32_t* phy2log, int first_slot, int e_loc,
+                  std::vector<uint8_t>& codes, std::vector<uint32_t>& words, std::vector<float>& bias) {
+  const Mxfp4WeightLayout& l = all.layout;
+  const Mxfp4WeightLayout local{e_loc, l.n, l.k};
+  const size_t c_per = size_t(l.n) * l.row_bytes(), s_per = size_t(l.n) * l.row_scales();
+  std::vector<uint8_t> raw_codes(c_per * e_loc), raw_scales(s_per * e_loc);
+  bias.clear();
+  for (int i = 0; i < e_loc; ++i) {
+    const int e = phy2log[first_slot + i];
+    std::memcpy(raw_codes.data() + i * c_per, all.w.data() + e * c_per, c_per);
+    std::memcpy(raw_scales.data() + i * s_per, all.scales.data() + e * s_per, s_per);
+    if (!all.bias.empty()) bias.insert(bias.end(), all.bias.begin() + ptrdiff_t(e) * l.n, all.bias.begin() + ptrdiff_t(e + 1) * l.n);
+  }
+  codes.resize(raw_codes.size());
+  mxfp4_codes_for_gemm(local, raw_codes.data(), codes.data());
+  words.resize(raw_scales.size() / 4);
+  mxfp4_scales_for_gemm(local, raw_scales.data(), words.data());
+}
 
 GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
                          int placement_layer, EpBuffer& ep, const GpuLayerConfig& config,
@@ -110,25 +143,32 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.rank = ep.rank();
   s.decode = s.ec.mode == EpMode::kLowLatency;
   MOEKIT_CHECK(model.is_moe(), fmtr("model '{}' is dense: it has no MoE layer", model.name));
-  // gpt-oss's block (MXFP4 experts, biases, the clamped SwiGLU) runs on the CPU layer only so far.
-  MOEKIT_CHECK(model.expert_format == "fp8" && !weights.is_mxfp4() && model.activation.kind == "silu" &&
-                   !model.expert_bias && !model.router.logit_bias,
-               fmtr("model '{}': expert_format {}, activation {}, expert biases {}, router logit bias {}: the GPU "
-                    "layer runs FP8 experts with SiLU and no biases; use the CPU layer (layer_cpu.h)",
-                    model.name, model.expert_format, model.activation.kind, model.expert_bias, model.router.logit_bias));
-  MOEKIT_CHECK(model.hidden_size % kQuantBlock == 0 && model.moe_intermediate_size % kQuantBlock == 0,
-               fmtr("model '{}': hidden_size {} and moe_intermediate_size {}, expected multiples of {}", model.name,
-                    model.hidden_size, model.moe_intermediate_size, kQuantBlock));
-  s.d = int(model.hidden_size);
-  s.inter = int(model.moe_intermediate_size);
+  s.mxfp4 = model.expert_format == "mxfp4";
+  MOEKIT_CHECK(model.expert_format == "fp8" || s.mxfp4,
+               fmtr("model '{}': expert_format '{}', expected fp8 or mxfp4", model.name, model.expert_format));
+  MOEKIT_CHECK(weights.is_mxfp4() == s.mxfp4, fmtr("layer weights are {}, model '{}' has expert_format {}",
+                                                   weights.is_mxfp4() ? "MXFP4" : "FP8", model.name, model.expert_format));
+  s.activation = activation_of(model.activation);
+  MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
+               fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
+                    weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
+  // MXFP4 weights come padded to multiples of 128 (weights.h); the layer pads x and out to match.
+  s.model_d = int(model.hidden_size);
+  s.d = s.mxfp4 ? int(weights.padded_hidden) : s.model_d;
+  s.inter = s.mxfp4 ? int(weights.padded_intermediate) : int(model.moe_intermediate_size);
+  MOEKIT_CHECK(s.d % kQuantBlock == 0 && s.inter % kQuantBlock == 0 && s.d >= s.model_d &&
+                   s.d == layer_hidden_size(model) && s.inter >= model.moe_intermediate_size,
+               fmtr("model '{}': hidden {} and intermediate {} ({} and {} with the weights' padding), expected "
+                    "multiples of {} (MXFP4: the loader's padding of the model's sizes)", model.name,
+                    model.hidden_size, model.moe_intermediate_size, s.d, s.inter, kQuantBlock));
   s.num_experts = model.num_routed_experts;
   s.k = model.num_experts_per_token;
   MOEKIT_CHECK(weights.first_expert == 0 && weights.num_local_experts() == s.num_experts,
                fmtr("layer weights hold experts [{}, {}), expected all {} experts of '{}'", weights.first_expert,
                     weights.first_expert + weights.num_local_experts(), s.num_experts, model.name));
-  MOEKIT_CHECK(weights.hidden_size == s.d && weights.intermediate_size == s.inter,
-               fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
-                    weights.intermediate_size, s.d, s.inter));
+  MOEKIT_CHECK(!s.mxfp4 || (config.staging_slots == 0 && !weights.has_shared_experts()),
+               fmtr("model '{}': staging_slots = {} and {} shared expert: MXFP4 layers move no weights while serving "
+                    "and have no shared expert", model.name, config.staging_slots, weights.has_shared_experts() ? "a" : "no"));
   MOEKIT_CHECK(placement.num_experts == s.num_experts && placement.num_gpus == s.ec.num_ranks &&
                    placement.num_slots == s.ec.num_slots,
                fmtr("placement of {} experts in {} slots on {} GPUs, expected {} experts in the EP buffer's {} slots "
@@ -157,9 +197,10 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.rows = s.decode ? s.m_max : s.ec.contiguous_rows();
   s.t_pad = round_up(s.t_max, 4);
   s.router = {model.router.scoring == "sigmoid", model.router.num_groups, model.router.topk_groups,
-              model.router.normalize_topk, model.router.routed_scaling_factor};
-  MOEKIT_CHECK(model.router.scoring == "sigmoid" || model.router.scoring == "softmax",
-               fmtr("router scoring '{}', expected softmax or sigmoid", model.router.scoring));
+              model.router.normalize_topk, model.router.routed_scaling_factor, model.router.scoring == "topk_softmax"};
+  MOEKIT_CHECK(model.router.scoring == "sigmoid" || model.router.scoring == "softmax" ||
+                   model.router.scoring == "topk_softmax",
+               fmtr("router scoring '{}', expected softmax, sigmoid or topk_softmax", model.router.scoring));
 
   // Weights of the rank's slots, the router, the placement row, the shared expert.
   const int32_t* phy2log = placement.phy2log_row(placement_layer);
@@ -175,7 +216,28 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.owner = const_cast<Impl*>(owner);
     ++s.owner->num_sharers;
     s.w1 = owner->w1, s.w1s = owner->w1s, s.w2 = owner->w2, s.w2s = owner->w2s;
-    s.router_w = owner->router_w, s.router_bias = owner->router_bias;
+    s.w1_mx = owner->w1_mx, s.w2_mx = owner->w2_mx, s.b1 = owner->b1, s.b2 = owner->b2;
+    s.router_w = owner->router_w, s.router_bias = owner->router_bias, s.router_logit_bias = owner->router_logit_bias;
+  } else if (s.mxfp4) {
+    std::vector<uint8_t> codes;
+    std::vector<uint32_t> words;
+    std::vector<float> bias;
+    gather_mxfp4(weights.w1_mxfp4, phy2log, s.rank * s.e_loc, s.e_loc, codes, words, bias);
+    s.w1 = s.upload(codes);
+    s.w1_mx = s.upload(words);
+    if (!bias.empty()) s.b1 = s.upload(bias);
+    gather_mxfp4(weights.w2_mxfp4, phy2log, s.rank * s.e_loc, s.e_loc, codes, words, bias);
+    s.w2 = s.upload(codes);
+    s.w2_mx = s.upload(words);
+    if (!bias.empty()) s.b2 = s.upload(bias);
+    // The router reads the padded x: its weight gets zero columns there (exact: adds zeros).
+    std::vector<float> router(size_t(s.num_experts) * s.d, 0.0f);
+    for (int e = 0; e < s.num_experts; ++e)
+      std::copy_n(weights.router_weight.begin() + ptrdiff_t(size_t(e) * s.model_d), s.model_d,
+                  router.begin() + ptrdiff_t(size_t(e) * s.d));
+    s.router_w = s.upload(router);
+    if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
+    if (!weights.router_logit_bias.empty()) s.router_logit_bias = s.upload(weights.router_logit_bias);
   } else {
     std::vector<uint8_t> w;
     std::vector<float> sc;
@@ -241,7 +303,8 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   // The gated epilogue only where its tiles hold at most 32 tokens: at 64 (DeepSeek-V3 at 2048
   // tokens, EP8) its GEMM1 took 456 us against 365 + 63 for GEMM1 and the activation kernel
   // (stage clock, 2026-11-30), at 32 it saved 30-40 us per layer.
-  if (s.fused) {
+  // (MXFP4 GEMMs have no SiLU·up epilogue, and gpt-oss's activation is not SiLU·up.)
+  if (s.fused && !s.mxfp4) {
     const MaskedGemmProblem g{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max),
                               GemmEpilogue::kSiluMulFp8};
     s.gated = choose_masked_config(g, query_device().num_sms).block_m <= 32;
@@ -250,6 +313,11 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
   s.y = s.alloc<uint16_t>(total_rows * s.d);
+  if (s.d != s.model_d) {
+    s.x_pad = s.alloc<uint16_t>(size_t(s.t_max) * s.d);
+    s.out_pad = s.alloc<uint16_t>(size_t(s.t_max) * s.d);
+    MOEKIT_CUDA_CHECK(cudaMemset(s.x_pad, 0, size_t(s.t_max) * s.d * sizeof(uint16_t)));  // the padding stays zero
+  }
   if (weights.has_shared_experts()) {
     s.shared_inter = weights.shared_w1.layout.n / 2;
     if (owner) {
@@ -280,11 +348,12 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   }
   // GEMM1 writes gate_up (staged) or, with the SiLU·up epilogue, the FP8 activations (fused).
   const GemmEpilogue epilogue1 = s.gated ? GemmEpilogue::kSiluMulFp8 : GemmEpilogue::kBf16;
-  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1};
-  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max)};
+  const WeightFormat format = s.mxfp4 ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
+  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1, format};
+  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max), GemmEpilogue::kBf16, format};
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
-                             s.act_scales};
-  const MaskedGemmBuffers b2{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y};
+                             s.act_scales, s.w1_mx, s.b1};
+  const MaskedGemmBuffers b2{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y, nullptr, nullptr, s.w2_mx, s.b2};
   if (s.decode) {
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
@@ -295,11 +364,11 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.gemm2->set_overlap(Overlap::kPreviousKernelStaticWeights);
   } else {
     s.cgemm1 = std::make_unique<ContiguousGemm>(
-        ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows},
-        ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up});
+        ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows, format},
+        ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up, s.w1_mx, s.b1});
     s.cgemm2 = std::make_unique<ContiguousGemm>(
-        ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows},
-        ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y});
+        ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows, format},
+        ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y, s.w2_mx, s.b2});
   }
   if (s.shared_inter > 0 && !s.merged) {
     // The shared expert is a masked GEMM with one "expert" of every token.
@@ -392,6 +461,12 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
     MOEKIT_CUDA_CHECK(cudaMemcpyAsync(s.clocks, s.clocks_reset, 2 * kNumClocks * sizeof(unsigned long long),
                                       cudaMemcpyDeviceToDevice, stream));
   s.mark(kStart, stream);
+  // MXFP4's padded hidden size: the rank's rows into x_pad, whose padding columns stay zero.
+  if (s.x_pad && num_tokens > 0) {
+    MOEKIT_CUDA_CHECK(cudaMemcpy2DAsync(s.x_pad, size_t(s.d) * 2, x, size_t(s.model_d) * 2, size_t(s.model_d) * 2,
+                                        num_tokens, cudaMemcpyDeviceToDevice, stream));
+    x = s.x_pad;
+  }
   // The shared expert needs only x: fork it first so that it runs under everything up to combine.
   // The fused pipeline runs it in line after the send instead (below).
   if (s.shared_inter > 0 && !s.fused) {
@@ -407,7 +482,7 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
   const ReplicaMap map{s.replicas, s.rank, first_token, s.cfg.replica_seed, s.topk_slot, s.counts};
   const LaunchOptions gate = s.launch(GpuStage::kGate);
   if (!routing_idx) {
-    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream, gate);
+    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream, gate, s.router_logit_bias);
     // Fused: the replica choice happens in the selection kernel itself.
     launch_select_experts(s.logits, num_tokens, s.num_experts, s.k, s.router, s.router_bias, s.topk_idx, s.topk_w,
                           s.status, stream, s.fused ? &map : nullptr, gate);
@@ -434,8 +509,8 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
     s.gemm1->run(stream);
     s.mark(kGemm1, stream);
     if (!s.gated)
-      launch_silu_mul_quant_masked(s.gate_up, s.merged ? s.e_loc + 1 : s.e_loc, s.m_max, s.inter, s.ep->recv_count(), s.act, s.act_scales,
-                                   stream, s.launch(GpuStage::kActivation));
+      launch_silu_mul_quant_masked(s.gate_up, s.merged ? s.e_loc + 1 : s.e_loc, s.m_max, s.inter, s.ep->recv_count(),
+                                   s.act, s.act_scales, stream, s.launch(GpuStage::kActivation), s.activation);
     s.mark(kAct, stream);
     s.gemm2->run(stream);
   } else {
@@ -444,7 +519,7 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
     s.cgemm1->run(stream);
     s.mark(kGemm1, stream);
     launch_silu_mul_quant_contiguous(s.gate_up, s.rows, s.inter, s.ep->row_expert(), s.act, s.act_scales, stream,
-                                     s.launch(GpuStage::kActivation));
+                                     s.launch(GpuStage::kActivation), s.activation);
     s.mark(kAct, stream);
     s.cgemm2->run(stream);
   }
@@ -460,7 +535,10 @@ void GpuMoeLayer::combine(uint16_t* out, cudaStream_t stream) {
   MOEKIT_CHECK(out != nullptr || s.num_tokens == 0, fmtr("rank {}: out is null", s.rank));
   const bool shared = s.shared_inter > 0 && s.num_tokens > 0;
   if (s.shared_inter > 0 && s.cfg.overlap_shared && !s.fused) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-  s.ep->combine_recv(shared ? s.s_out : nullptr, out, stream);
+  s.ep->combine_recv(shared ? s.s_out : nullptr, s.out_pad ? s.out_pad : out, stream);
+  if (s.out_pad && s.num_tokens > 0)
+    MOEKIT_CUDA_CHECK(cudaMemcpy2DAsync(out, size_t(s.model_d) * 2, s.out_pad, size_t(s.d) * 2, size_t(s.model_d) * 2,
+                                        s.num_tokens, cudaMemcpyDeviceToDevice, stream));
   s.mark(kCombineRecv, stream);
   s.phase = Impl::Phase::kIdle;
 }

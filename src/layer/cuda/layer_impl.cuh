@@ -11,12 +11,14 @@
 
 #include "kernels/cuda/gating.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/silu_fp8.cuh"
 #include "layer/cuda/expert_mover.h"
 #include "moekit/cuda_check.h"
 #include "moekit/eplb.h"
 #include "moekit/gemm.h"
 #include "moekit/layer.h"
 #include "moekit/rebalance.h"
+#include "moekit/weights.h"
 
 namespace moekit::gpu {
 
@@ -37,7 +39,12 @@ struct GpuMoeLayer::Impl {
   bool shared_slot = false, merged = false;
   // Fused: GEMM1 with the SiLU·up + FP8 epilogue (else GEMM1 to BF16 and the activation kernel).
   bool gated = false;
-  int rank = 0, d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0, m_max = 0;
+  // MXFP4 experts (gpt-oss): d and inter are the weights' padded sizes (weights.h), model_d the
+  // model's hidden size; x and out are padded through x_pad and out_pad when they differ.
+  bool mxfp4 = false;
+  int rank = 0, d = 0, model_d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0,
+      m_max = 0;
+  GpuActivation activation;
   int rows = 0, t_pad = 0;
   RouterParams router;
   ReplicaTable replicas;
@@ -53,9 +60,13 @@ struct GpuMoeLayer::Impl {
   int num_sharers = 0;                 // layers using this one's weights
   std::vector<void*> allocations;
 
-  float *router_w = nullptr, *router_bias = nullptr;
+  float *router_w = nullptr, *router_bias = nullptr, *router_logit_bias = nullptr;
   uint8_t *w1 = nullptr, *w2 = nullptr, *sw1 = nullptr, *sw2 = nullptr;
   float *w1s = nullptr, *w2s = nullptr, *sw1s = nullptr, *sw2s = nullptr;
+  // MXFP4: w1/w2 hold the GEMM's code order, these the scale words and the biases (gemm.h).
+  uint32_t *w1_mx = nullptr, *w2_mx = nullptr;
+  float *b1 = nullptr, *b2 = nullptr;
+  uint16_t *x_pad = nullptr, *out_pad = nullptr;  // [T_max, d] when d != model_d
   float* logits = nullptr;
   int32_t *topk_idx = nullptr, *topk_slot = nullptr;
   float* topk_w = nullptr;
@@ -113,5 +124,11 @@ struct GpuMoeLayer::Impl {
   // synchronously when null).
   void upload_table(const Placement& placement, int layer, cudaStream_t stream);
 };
+
+// The MXFP4 operand of e_loc slots (slot i holds logical expert phy2log[first_slot + i]) in the
+// GEMM's encodings (mxfp4.h): codes in fragment order, one scale word per (expert, 128-deep block,
+// row), and the biases (empty without expert biases). Each slot's part of every output is one run.
+void gather_mxfp4(const Mxfp4ExpertWeights& all, const int32_t* phy2log, int first_slot, int e_loc,
+                  std::vector<uint8_t>& codes, std::vector<uint32_t>& words, std::vector<float>& bias);
 
 }  // namespace moekit::gpu

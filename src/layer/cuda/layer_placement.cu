@@ -48,6 +48,11 @@ int GpuMoeLayer::set_placement(const Placement& placement, int placement_layer, 
                fmtr("layer weights hold experts [{}, {}), expected all {}", weights.first_expert,
                     weights.first_expert + weights.num_local_experts(), s.num_experts));
   MOEKIT_CHECK(!(s.mover && s.mover->active()), fmtr("rank {}: set_placement while moves are in flight", s.rank));
+  MOEKIT_CHECK(weights.is_mxfp4() == s.mxfp4 && (!s.mxfp4 || (weights.padded_hidden == s.d &&
+                                                              weights.padded_intermediate == s.inter)),
+               fmtr("rank {}: set_placement with {} weights of hidden {}, the layer holds {} of hidden {}", s.rank,
+                    weights.is_mxfp4() ? "MXFP4" : "FP8", weights.is_mxfp4() ? weights.padded_hidden : weights.hidden_size,
+                    s.mxfp4 ? "MXFP4" : "FP8", s.d));
   s.upload_table(placement, placement_layer, stream);
   *s.current = placement;
   s.placement_layer = placement_layer;
@@ -64,8 +69,24 @@ int GpuMoeLayer::set_placement(const Placement& placement, int placement_layer, 
       MOEKIT_CUDA_CHECK(cudaMemcpyAsync(scales + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float),
                                         cudaMemcpyHostToDevice, stream));
     };
-    copy(weights.w1, s.w1, s.w1s);
-    copy(weights.w2, s.w2, s.w2s);
+    // MXFP4: the slot's codes, scale words and biases in the GEMM's encodings (pageable copies from
+    // temporaries: each returns once its source is staged).
+    auto copy_mxfp4 = [&](const Mxfp4ExpertWeights& all, uint8_t* w, uint32_t* words, float* bias) {
+      std::vector<uint8_t> c;
+      std::vector<uint32_t> sw;
+      std::vector<float> b;
+      gather_mxfp4(all, &e, 0, 1, c, sw, b);
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(w + i * c.size(), c.data(), c.size(), cudaMemcpyHostToDevice, stream));
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(words + i * sw.size(), sw.data(), sw.size() * 4, cudaMemcpyHostToDevice, stream));
+      if (bias) MOEKIT_CUDA_CHECK(cudaMemcpyAsync(bias + i * b.size(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream));
+    };
+    if (s.mxfp4) {
+      copy_mxfp4(weights.w1_mxfp4, s.w1, s.w1_mx, s.b1);
+      copy_mxfp4(weights.w2_mxfp4, s.w2, s.w2_mx, s.b2);
+    } else {
+      copy(weights.w1, s.w1, s.w1s);
+      copy(weights.w2, s.w2, s.w2s);
+    }
     s.local_experts[i] = e;
     ++moved;
   }
@@ -79,6 +100,8 @@ GpuExpertSlots GpuMoeLayer::expert_slots() const {
 
 std::vector<GpuExpertSlots> GpuMoeLayer::map_peer_slots() {
   Impl& s = *impl_;
+  MOEKIT_CHECK(!s.mxfp4, fmtr("rank {}: map_peer_slots on an MXFP4 layer (its slots move only through set_placement)",
+                              s.rank));
   // Four collectives, in the same order on every rank.
   const std::vector<void*> w1 = s.ep->map_peer_allocations(s.w1), w1s = s.ep->map_peer_allocations(s.w1s),
                            w2 = s.ep->map_peer_allocations(s.w2), w2s = s.ep->map_peer_allocations(s.w2s);
