@@ -451,10 +451,12 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
   const int ranks = placement.num_gpus, t_max = (batch + ranks - 1) / ranks;
   const gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline);
-  gpu::EpLocalGroup group(ec);
-  const int m_max = ec.max_m();
   // Tokens are d wide, the EP group's (padded for MXFP4); rank 0's layer reads and writes the
   // model's hidden size, their first part.
+  MOEKIT_CHECK(ec.hidden == d, fmtr("model '{}': the EP group's hidden is {}, the bench sizes its tokens and floor "
+                                    "for {}", model.name, ec.hidden, d));
+  gpu::EpLocalGroup group(ec);
+  const int m_max = ec.max_m();
   DeviceBuffer x(size_t(t_max) * d * 2), out0(size_t(t_max) * d * 2), peer_out(size_t(t_max) * d * 2);
   DeviceBuffer y(peers_y_bytes(ec, s));
   DeviceBuffer routing(size_t(layers) * ranks * t_max * k * 4), topk_w(size_t(t_max) * k * 4);
