@@ -1,9 +1,10 @@
-// bench_common.h: what the GPU benchmarks share: random FP8 weights of a model's real shapes made
-// in memory, random BF16 tokens, list parsing, the device copy bandwidth that their floors are
-// measured against, and the timing of a graph's replays.
+// bench_common.h: what the GPU benchmarks share: random FP8 or MXFP4 weights of a model's real
+// shapes made in memory, random BF16 tokens, list parsing, the device copy bandwidth that their
+// floors are measured against, and the timing of a graph's replays.
 //
 // Weights are random bytes, not a checkpoint: the values do not change the time of a step
-// (the GEMMs read every byte of a hit expert whatever it holds), and the checkpoint generator
+// (the GEMMs read every byte of a hit expert whatever it holds; MXFP4 scales are kept in a
+// checkpoint's range, which decides the kernel's widening path), and the checkpoint generator
 // would first write tens of GB to disk. Included by one translation unit per benchmark.
 #pragma once
 
@@ -21,6 +22,8 @@
 
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
+#include "moekit/layout.h"
+#include "moekit/mxfp4.h"
 #include "moekit/spec.h"
 #include "moekit/weights.h"
 
@@ -38,23 +41,32 @@ inline uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Calls body(begin, end) on all cores over [0, n) cut into equal ranges of whole `unit`s.
+template <class Body>
+void parallel_for(size_t n, size_t unit, const Body& body) {
+  const unsigned num_threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < num_threads; ++t)
+    pool.emplace_back([&, t] {
+      const size_t begin = n * t / num_threads / unit * unit,
+                   end = t + 1 == num_threads ? n : n * (t + 1) / num_threads / unit * unit;
+      body(begin, end);
+    });
+  for (auto& th : pool) th.join();
+}
+
 // Random finite e4m3 bytes of magnitude 2^-3 .. 2^2 (no NaN codes), filled on all cores: the
 // weights of one layer of DeepSeek-V3 are 11 GB.
 inline void fill_fp8(std::vector<uint8_t>& v, uint64_t seed) {
-  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < n; ++t)
-    pool.emplace_back([&, t] {
-      const size_t begin = v.size() * t / n / 8 * 8, end = t + 1 == n ? v.size() : v.size() * (t + 1) / n / 8 * 8;
-      for (size_t i = begin; i < end; i += 8) {
-        const uint64_t h = mix(seed ^ i);
-        for (size_t j = 0; j < 8 && i + j < end; ++j) {
-          const uint8_t b = uint8_t(h >> (8 * j));
-          v[i + j] = uint8_t((b & 0x80) | (0x30 + (b & 0x7F) % 0x28));
-        }
+  parallel_for(v.size(), 8, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; i += 8) {
+      const uint64_t h = mix(seed ^ i);
+      for (size_t j = 0; j < 8 && i + j < end; ++j) {
+        const uint8_t b = uint8_t(h >> (8 * j));
+        v[i + j] = uint8_t((b & 0x80) | (0x30 + (b & 0x7F) % 0x28));
       }
-    });
-  for (auto& th : pool) th.join();
+    }
+  });
 }
 
 // Reserves n bytes on transparent huge pages where the kernel allows it (THP in "madvise" mode):
@@ -76,9 +88,93 @@ inline ExpertWeights random_operand(int num_experts, int n, int k, uint64_t seed
   return w;
 }
 
+// A uniform double in [0, 1) from a mixed 64-bit word.
+inline double unit_interval(uint64_t h) { return double(h >> 11) / 9007199254740992.0; }
+
+// The router of `m` for hidden size d, random: weights of the scale of a trained router's,
+// zero sigmoid biases, small logit biases where the router adds them (gpt-oss).
+inline void random_router(const ModelSpec& m, int d, MoeLayerWeights& w) {
+  const int E = m.num_routed_experts;
+  w.router_weight.resize(size_t(E) * d);
+  for (size_t i = 0; i < w.router_weight.size(); ++i)
+    w.router_weight[i] = float((unit_interval(mix(i + 3)) - 0.5) * 3.4 / std::sqrt(double(d)));
+  if (m.router.scoring == "sigmoid") w.router_bias.assign(E, 0.0f);
+  if (m.router.logit_bias) {
+    w.router_logit_bias.resize(E);
+    for (int e = 0; e < E; ++e) w.router_logit_bias[e] = float((unit_interval(mix(e + 0xb1a5)) - 0.5) * 0.1);
+  }
+}
+
+// The scale bytes of random MXFP4 weights: 118 .. 122, weights of at most 6 * 2^-5 ~ 0.19. The
+// spread is that of a trained checkpoint's smooth scales, and it keeps the GEMM on its fast
+// widening path (mxfp4.h, kGemmScaleFastBit: every group within 11 of its 128-deep block's largest
+// scale): real groups are at most 4 apart, and at most 9 below the padding's 127 in the block
+// where K's padding starts (gpt-oss: 2880 = 22.5 blocks).
+constexpr uint8_t kRandomScaleMin = 118, kRandomScaleSpan = 5;
+
+// One MXFP4 operand [E, n_p, k_p] as the loader leaves it: rows with real_row(r) hold random codes
+// in their first k columns (every byte is two valid e2m1 codes), scales as above and, with_bias,
+// a bias in [-0.1, 0.1); the rest is the loader's padding (zero codes, scale 127, zero bias).
+template <class RealRow>
+Mxfp4ExpertWeights random_mxfp4_operand(int num_experts, int n_p, int k_p, int k, const RealRow& real_row,
+                                        bool with_bias, uint64_t seed) {
+  Mxfp4ExpertWeights w;
+  w.layout = Mxfp4WeightLayout{num_experts, n_p, k_p};
+  const Mxfp4WeightLayout& l = w.layout;
+  reserve_huge(w.w, l.w_bytes());
+  w.w.resize(l.w_bytes(), 0);
+  w.scales.assign(l.scale_elems(), kMxfp4UnitScale);
+  if (with_bias) w.bias.assign(size_t(num_experts) * n_p, 0.0f);
+  const size_t codes = size_t(k) / 2, groups = size_t(k) / kMxfp4Group;
+  parallel_for(size_t(num_experts) * n_p, 1, [&](size_t begin, size_t end) {
+    for (size_t row = begin; row < end; ++row) {
+      if (!real_row(int(row % size_t(n_p)))) continue;
+      uint8_t* c = &w.w[row * l.row_bytes()];
+      for (size_t j = 0; j < codes; j += 8) {
+        const uint64_t h = mix(seed ^ (row * l.row_bytes() + j));
+        for (size_t b = 0; b < 8 && j + b < codes; ++b) c[j + b] = uint8_t(h >> (8 * b));
+      }
+      for (size_t g = 0; g < groups; ++g)
+        w.scales[row * l.row_scales() + g] =
+            uint8_t(kRandomScaleMin + mix(~seed ^ (row * l.row_scales() + g)) % kRandomScaleSpan);
+      if (with_bias) w.bias[row] = float((unit_interval(mix((seed << 56) ^ ~row)) - 0.5) * 0.2);
+    }
+  });
+  return w;
+}
+
+// n rounded up to a multiple of 128: an MXFP4 model's hidden and inter as the layer pads them.
+inline int round_up_to_block(int64_t n) { return int((n + kQuantBlock - 1) / kQuantBlock * kQuantBlock); }
+
+// One MoE layer of an MXFP4 model (expert_format "mxfp4", gpt-oss) as load_moe_layer makes it for
+// all E experts: hidden and inter padded to multiples of 128, gate rows [0, inter) and up rows
+// [inter_p, inter_p + inter) of W1 real, the router on the unpadded hidden.
+inline MoeLayerWeights random_layer_mxfp4(const ModelSpec& m) {
+  const int d = int(m.hidden_size), inter = int(m.moe_intermediate_size), E = m.num_routed_experts;
+  MOEKIT_CHECK(d % kMxfp4Group == 0 && inter % kMxfp4Group == 0,
+               "model '" + m.name + "': hidden " + std::to_string(d) + " and inter " + std::to_string(inter) +
+                   " must be multiples of " + std::to_string(kMxfp4Group) + " for MXFP4 weights");
+  MOEKIT_CHECK(m.num_shared_experts == 0,
+               "model '" + m.name + "': MXFP4 layers hold no shared expert, the model has " +
+                   std::to_string(m.num_shared_experts));
+  const int d_p = round_up_to_block(d), inter_p = round_up_to_block(inter);
+  MoeLayerWeights w;
+  w.num_experts = E;
+  w.hidden_size = d;
+  w.intermediate_size = inter;
+  w.padded_hidden = d_p;
+  w.padded_intermediate = inter_p;
+  w.w1_mxfp4 = random_mxfp4_operand(E, 2 * inter_p, d_p, d, [&](int r) { return r % inter_p < inter; },
+                                    m.expert_bias, 1);
+  w.w2_mxfp4 = random_mxfp4_operand(E, d_p, inter_p, inter, [&](int r) { return r < d; }, m.expert_bias, 2);
+  random_router(m, d, w);
+  return w;
+}
+
 // One MoE layer of `m` with all E routed experts (what GpuMoeLayer takes), the router and the
-// shared experts, random.
+// shared experts, random; in the model's expert format.
 inline MoeLayerWeights random_layer(const ModelSpec& m) {
+  if (m.expert_format == "mxfp4") return random_layer_mxfp4(m);
   MoeLayerWeights w;
   const int d = int(m.hidden_size), inter = int(m.moe_intermediate_size), E = m.num_routed_experts;
   w.num_experts = E;
@@ -86,10 +182,7 @@ inline MoeLayerWeights random_layer(const ModelSpec& m) {
   w.intermediate_size = inter;
   w.w1 = random_operand(E, 2 * inter, d, 1);
   w.w2 = random_operand(E, d, inter, 2);
-  w.router_weight.resize(size_t(E) * d);
-  for (size_t i = 0; i < w.router_weight.size(); ++i)
-    w.router_weight[i] = float((double(mix(i + 3) >> 11) / 9007199254740992.0 - 0.5) * 3.4 / std::sqrt(double(d)));
-  if (m.router.scoring == "sigmoid") w.router_bias.assign(E, 0.0f);
+  random_router(m, d, w);
   const int shared_inter = int(m.num_shared_experts * m.shared_intermediate_size);
   if (shared_inter > 0) {
     w.shared_w1 = random_operand(1, 2 * shared_inter, d, 4);
@@ -102,7 +195,7 @@ inline MoeLayerWeights random_layer(const ModelSpec& m) {
 inline std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
   std::vector<uint16_t> h(n);
   for (size_t i = 0; i < n; ++i) {
-    const float v = float((double(mix(i * 131 + seed) >> 11) / 9007199254740992.0 - 0.5) * 3.4);
+    const float v = float((unit_interval(mix(i * 131 + seed)) - 0.5) * 3.4);
     uint32_t bits;
     std::memcpy(&bits, &v, 4);
     h[i] = uint16_t(bits >> 16);

@@ -1,14 +1,15 @@
-// bench_rank: the decode step of the MoE layers on ONE GPU acting as ONE rank (rank 0) of EP8
-// (issue 7). Rank 0 holds its local experts of every MoE layer (DeepSeek-V3: 32 of 256 experts x
-// 58 layers, ~85 GB of FP8; Qwen3.5-397B-A17B: 64 of 512 x 60); the other 7 ranks are token-only
-// peers on the `local` transport: they dispatch their tokens (to rank 0 and to each other) and
-// take their combine back, but hold no weights and run no GEMM. So rank 0 receives the
-// recv_count it would receive in a real EP8 system, and only rank 0's own time is reported.
+// bench_rank: the decode step of the MoE layers on ONE GPU acting as ONE rank (rank 0) of EP over
+// P ranks (issue 7; P = --ranks, 8 by default). Rank 0 holds its local experts of every MoE layer
+// (EP8: DeepSeek-V3: 32 of 256 experts x 58 layers, ~85 GB of FP8; Qwen3.5-397B-A17B: 64 of 512 x
+// 60; EP1: gpt-oss-120b: all 128 experts x 36 layers, ~64 GB of MXFP4 padded to 2944); the other
+// P - 1 ranks are token-only peers on the `local` transport: they dispatch their tokens (to rank 0
+// and to each other) and take their combine back, but hold no weights and run no GEMM. So rank 0
+// receives the recv_count it would receive in a real EP system of P GPUs, and only rank 0's own
+// time is reported. With --ranks 1 there are no peers: rank 0 is the whole model on one GPU.
 //
-//   bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--batch 8,64,256,1024,2048] [--layers N]
-//              [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]
-//              [--timeline] [--uniform] [--quick] [--json FILE]
-//
+// Usage: kUsage below (bench_rank --help prints it).
+// --ranks: P, the EP ranks rank 0 is one of; every model's routed experts must be a multiple of P
+// and every batch at least P (one token per rank).
 // --pipeline: the decode pipelines to measure (GpuLayerConfig::pipeline), each with its own
 // layers over the same weights, routing and floor; staged is the baseline of every ratio.
 // --uniform: the uniform case only (no skew, no EPLB placement).
@@ -16,46 +17,51 @@
 // clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
 // the middle layer of the first segment, and the share of rank 0's step during which a GEMM
 // (routed or shared) was streaming weights; written into the JSON's "timelines".
+// gpt-oss (expert_format "mxfp4"): random MXFP4 weights (bench_common.h random_layer_mxfp4); every
+// size below (weights, buffers, floor bytes and FLOPs) uses the padded hidden and inter (2944),
+// e.g. bench_rank --model gpt-oss-120b --ranks 1 --batch 1,8,64,256,1024 --uniform --pipeline staged.
 //
-// Cases per model and global batch B (B/8 tokens per rank): uniform routing and skewed routing
-// on the identity placement (EPLB off, E slots), and the same skewed routing on an EPLB placement
-// (E + N slots, N = E/8 by default: 288 = 36 per rank for DeepSeek-V3) that balanced_placement()
-// makes from the skew's expert counts over 16 other sampled steps. The routing is the
-// simulator's (simulate.h sample_step, one sample per layer), handed to rank 0's layers as the
-// caller's routing and to the peers as physical slots (choose_replicas_for_rank, the layer's own
-// rule and seed). The default skew hot:E/32:4 makes experts 0 .. E/32-1 four times as likely;
-// identity placement puts them on rank 0, which makes rank 0 the busiest rank, and under the
-// all-to-all barrier the busiest rank's time is the layer's time. --quick: DeepSeek-V3, B in
-// {8, 256}, uniform routing only, 8 layers, 3 replays.
+// Cases per model and global batch B (B/P tokens per rank): uniform routing and skewed routing on
+// the identity placement (EPLB off, E slots), and the same skewed routing on an EPLB placement (E +
+// N slots, N = E/8 by default: 288 = 36 per rank for DeepSeek-V3) that balanced_placement() makes
+// from the skew's expert counts over 16 other sampled steps (not with P = 1: one rank has nothing
+// to balance). The routing is the simulator's (simulate.h sample_step, one sample per layer),
+// handed to rank 0's layers as the caller's routing and to the peers as physical slots
+// (choose_replicas_for_rank, the layer's own rule and seed). The default skew hot:E/32:4 makes
+// experts 0 .. E/32-1 four times as likely; identity placement puts them on rank 0, which makes
+// rank 0 the busiest rank, and under the all-to-all barrier the busiest rank's time is the layer's
+// time. --quick: DeepSeek-V3, B in {8, 256}, uniform routing only, 8 layers, 3 replays.
 //
-// How it is measured. Weights are random FP8 bytes of the real shapes, generated once per model
-// on all cores; every layer gets its own device copy (one weight-holding GpuMoeLayer per layer,
-// built on several threads), and per batch size one GpuMoeLayer per layer with buffers for that
-// batch shares them (share_weights_with), in segments of as many layers as the free memory
+// How it is measured. Weights are random FP8 (or MXFP4) bytes of the real shapes, made once per
+// model on all cores; every layer gets its own device copy (one weight-holding GpuMoeLayer per
+// layer, built on several threads), and per batch size one GpuMoeLayer per layer with buffers for
+// that batch shares them (share_weights_with), in segments of as many layers as the free memory
 // holds. All layers use one EP group, one step after another. Each layer is issued on one
 // stream as
 //     peers' dispatch_send | rank 0 dispatch + compute | peers' dispatch_recv + combine_send |
 //     rank 0 combine | peers' combine_recv
 // so every receive finds its data already sent: rank 0's kernels never wait for a peer and never
-// share the GPU with a peer's kernel (in EP8 the peers run on other GPUs). A segment is captured
-// as one CUDA Graph with an event-record node (cudaEventRecordExternal) at each of these
-// boundaries; after every replay rank 0's time of a layer is read with cudaEventElapsedTime as
-// its two intervals added. The first replay of each segment checks the events: every interval
-// >= 0 and, added up, within 5% of the replay's time measured outside the graph. One step =
-// the median over replays of rank 0's time summed over the layers; one layer = the median over
-// layers and replays. Next to it: the same step run eagerly with the layer's stage events
-// (set_timing; combine_recv from the bench's own events, since the layer's spans the peers'
-// middle window), and graph / eager. The shared expert runs on rank 0's side stream; what of it
-// outlasts rank 0's compute overlaps the peers' window and is not counted (its weights are
-// 1/32 of DeepSeek-V3's local experts'). tok/s = B / step; with fewer layers than the model
-// has (--layers, or too little memory) the step is scaled to all of them, and the output says so.
+// share the GPU with a peer's kernel (in a real EP system the peers run on other GPUs; with P = 1
+// the peers' windows are empty). A segment is captured as one CUDA Graph with an event-record node
+// (cudaEventRecordExternal) at each of these boundaries; after every replay rank 0's time of a
+// layer is read with cudaEventElapsedTime as its two intervals added. The first replay of each
+// segment checks the events: every interval >= 0 and, added up, within 5% of the replay's time
+// measured outside the graph. One step = the median over replays of rank 0's time summed over the
+// layers; one layer = the median over layers and replays. Next to it: the same step run eagerly
+// with the layer's stage events (set_timing; combine_recv from the bench's own events, since the
+// layer's spans the peers' middle window), and graph / eager. The shared expert runs on rank 0's
+// side stream; what of it outlasts rank 0's compute overlaps the peers' window and is not counted
+// (its weights are 1/32 of DeepSeek-V3's local experts'). tok/s = B / step; with fewer layers than
+// the model has (--layers, or too little memory) the step is scaled to all of them, and the output
+// says so.
 // Floor per layer: max(bytes / copy bandwidth, FLOPs / 1272 TFLOP/s), bytes = rank 0's local
 // experts that received at least one row + the shared expert + activations (received rows in
 // FP8 with scales, returned in BF16; the rank's own tokens in and out in BF16). The copy
 // bandwidth is measured in this run (2 GB device copy); the FP8 rate is the one measured on an
-// H200 (docs/results.md §Reference rates of the H200), not measured here. rank 0's recv_count is
-// predicted on the host from every rank's routing and compared with the device's after the eager
-// and the graph runs.
+// H200 (docs/results.md §Reference rates of the H200), not measured here; MXFP4 models are held
+// to it too, since their GEMM widens the codes to FP8 for the same tensor cores. rank 0's
+// recv_count is predicted on the host from every rank's routing and compared with the device's
+// after the eager and the graph runs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -86,7 +92,10 @@ using moekit::gpu::fmtr;
 
 namespace {
 
-constexpr int kRanks = 8;                  // EP8: rank 0 on this GPU, 7 token-only peers
+constexpr const char* kUsage =
+    "bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--ranks 8] [--batch 8,64,256,1024,2048] [--layers N]\n"
+    "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
+    "           [--timeline] [--uniform] [--quick] [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
 constexpr double kEpTimeoutS = 10;         // every receive's data is sent before it: a wait means a bug
@@ -107,9 +116,11 @@ size_t free_device_bytes() {
   return free;
 }
 
-// Global token index of rank r's first token: token t lives on rank floor(t P / B) (eplb.h).
-int64_t first_token(int r, int batch) { return (int64_t(r) * batch + kRanks - 1) / kRanks; }
-int rank_tokens(int r, int batch) { return int(first_token(r + 1, batch) - first_token(r, batch)); }
+// Global token index of rank r's first token of P ranks: token t lives on rank floor(t P / B) (eplb.h).
+int64_t first_token(int r, int batch, int ranks) { return (int64_t(r) * batch + ranks - 1) / ranks; }
+int rank_tokens(int r, int batch, int ranks) {
+  return int(first_token(r + 1, batch, ranks) - first_token(r, batch, ranks));
+}
 
 class DeviceBuffer {
  public:
@@ -149,17 +160,28 @@ double elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
   return ms;
 }
 
+// The sizes every estimate and floor uses. MXFP4 models: d and inter are padded to multiples of
+// 128 (gpt-oss: 2880 -> 2944), as the layer holds and computes them.
 struct Shape {
+  bool mxfp4 = false, expert_bias = false;
   int d = 0, inter = 0, shared_inter = 0, num_experts = 0, topk = 0;
   explicit Shape(const ModelSpec& m)
-      : d(int(m.hidden_size)),
-        inter(int(m.moe_intermediate_size)),
+      : mxfp4(m.expert_format == "mxfp4"),
+        expert_bias(m.expert_bias),
+        d(mxfp4 ? round_up_to_block(m.hidden_size) : int(m.hidden_size)),
+        inter(mxfp4 ? round_up_to_block(m.moe_intermediate_size) : int(m.moe_intermediate_size)),
         shared_inter(int(m.num_shared_experts * m.shared_intermediate_size)),
         num_experts(m.num_routed_experts),
         topk(m.num_experts_per_token) {}
+  const char* format_name() const { return mxfp4 ? "MXFP4" : "FP8"; }
   // W1 [2 inter, d] + W2 [d, inter] in FP8 with one fp32 scale per 128x128 block.
   double mlp_bytes(int n_inter) const { return 3.0 * d * n_inter + 3.0 * (d / 128) * (n_inter / 128) * 4; }
-  double expert_bytes() const { return mlp_bytes(inter); }
+  // The same in MXFP4: half a byte per weight and one e8m0 byte per 32 (4.25 bits), plus an fp32
+  // bias per output row of W1 and W2 where the model has expert biases.
+  double mxfp4_mlp_bytes() const {
+    return 3.0 * d * inter * (0.5 + 1.0 / kMxfp4Group) + (expert_bias ? 4.0 * (2.0 * inter + d) : 0.0);
+  }
+  double expert_bytes() const { return mxfp4 ? mxfp4_mlp_bytes() : mlp_bytes(inter); }
   double shared_bytes() const { return shared_inter > 0 ? mlp_bytes(shared_inter) : 0.0; }
 };
 
@@ -182,16 +204,23 @@ size_t layer_buffer_estimate(const Shape& s, int e_loc, int m_max, int t_max) {
   return b + b / 10 + (size_t(64) << 20);
 }
 
-// A batch's fixed device memory: the EP group of 8 ranks, the peers' y, tokens in and out, routing.
-size_t batch_fixed_bytes(const gpu::EpConfig& ec, const Shape& s, int layers) {
-  const size_t t = size_t(ec.max_tokens);
-  return size_t(kRanks) * gpu::ep_memory(ec).total() + size_t(ec.slots_per_rank()) * ec.max_m() * s.d * 2 +
-         3 * t * s.d * 2 + size_t(layers) * kRanks * t * s.topk * 4 + t * s.topk * 4;
+// The peers' GEMM output that their combine_send reads (its values are irrelevant); none without peers.
+size_t peers_y_bytes(const gpu::EpConfig& ec, const Shape& s) {
+  return ec.num_ranks > 1 ? size_t(ec.slots_per_rank()) * ec.max_m() * s.d * 2 : 0;
 }
 
+// A batch's fixed device memory: the EP group of P ranks, the peers' y, tokens in and out, routing.
+size_t batch_fixed_bytes(const gpu::EpConfig& ec, const Shape& s, int layers) {
+  const size_t t = size_t(ec.max_tokens), ranks = size_t(ec.num_ranks);
+  return ranks * gpu::ep_memory(ec).total() + peers_y_bytes(ec, s) + 3 * t * s.d * 2 +
+         size_t(layers) * ranks * t * s.topk * 4 + t * s.topk * 4;
+}
+
+// The EP group of placement's P ranks for global batch B: B/P tokens per rank, rounded up.
 gpu::EpConfig batch_ep_config(const ModelSpec& model, const Placement& placement, int batch,
                               gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged) {
-  gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, kRanks, (batch + kRanks - 1) / kRanks,
+  const int ranks = placement.num_gpus;
+  gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, ranks, (batch + ranks - 1) / ranks,
                                           gpu::EpMode::kLowLatency, pipeline);
   ec.timeout_s = kEpTimeoutS;
   return ec;
@@ -213,34 +242,35 @@ struct CaseRouting {
 
 CaseRouting make_routing(const Shape& s, const Placement& placement, const Case& c, int batch, int t_max,
                          int layers) {
+  const int ranks = placement.num_gpus;
   SimulateInput in;
   in.num_experts = s.num_experts;
   in.topk = s.topk;
-  in.num_ranks = kRanks;
+  in.num_ranks = ranks;
   in.batch = batch;
   in.trials = 2;
   in.seed = c.seed;
   in.routing = c.routing;
   const int k = s.topk, e_loc = placement.slots_per_gpu();
   CaseRouting out;
-  out.image.assign(size_t(layers) * kRanks * t_max * k, -1);
+  out.image.assign(size_t(layers) * ranks * t_max * k, -1);
   std::vector<int32_t> slots(size_t(batch) * k);
   for (int l = 0; l < layers; ++l) {
     const std::vector<int32_t> logical = sample_step(in, l);
-    std::vector<int64_t> slot_rows(placement.num_slots, 0), rank_rows(kRanks, 0);
-    for (int r = 0; r < kRanks; ++r) {
-      const int64_t f = first_token(r, batch);
-      const int n = rank_tokens(r, batch);
+    std::vector<int64_t> slot_rows(placement.num_slots, 0), rank_rows(ranks, 0);
+    for (int r = 0; r < ranks; ++r) {
+      const int64_t f = first_token(r, batch, ranks);
+      const int n = rank_tokens(r, batch, ranks);
       choose_replicas_for_rank(placement, 0, r, logical.data() + f * k, n, k, f, kReplicaSeed, slots.data() + f * k);
       const int32_t* src = (r == 0 ? logical.data() : slots.data()) + f * k;
-      std::copy(src, src + size_t(n) * k, out.image.begin() + (size_t(l) * kRanks + r) * t_max * k);
+      std::copy(src, src + size_t(n) * k, out.image.begin() + (size_t(l) * ranks + r) * t_max * k);
     }
     for (int32_t slot : slots)
       if (slot >= 0) ++slot_rows[slot], ++rank_rows[placement.gpu_of_slot(slot)];
     out.recv0.emplace_back(slot_rows.begin(), slot_rows.begin() + e_loc);
     double sum = 0, max = 0;
     for (int64_t v : rank_rows) sum += double(v), max = std::max(max, double(v));
-    const double mean = sum / kRanks;
+    const double mean = sum / ranks;
     out.max_over_mean.push_back(max / mean);
     out.rank0_over_mean.push_back(double(rank_rows[0]) / mean);
   }
@@ -248,11 +278,11 @@ CaseRouting make_routing(const Shape& s, const Placement& placement, const Case&
 }
 
 // Expert counts of the skewed routing over steps other than the measured ones: EPLB's statistics.
-std::vector<double> skew_counts(const Shape& s, const Routing& skew) {
+std::vector<double> skew_counts(const Shape& s, const Routing& skew, int ranks) {
   SimulateInput in;
   in.num_experts = s.num_experts;
   in.topk = s.topk;
-  in.num_ranks = kRanks;
+  in.num_ranks = ranks;
   in.batch = 4096;
   in.trials = 2;
   in.seed = kStatsSeed;
@@ -296,6 +326,7 @@ struct Options {
   std::vector<int> batches = {8, 64, 256, 1024, 2048};
   int layers = 0;  // 0: every MoE layer of the model
   int iters = 10;
+  int ranks = 8;       // P: rank 0 on this GPU, P - 1 token-only peers
   std::string skew;    // empty: hot:E/32:4
   int redundant = -1;  // -1: E/8
   bool uniform_only = false;
@@ -355,7 +386,7 @@ Holders build_holders(const ModelSpec& model, const Shape& s, const MoeLayerWeig
   const size_t batch_need = batch_fixed_bytes(ec_max, s, wanted_layers) +
                             layer_buffer_estimate(s, e_loc, ec_max.max_m(), ec_max.max_tokens);
   Holders h;
-  h.group = std::make_unique<gpu::EpLocalGroup>(batch_ep_config(model, placement, kRanks));
+  h.group = std::make_unique<gpu::EpLocalGroup>(batch_ep_config(model, placement, placement.num_gpus));
   const size_t free0 = free_device_bytes(), estimate = holder_bytes_estimate(s, e_loc);
   MOEKIT_CHECK(free0 >= estimate + batch_need + kReserveBytes,
                fmtr("device memory: {:.1f} GB free, but one layer's weights on rank 0 need {:.2f} GB and "
@@ -418,13 +449,17 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
                bool eplb, const std::vector<Case>& cases, const Holders& holders, int batch, gpu::GpuPipeline pipeline,
                const Options& opt, double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
-  const int t_max = (batch + kRanks - 1) / kRanks;
+  const int ranks = placement.num_gpus, t_max = (batch + ranks - 1) / ranks;
   const gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline);
+  // Tokens are d wide, the EP group's (padded for MXFP4); rank 0's layer reads and writes the
+  // model's hidden size, their first part.
+  MOEKIT_CHECK(ec.hidden == d, fmtr("model '{}': the EP group's hidden is {}, the bench sizes its tokens and floor "
+                                    "for {}", model.name, ec.hidden, d));
   gpu::EpLocalGroup group(ec);
   const int m_max = ec.max_m();
   DeviceBuffer x(size_t(t_max) * d * 2), out0(size_t(t_max) * d * 2), peer_out(size_t(t_max) * d * 2);
-  DeviceBuffer y(size_t(e_loc) * m_max * d * 2);  // the peers' GEMM output: its values are irrelevant
-  DeviceBuffer routing(size_t(layers) * kRanks * t_max * k * 4), topk_w(size_t(t_max) * k * 4);
+  DeviceBuffer y(peers_y_bytes(ec, s));
+  DeviceBuffer routing(size_t(layers) * ranks * t_max * k * 4), topk_w(size_t(t_max) * k * 4);
   {
     // On the bench's stream: it does not wait for the legacy default stream (non-blocking), and a
     // pageable cudaMemcpy may return before its DMA lands. The device sync covers the EP group's
@@ -432,15 +467,15 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
     const std::vector<uint16_t> hx = random_bf16(size_t(t_max) * d, 1);
     const std::vector<float> hw(size_t(t_max) * k, 1.0f / k);
     MOEKIT_CUDA_CHECK(cudaMemcpyAsync(x.as<void>(), hx.data(), hx.size() * 2, cudaMemcpyHostToDevice, stream));
-    MOEKIT_CUDA_CHECK(cudaMemsetAsync(y.as<void>(), 0, size_t(e_loc) * m_max * d * 2, stream));
+    MOEKIT_CUDA_CHECK(cudaMemsetAsync(y.as<void>(), 0, peers_y_bytes(ec, s), stream));
     MOEKIT_CUDA_CHECK(cudaMemcpyAsync(topk_w.as<void>(), hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, stream));
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  auto route = [&](int l, int r) { return routing.as<int32_t>() + (size_t(l) * kRanks + r) * t_max * k; };
+  auto route = [&](int l, int r) { return routing.as<int32_t>() + (size_t(l) * ranks + r) * t_max * k; };
 
   std::vector<CaseRouting> routings;
   std::vector<Result> res(cases.size());
-  const int t0 = rank_tokens(0, batch);
+  const int t0 = rank_tokens(0, batch, ranks);
   for (size_t c = 0; c < cases.size(); ++c) {
     routings.push_back(make_routing(s, placement, cases[c], batch, t_max, layers));
     Result& r = res[c];
@@ -460,6 +495,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
       for (int32_t v : routings[c].recv0[l]) rows += v, hit += v > 0;
       const double bytes = double(hit) * s.expert_bytes() + s.shared_bytes() +
                            double(rows) * (d + 4.0 * (d / 128) + 2.0 * d) + 2.0 * t0 * 2.0 * d;
+      // MXFP4: d and inter are padded, and the padding's FLOPs are counted: the kernel computes them.
       const double flops = 2.0 * 3.0 * d * (double(rows) * s.inter + double(t0) * s.shared_inter);
       const double mem_ms = 1e3 * bytes / copy_bw, flop_ms = 1e3 * flops / kFp8Flops;
       r.mem_floor_ms += mem_ms;
@@ -505,20 +541,21 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
       for (int l = first; l < first + n; ++l) {
         gpu::GpuMoeLayer& rank0 = *seg[l - first];
         record(mark(l, kPeersSend));
-        for (int r = 1; r < kRanks; ++r)
-          group.rank(r).dispatch_send(x.as<uint16_t>(), route(l, r), topk_w.as<float>(), rank_tokens(r, batch), stream);
+        for (int r = 1; r < ranks; ++r)
+          group.rank(r).dispatch_send(x.as<uint16_t>(), route(l, r), topk_w.as<float>(), rank_tokens(r, batch, ranks),
+                                      stream);
         record(mark(l, kRank0Dispatch));
         rank0.dispatch(x.as<uint16_t>(), t0, 0, stream, route(l, 0), topk_w.as<float>());
         rank0.compute(stream);
         record(mark(l, kPeersMiddle));
-        for (int r = 1; r < kRanks; ++r) {
+        for (int r = 1; r < ranks; ++r) {
           group.rank(r).dispatch_recv(stream);
           group.rank(r).combine_send(y.as<uint16_t>(), stream);
         }
         record(mark(l, kRank0Combine));
         rank0.combine(out0.as<uint16_t>(), stream);
         record(mark(l, kPeersCombineRecv));
-        for (int r = 1; r < kRanks; ++r) group.rank(r).combine_recv(nullptr, peer_out.as<uint16_t>(), stream);
+        for (int r = 1; r < ranks; ++r) group.rank(r).combine_recv(nullptr, peer_out.as<uint16_t>(), stream);
       }
       record(seg_end);
     };
@@ -528,7 +565,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
     };
     auto check_all = [&] {
       for (auto& layer : seg) layer->check(stream);
-      for (int r = 1; r < kRanks; ++r) group.rank(r).check(stream);
+      for (int r = 1; r < ranks; ++r) group.rank(r).check(stream);
     };
     // recv_count is left by the segment's last layer; the host predicted every layer's.
     auto check_recv = [&](size_t c, const char* run) {
@@ -661,7 +698,7 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
                 const std::vector<Result>& results) {
   std::ofstream js(path);
   MOEKIT_CHECK(js.good(), "--json " + path + ": cannot open for writing");
-  js << "{\"bench\": \"rank\", \"device\": \"" << dev.name << "\", \"ranks\": " << kRanks
+  js << "{\"bench\": \"rank\", \"device\": \"" << dev.name << "\", \"ranks\": " << opt.ranks
      << ", \"rank\": 0, \"copy_bw\": " << copy_bw << ", \"fp8_flops\": " << kFp8Flops
      << ", \"fp8_flops_source\": \"docs/results.md §Reference rates of the H200 (FP8 GEMM measured on an "
         "H200), not measured in this run\""
@@ -733,8 +770,9 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
   js << "\n]}\n";
 }
 
-void print_tables(const std::vector<Result>& results) {
-  std::printf("\nrank 0 of EP8, MoE layers only (CUDA Graph replay, rank 0's kernels timed by events inside it):\n");
+void print_tables(const std::vector<Result>& results, int ranks) {
+  std::printf("\nrank 0 of EP%d, MoE layers only (CUDA Graph replay, rank 0's kernels timed by events inside it):\n",
+              ranks);
   std::printf("%-18s %-6s %5s %-10s %-4s %5s %9s %10s %10s %9s %6s %9s %8s %8s %8s\n", "model", "pipe", "B", "routing",
               "eplb", "slots", "layer us", "step ms", "tok/s", "floor ms", "ratio", "recv/lay", "hit/lay", "max/mean",
               "r0/mean");
@@ -820,14 +858,29 @@ void print_tables(const std::vector<Result>& results) {
       if (!off.eplb && off.model == on.model && off.batch == on.batch && off.routing == on.routing &&
           off.pipeline == on.pipeline) {
         if (!header)
-          std::printf("\nEPLB: max/mean per-GPU rows over the 8 ranks (mean over layers; target <= 1.10 where "
-                      "replicas allow, small B is sampling noise):\n");
+          std::printf("\nEPLB: max/mean per-GPU rows over the %d ranks (mean over layers; target <= 1.10 where "
+                      "replicas allow, small B is sampling noise):\n",
+                      ranks);
         header = true;
         std::printf("  %-18s %-6s B = %4d %-10s %.2f (%d slots) -> %.2f (%d slots); rank 0's step %.3f -> %.3f ms\n",
                     on.model.c_str(), on.pipeline.c_str(), on.batch, on.routing.c_str(), off.max_over_mean, off.slots, on.max_over_mean,
                     on.slots, off.step(), on.step());
       }
   }
+}
+
+// Checks `model` against the options (an MoE model, experts and redundant slots a multiple of
+// --ranks, --layers within the model); returns the EPLB placement's redundant slots.
+int checked_redundant(const ModelSpec& model, const Options& opt) {
+  MOEKIT_CHECK(model.is_moe() && model.num_routed_experts % opt.ranks == 0,
+               fmtr("model '{}': {} routed experts, expected a multiple of --ranks {}", model.name,
+                    model.num_routed_experts, opt.ranks));
+  MOEKIT_CHECK(opt.layers <= model.num_moe_layers,
+               fmtr("--layers {}: model '{}' has {} MoE layers", opt.layers, model.name, model.num_moe_layers));
+  const int redundant = opt.redundant >= 0 ? opt.redundant : model.num_routed_experts / 8;
+  MOEKIT_CHECK(redundant % opt.ranks == 0,
+               fmtr("--redundant {}: expected a multiple of {} (slots per rank stay equal)", redundant, opt.ranks));
+  return redundant;
 }
 
 }  // namespace
@@ -859,6 +912,9 @@ int main(int argc, char** argv) try {
       std::stringstream ss(next());
       for (std::string m; std::getline(ss, m, ',');) opt.models.push_back(m);
       models_given = true;
+    } else if (a == "--ranks") {
+      opt.ranks = next_int(1);
+      MOEKIT_CHECK(opt.ranks <= gpu::kEpMaxRanks, fmtr("--ranks {}: expected at most {}", opt.ranks, gpu::kEpMaxRanks));
     } else if (a == "--batch") {
       opt.batches = parse_list(next());
       batch_given = true;
@@ -887,9 +943,11 @@ int main(int argc, char** argv) try {
       opt.uniform_only = true;
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--help" || a == "-h") {
+      std::printf("usage: %s", kUsage);
+      return 0;
     } else {
-      throw Error("unknown argument '" + a + "' (expected --model, --batch, --layers, --iters, --skew, --redundant, "
-                  "--pipeline, --timeline, --uniform, --quick, --json)");
+      throw Error("unknown argument '" + a + "'; usage:\n" + kUsage);
     }
   }
   if (quick) {
@@ -899,17 +957,19 @@ int main(int argc, char** argv) try {
     if (!iters_given) opt.iters = 3;
     opt.uniform_only = true;
   }
+  const int ranks = opt.ranks;
   for (int b : opt.batches)
-    MOEKIT_CHECK(b >= kRanks, fmtr("--batch {}: expected >= {} (at least one token per rank)", b, kRanks));
+    MOEKIT_CHECK(b >= ranks, fmtr("--batch {}: expected >= {} (at least one token per rank)", b, ranks));
   if (!opt.skew.empty()) parse_routing(opt.skew);  // a bad --skew fails before any GPU work
+  for (const std::string& name : opt.models) checked_redundant(load_model_spec(name), opt);  // so does a bad model
 
   const auto t_start = Clock::now();
   const DeviceInfo dev = query_device();
   size_t free0 = 0, total = 0;
   MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
-  std::printf("device: %s, %d SMs, %.1f GB of %.1f GB free; one GPU as rank 0 of EP%d (7 token-only peers, "
-              "`local` transport)\n",
-              dev.name.c_str(), dev.num_sms, free0 / kGB, total / kGB, kRanks);
+  std::printf("device: %s, %d SMs, %.1f GB of %.1f GB free; one GPU as rank 0 of EP%d (%s)\n", dev.name.c_str(),
+              dev.num_sms, free0 / kGB, total / kGB, ranks,
+              ranks > 1 ? fmtr("{} token-only peers, `local` transport", ranks - 1).c_str() : "no peers");
   const double copy_bw = measure_copy_bandwidth();
   std::printf("copy bandwidth (read + write, 2 GB device copy): %.2f TB/s; FP8 rate for the floor: %.0f TFLOP/s "
               "(docs/results.md §Reference rates of the H200, not measured in this run)\n",
@@ -921,25 +981,20 @@ int main(int argc, char** argv) try {
   for (const std::string& name : opt.models) {
     const ModelSpec model = load_model_spec(name);
     const Shape s(model);
-    MOEKIT_CHECK(model.is_moe() && s.num_experts % kRanks == 0,
-                 fmtr("model '{}': {} routed experts, expected a multiple of {}", model.name, s.num_experts,
-                             kRanks));
-    MOEKIT_CHECK(opt.layers <= model.num_moe_layers,
-                 fmtr("--layers {}: model '{}' has {} MoE layers", opt.layers, model.name, model.num_moe_layers));
+    const int redundant = checked_redundant(model, opt);
     const int layers = opt.layers > 0 ? opt.layers : model.num_moe_layers;
-    const int redundant = opt.redundant >= 0 ? opt.redundant : s.num_experts / kRanks;
-    MOEKIT_CHECK(redundant % kRanks == 0,
-                 fmtr("--redundant {}: expected a multiple of {} (slots per rank stay equal)", redundant, kRanks));
     const Routing skew = opt.skew.empty() ? parse_routing(fmtr("hot:{}:4", std::max(1, s.num_experts / 32)))
                                           : parse_routing(opt.skew);
+    const std::string padded =
+        s.mxfp4 ? fmtr(" (MXFP4: padded from {} and {})", model.hidden_size, model.moe_intermediate_size) : "";
     std::printf("\nmodel %s: %d MoE layers (%d measured), %d experts top-%d, %d local on rank 0, hidden %d, "
-                "inter %d, shared inter %d\n",
-                model.name.c_str(), model.num_moe_layers, layers, s.num_experts, s.topk, s.num_experts / kRanks, s.d,
-                s.inter, s.shared_inter);
+                "inter %d, shared inter %d%s\n",
+                model.name.c_str(), model.num_moe_layers, layers, s.num_experts, s.topk, s.num_experts / ranks, s.d,
+                s.inter, s.shared_inter, padded.c_str());
     auto t0 = Clock::now();
     const MoeLayerWeights weights = random_layer(model);
-    std::printf("  random FP8 weights of one layer (all %d experts, %.1f GB) on the host in %.1f s\n", s.num_experts,
-                (s.num_experts * s.expert_bytes() + s.shared_bytes()) / kGB, seconds_since(t0));
+    std::printf("  random %s weights of one layer (all %d experts, %.1f GB) on the host in %.1f s\n", s.format_name(),
+                s.num_experts, (s.num_experts * s.expert_bytes() + s.shared_bytes()) / kGB, seconds_since(t0));
 
     struct Phase {
       Placement placement;
@@ -947,16 +1002,18 @@ int main(int argc, char** argv) try {
       std::vector<Case> cases;
     };
     std::vector<Phase> phases;
-    phases.push_back({identity_placement(s.num_experts, kRanks), false, {{"uniform", Routing{}, kUniformSeed}}});
+    phases.push_back({identity_placement(s.num_experts, ranks), false, {{"uniform", Routing{}, kUniformSeed}}});
     if (!opt.uniform_only) {
       const Case skewed{to_string(skew), skew, kSkewSeed};
       phases[0].cases.push_back(skewed);
-      Placement balanced = balanced_placement(skew_counts(s, skew), redundant, kRanks);
-      std::printf("  EPLB placement from %d sampled steps of %s: %d slots (%d per rank), up to %d replicas of an "
-                  "expert\n",
-                  kStatsSteps, skewed.routing_name.c_str(), balanced.num_slots, balanced.slots_per_gpu(),
-                  balanced.max_replicas);
-      phases.push_back({std::move(balanced), true, {skewed}});
+      if (ranks > 1) {  // with one rank holding every expert there is nothing to balance
+        Placement balanced = balanced_placement(skew_counts(s, skew, ranks), redundant, ranks);
+        std::printf("  EPLB placement from %d sampled steps of %s: %d slots (%d per rank), up to %d replicas of an "
+                    "expert\n",
+                    kStatsSteps, skewed.routing_name.c_str(), balanced.num_slots, balanced.slots_per_gpu(),
+                    balanced.max_replicas);
+        phases.push_back({std::move(balanced), true, {skewed}});
+      }
     }
     for (const Phase& ph : phases) {
       std::printf("  placement %s (%d slots, %d per rank):\n", ph.eplb ? "EPLB" : "identity", ph.placement.num_slots,
@@ -973,7 +1030,7 @@ int main(int argc, char** argv) try {
     }
     if (!opt.json_path.empty()) write_json(opt.json_path, dev, copy_bw, opt, results);
   }
-  print_tables(results);
+  print_tables(results, ranks);
   if (!opt.json_path.empty()) std::printf("wrote %s\n", opt.json_path.c_str());
   std::printf("total %.1f s\n", seconds_since(t_start));
   MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
