@@ -57,9 +57,10 @@
 // (0 + 1)*0*sigmoid(0) both): results are unchanged. A scale byte above kMxfp4MaxScale (252, and
 // 255 which is NaN) or a non-finite bias is an Error naming the tensor, expert, row and block.
 //
-// Random MXFP4 checkpoints: values drawn as for FP8 (N(0, 1/fan_in) by row, a stream per tensor
-// name), quantised per 32 by mxfp4.h's OCP rule; biases N(0, 0.1^2) and the router N(0, 1/hidden),
-// bias N(0, 0.05^2), all stored as BF16 as gpt-oss ships them. A tensor holds every expert, so
+// Random MXFP4 checkpoints: values drawn as for FP8 (N(0, 1/fan_in) by row), one stream per tensor
+// name and expert ("<name>#<e>", so a layer's experts are drawn in parallel), quantised per 32 by
+// mxfp4.h's OCP rule; biases N(0, 0.1^2) and the router N(0, 1/hidden), bias N(0, 0.05^2), all
+// stored as BF16 as gpt-oss ships them. A tensor holds every expert, so
 // the generator writes all experts of a layer (a subset of experts is an Error).
 #pragma once
 

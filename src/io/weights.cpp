@@ -334,15 +334,35 @@ std::vector<std::vector<uint8_t>> draw_item(const GenItem& item, uint64_t seed) 
   }
   if (t.dtype == Dtype::kU8) {
     // An MXFP4 matrix [E, rows, cols/32, 16] and its scales: drawn row by row, each row quantised
-    // per 32 (mxfp4.h), straight into the file's bytes.
-    const int64_t cols = t.shape[2] * kMxfp4Group, num_rows = t.shape[0] * t.shape[1];
+    // per 32 (mxfp4.h), straight into the file's bytes. One tensor holds every expert of a layer
+    // (gpt-oss-120b: 1.1 GB), so its experts are drawn on several threads, each expert from its
+    // own stream ("<name>#<expert>"): the bytes do not depend on the thread count.
+    const int64_t cols = t.shape[2] * kMxfp4Group, num_experts = t.shape[0], rows = t.shape[1];
     out[0].resize(t.num_bytes());
     out[1].resize(item.tensors[1].num_bytes());
-    std::vector<float> row(static_cast<size_t>(cols));
-    for (int64_t r = 0; r < num_rows; ++r) {
-      for (auto& v : row) v = rng.next(item.stddev);
-      quantize_row_mxfp4(row.data(), int(cols), &out[0][size_t(r * cols / 2)], &out[1][size_t(r * t.shape[2])]);
+    const int64_t num_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, num_experts);
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(num_threads));
+    {
+      std::vector<std::jthread> threads;
+      for (int64_t w = 0; w < num_threads; ++w)
+        threads.emplace_back([&, w] {
+          try {
+            std::vector<float> row(static_cast<size_t>(cols));
+            for (int64_t e = w; e < num_experts; e += num_threads) {
+              NormalStream expert_rng(seed, fmt::format("{}#{}", t.name, e));
+              for (int64_t r = e * rows; r < (e + 1) * rows; ++r) {
+                for (auto& v : row) v = expert_rng.next(item.stddev);
+                quantize_row_mxfp4(row.data(), int(cols), &out[0][size_t(r * cols / 2)],
+                                   &out[1][size_t(r * t.shape[2])]);
+              }
+            }
+          } catch (...) {
+            errors[size_t(w)] = std::current_exception();
+          }
+        });
     }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
     return out;
   }
   // An fp8 matrix: draw row-major, quantise in 128x128 blocks over the matrix zero-padded to

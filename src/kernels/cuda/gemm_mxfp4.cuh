@@ -89,6 +89,8 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kMathWGs = 2, kBlockW = 128, kMathThreads = 256;
   // Stage pipelining needs a second partial in registers: up to 64 tokens per tile.
   constexpr bool kPipelined = kBlockT <= 64;
+  // Stages issued in pairs (two pairs in flight: four partials in registers): up to 32 tokens.
+  constexpr bool kPaired = kBlockT <= 32;
   using Mma = ptx::WgmmaRS<kBlockT>;
   constexpr int kRegs = Mma::kRegs;
   using Layout = Mxfp4SmemLayout<kBlockT>;
@@ -159,25 +161,58 @@ __global__ void __launch_bounds__(384, 1)
   // integer pipe the widening keeps busy (recomputed per tile from loaded values: 8% slower, run 6).
   int s = 0;
   uint32_t phase = 0;
-  // One stage: wait for it, widen its weights into A fragments, issue its four wgmmas into
-  // `part` (not waited for).
-  auto issue = [&](float* part) {
+  // The A fragments of the stage at the ring position s, once it is full (widen_stage).
+  auto widen = [&](uint32_t (&a)[4][4]) {
     ptx::mbar_wait(&full[s], phase);
     const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
     const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile);
     const uint4 codes_r = *reinterpret_cast<const uint4*>(w_stage + frag_row * (kBlockK / 2) + (lane % 4) * 16);
     const uint4 codes_r8 = *reinterpret_cast<const uint4*>(w_stage + (frag_row + 8) * (kBlockK / 2) + (lane % 4) * 16);
-    uint32_t a[4][4];
     widen_stage(codes_r, codes_r8, ws_stage[frag_row], ws_stage[frag_row + 8], a);
-    const uint64_t desc_n = ptx::make_smem_desc_sw128(a_tiles + s * Layout::kATile);
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-    ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
+  };
+  auto mma_stage = [&](float* part, const uint32_t (&a)[4][4], int stage) {
+    const uint64_t desc_n = ptx::make_smem_desc_sw128(a_tiles + stage * Layout::kATile);
 #pragma unroll
     for (int g = 0; g < kBlockK / 32; ++g) Mma::mma(part, a[g], desc_n + 2 * g, g > 0);
-    ptx::wgmma_commit();
+  };
+  auto fence_part = [&](float* part) {
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+  };
+  auto advance = [&] {
+    if (++s == stages) s = 0, phase ^= 1;
+  };
+  // One stage: wait for it, widen its weights into A fragments, issue its four wgmmas into
+  // `part` (not waited for); the ring moves on.
+  auto issue = [&](float* part) {
+    uint32_t a[4][4];
+    widen(a);
+    fence_part(part);
+    ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
+    mma_stage(part, a, s);
+    ptx::wgmma_commit();
+    fence_part(part);
+    advance();
+  };
+  // Two stages as one round (stage ids to sa, sb): both widened, then their eight wgmmas behind
+  // one fence and one commit, so the warpgroup meets once per two stages, and the widening of
+  // the two has twice the independent work to interleave.
+  auto issue_pair = [&](float* pa, float* pb, int& sa, int& sb) {
+    uint32_t a0[4][4], a1[4][4];
+    sa = s;
+    widen(a0);
+    advance();
+    sb = s;
+    widen(a1);
+    advance();
+    fence_part(pa);
+    fence_part(pb);
+    ptx::wgmma_fence();
+    mma_stage(pa, a0, sa);
+    mma_stage(pb, a1, sb);
+    ptx::wgmma_commit();
+    fence_part(pa);
+    fence_part(pb);
   };
   // Promotion of stage st's partial (its wgmmas complete): the scales are read before the stage
   // is handed back to the producer.
@@ -198,9 +233,6 @@ __global__ void __launch_bounds__(384, 1)
       acc[i] = fmaf(part[i], a_scale * rf[(i / 2) % 2], acc[i]);
     }
   };
-  auto advance = [&] {
-    if (++s == stages) s = 0, phase ^= 1;
-  };
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
@@ -208,24 +240,71 @@ __global__ void __launch_bounds__(384, 1)
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
-    if constexpr (kPipelined) {
+    const int num_kb = t.kb_end - t.kb_begin;
+    if (kPaired && stages >= 4 && num_kb >= 2) {
+      // Pairs of stages, two pairs in flight: pair j's wgmmas run while pair j - 1 is promoted
+      // and pair j + 1 widened (four stages held, so the ring needs at least four).
+      float p0[kRegs], p1[kRegs], p2[kRegs], p3[kRegs];
+      int s0, s1, s2, s3;
+      issue_pair(p0, p1, s0, s1);
+      int left = num_kb - 2;
+      for (; left >= 4; left -= 4) {
+        issue_pair(p2, p3, s2, s3);
+        ptx::wgmma_wait<1>();
+        promote(s0, p0, acc);
+        promote(s1, p1, acc);
+        issue_pair(p0, p1, s0, s1);
+        ptx::wgmma_wait<1>();
+        promote(s2, p2, acc);
+        promote(s3, p3, acc);
+      }
+      // p0, p1 in flight; 0..3 stages left.
+      if (left >= 2) {
+        issue_pair(p2, p3, s2, s3);
+        ptx::wgmma_wait<1>();
+        promote(s0, p0, acc);
+        promote(s1, p1, acc);
+        if (left == 3) {
+          s0 = s;
+          issue(p0);
+          ptx::wgmma_wait<1>();
+          promote(s2, p2, acc);
+          promote(s3, p3, acc);
+          ptx::wgmma_wait<0>();
+          promote(s0, p0, acc);
+        } else {
+          ptx::wgmma_wait<0>();
+          promote(s2, p2, acc);
+          promote(s3, p3, acc);
+        }
+      } else if (left == 1) {
+        s2 = s;
+        issue(p2);
+        ptx::wgmma_wait<1>();
+        promote(s0, p0, acc);
+        promote(s1, p1, acc);
+        ptx::wgmma_wait<0>();
+        promote(s2, p2, acc);
+      } else {
+        ptx::wgmma_wait<0>();
+        promote(s0, p0, acc);
+        promote(s1, p1, acc);
+      }
+    } else if constexpr (kPipelined) {
       // Two partials in flight: stage kb's wgmmas run while stage kb - 1 is promoted and stage
       // kb + 1 is widened.
       float part[2][kRegs];
       int prev = s;
       issue(part[0]);
-      advance();
       int kb = t.kb_begin + 1;
       for (; kb + 1 < t.kb_end; kb += 2) {
         int cur = s;
         issue(part[1]);
-        advance();
         ptx::wgmma_wait<1>();
         promote(prev, part[0], acc);
         prev = cur;
         cur = s;
         issue(part[0]);
-        advance();
         ptx::wgmma_wait<1>();
         promote(prev, part[1], acc);
         prev = cur;
@@ -233,7 +312,6 @@ __global__ void __launch_bounds__(384, 1)
       if (kb < t.kb_end) {  // an even number of stages: one more into part[1]
         const int cur = s;
         issue(part[1]);
-        advance();
         ptx::wgmma_wait<1>();
         promote(prev, part[0], acc);
         ptx::wgmma_wait<0>();
@@ -247,7 +325,6 @@ __global__ void __launch_bounds__(384, 1)
       for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
         const int cur = s;
         issue(part);
-        advance();
         ptx::wgmma_wait<0>();
         promote(cur, part, acc);
       }
