@@ -59,6 +59,25 @@ mkdir -p "$tmp/cpu-build"
 expect_stop "scripts/test-gpu on a build without CUDA" "holds no CUDA build" "$tmp/smi-h200" bash scripts/test-gpu "$tmp/cpu-build"
 expect_stop "scripts/bench on a build without CUDA" "holds no CUDA build" "$tmp/smi-h200" bash scripts/bench "$tmp/cpu-build" "$tmp/bench-out"
 
+# On a Hopper host with a CUDA build, scripts/bench runs every benchmark in order, bench_rank twice
+# (the second run, bench_rank_gpt_oss, with gpt-oss-120b on one rank), each with its JSON path.
+# The build folder holds stubs that log their arguments.
+mkdir -p "$tmp/fake-build"
+touch "$tmp/fake-build/libmoekit_cuda.a"
+for b in bench_gemm bench_gemm_mxfp4 bench_ep bench_ep_multi bench_layer bench_layer_multi bench_rank; do
+  printf '#!/bin/sh\necho "%s $*" >> "%s"\n' "$b" "$tmp/bench-calls" > "$tmp/fake-build/$b"
+  chmod +x "$tmp/fake-build/$b"
+done
+rm -f "$tmp/bench-calls"
+if (cd "$src" && NVIDIA_SMI="$tmp/smi-h200" bash scripts/bench "$tmp/fake-build" "$tmp/bench-out") > "$tmp/bench-stdout" 2>&1 &&
+  grep -qx "bench_rank --json $tmp/bench-out/bench_rank.json" "$tmp/bench-calls" &&
+  grep -qx "bench_rank --model gpt-oss-120b --ranks 1 --batch 1,8,64,256,1024 --uniform --pipeline staged --json $tmp/bench-out/bench_rank_gpt_oss.json" "$tmp/bench-calls" &&
+  [ "$(wc -l < "$tmp/bench-calls")" -eq 8 ] && grep -q '"benchmark": "bench_rank_gpt_oss", "exit": 0' "$tmp/bench-out/summary.json"; then
+  pass "scripts/bench runs every benchmark, bench_rank a second time for gpt-oss-120b"
+else
+  fail "scripts/bench's runs"; cat "$tmp/bench-calls" "$tmp/bench-stdout"
+fi
+
 # Every folder the scripts create is ignored by git (in a git checkout).
 if git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then
   for d in build build-gpu build-gpu-pymod build-pip demo-out bench-out .gpubin .gpupy .whl .anchors; do
