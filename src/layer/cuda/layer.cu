@@ -13,6 +13,7 @@
 #include "moekit/cuda_check.h"
 #include "moekit/eplb.h"
 #include "moekit/gemm.h"
+#include "moekit/layer_cpu.h"
 #include "moekit/layout.h"
 #include "moekit/mxfp4.h"
 #include "moekit/rebalance.h"
@@ -103,10 +104,10 @@ void gather(const ExpertWeights& all, const int32_t* phy2log, int first_slot, in
   }
 }
 
-GpuActivation activation_of(const ActivationSpec& a) {
-  if (a.kind == "silu") return {};
-  MOEKIT_CHECK(a.kind == "clamped_swiglu", fmtr("activation kind '{}', expected silu or clamped_swiglu", a.kind));
-  return {true, float(a.alpha), float(a.limit)};
+// The activation's constants as the CPU layer takes them (layer_cpu.h activation_of), for the kernels.
+GpuActivation gpu_activation(const ActivationSpec& spec) {
+  const ref::Activation a = activation_of(spec);
+  return {a.kind == ref::Activation::Kind::kClampedSwiglu, a.alpha, a.limit};
 }
 
 }  // namespace
@@ -148,7 +149,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
                fmtr("model '{}': expert_format '{}', expected fp8 or mxfp4", model.name, model.expert_format));
   MOEKIT_CHECK(weights.is_mxfp4() == s.mxfp4, fmtr("layer weights are {}, model '{}' has expert_format {}",
                                                    weights.is_mxfp4() ? "MXFP4" : "FP8", model.name, model.expert_format));
-  s.activation = activation_of(model.activation);
+  s.activation = gpu_activation(model.activation);
   MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
                fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
                     weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
