@@ -2,7 +2,6 @@
 #include "moekit/layer.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "ep/cuda/ep_format.h"
 #include "kernels/cuda/activation.cuh"
@@ -15,7 +14,6 @@
 #include "moekit/gemm.h"
 #include "moekit/layer_cpu.h"
 #include "moekit/layout.h"
-#include "moekit/mxfp4.h"
 #include "moekit/rebalance.h"
 #include "moekit/weights.h"
 
@@ -90,20 +88,6 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
 
 namespace {
 
-// The rank's local experts' operand: slot rank * E_loc + i holds logical expert phy2log[slot].
-void gather(const ExpertWeights& all, const int32_t* phy2log, int first_slot, int e_loc, std::vector<uint8_t>& w,
-            std::vector<float>& scales) {
-  const WeightLayout& l = all.layout;
-  const size_t w_per = size_t(l.n) * l.k, s_per = size_t(l.n / kQuantBlock) * (l.k / kQuantBlock);
-  w.resize(w_per * e_loc);
-  scales.resize(s_per * e_loc);
-  for (int i = 0; i < e_loc; ++i) {
-    const int e = phy2log[first_slot + i];
-    std::memcpy(w.data() + i * w_per, all.w.data() + e * w_per, w_per);
-    std::memcpy(scales.data() + i * s_per, all.scales.data() + e * s_per, s_per * sizeof(float));
-  }
-}
-
 // The activation's constants as the CPU layer takes them (layer_cpu.h activation_of), for the kernels.
 GpuActivation gpu_activation(const ActivationSpec& spec) {
   const ref::Activation a = activation_of(spec);
@@ -111,27 +95,6 @@ GpuActivation gpu_activation(const ActivationSpec& spec) {
 }
 
 }  // namespace
-
-// The MXFP4 operand of the same slots in the GEMM's encodings (mxfp4.h): codes in fragment order,
-// one scale word per (expert, 128-deep block, row), and the biases (empty without expert biases).
-void gather_mxfp4(const Mxfp4ExpertWeights& all, const int32_t* phy2log, int first_slot, int e_loc,
-                  std::vector<uint8_t>& codes, std::vector<uint32_t>& words, std::vector<float>& bias) {
-  const Mxfp4WeightLayout& l = all.layout;
-  const Mxfp4WeightLayout local{e_loc, l.n, l.k};
-  const size_t c_per = size_t(l.n) * l.row_bytes(), s_per = size_t(l.n) * l.row_scales();
-  std::vector<uint8_t> raw_codes(c_per * e_loc), raw_scales(s_per * e_loc);
-  bias.clear();
-  for (int i = 0; i < e_loc; ++i) {
-    const int e = phy2log[first_slot + i];
-    std::memcpy(raw_codes.data() + i * c_per, all.w.data() + e * c_per, c_per);
-    std::memcpy(raw_scales.data() + i * s_per, all.scales.data() + e * s_per, s_per);
-    if (!all.bias.empty()) bias.insert(bias.end(), all.bias.begin() + ptrdiff_t(e) * l.n, all.bias.begin() + ptrdiff_t(e + 1) * l.n);
-  }
-  codes.resize(raw_codes.size());
-  mxfp4_codes_for_gemm(local, raw_codes.data(), codes.data());
-  words.resize(raw_scales.size() / 4);
-  mxfp4_scales_for_gemm(local, raw_scales.data(), words.data());
-}
 
 GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
                          int placement_layer, EpBuffer& ep, const GpuLayerConfig& config,
@@ -208,57 +171,10 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.shared_slot = weights.has_shared_experts() && weights.shared_w1.layout.n / 2 == s.inter &&
                   weights.shared_w2.layout.k == s.inter;
   const Impl* owner = share_weights_with ? share_weights_with->impl_.get() : nullptr;
-  if (owner) {
-    MOEKIT_CHECK(owner->rank == s.rank && owner->e_loc == s.e_loc && owner->d == s.d && owner->inter == s.inter &&
-                     owner->num_experts == s.num_experts &&
-                     std::equal(owner->local_experts.begin(), owner->local_experts.end(), phy2log + s.rank * s.e_loc),
-                 fmtr("share_weights_with: a layer of rank {} holding other experts or shapes, expected rank {} of "
-                      "the same model and placement", owner->rank, s.rank));
-    s.owner = const_cast<Impl*>(owner);
-    ++s.owner->num_sharers;
-    s.w1 = owner->w1, s.w1s = owner->w1s, s.w2 = owner->w2, s.w2s = owner->w2s;
-    s.w1_mx = owner->w1_mx, s.w2_mx = owner->w2_mx, s.b1 = owner->b1, s.b2 = owner->b2;
-    s.router_w = owner->router_w, s.router_bias = owner->router_bias, s.router_logit_bias = owner->router_logit_bias;
-  } else if (s.mxfp4) {
-    std::vector<uint8_t> codes;
-    std::vector<uint32_t> words;
-    std::vector<float> bias;
-    gather_mxfp4(weights.w1_mxfp4, phy2log, s.rank * s.e_loc, s.e_loc, codes, words, bias);
-    s.w1 = s.upload(codes);
-    s.w1_mx = s.upload(words);
-    if (!bias.empty()) s.b1 = s.upload(bias);
-    gather_mxfp4(weights.w2_mxfp4, phy2log, s.rank * s.e_loc, s.e_loc, codes, words, bias);
-    s.w2 = s.upload(codes);
-    s.w2_mx = s.upload(words);
-    if (!bias.empty()) s.b2 = s.upload(bias);
-    // The router reads the padded x: its weight gets zero columns there (exact: adds zeros).
-    std::vector<float> router(size_t(s.num_experts) * s.d, 0.0f);
-    for (int e = 0; e < s.num_experts; ++e)
-      std::copy_n(weights.router_weight.begin() + ptrdiff_t(size_t(e) * s.model_d), s.model_d,
-                  router.begin() + ptrdiff_t(size_t(e) * s.d));
-    s.router_w = s.upload(router);
-    if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
-    if (!weights.router_logit_bias.empty()) s.router_logit_bias = s.upload(weights.router_logit_bias);
-  } else {
-    std::vector<uint8_t> w;
-    std::vector<float> sc;
-    // W1 and W2 of the local slots, and the shared expert appended as slot E_loc where it fits.
-    auto append = [&](const ExpertWeights& shared) {
-      if (!s.shared_slot) return;
-      w.insert(w.end(), shared.w.begin(), shared.w.end());
-      sc.insert(sc.end(), shared.scales.begin(), shared.scales.end());
-    };
-    gather(weights.w1, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
-    append(weights.shared_w1);
-    s.w1 = s.upload(w);
-    s.w1s = s.upload(sc);
-    gather(weights.w2, phy2log, s.rank * s.e_loc, s.e_loc, w, sc);
-    append(weights.shared_w2);
-    s.w2 = s.upload(w);
-    s.w2s = s.upload(sc);
-    s.router_w = s.upload(weights.router_weight);
-    if (!weights.router_bias.empty()) s.router_bias = s.upload(weights.router_bias);
-  }
+  if (owner)
+    s.share_weights(*owner, phy2log);
+  else
+    s.upload_weights(weights, phy2log);
   // The replica table at a fixed stride (the most replicas any placement of these slots can
   // give an expert), so that set_placement() never changes what a captured graph points at.
   s.replicas.max_replicas = s.ec.num_slots - s.num_experts + 1;

@@ -114,6 +114,10 @@ struct GpuMoeLayer::Impl {
   void mark(Stage s, cudaStream_t stream) {
     if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
   }
+  // The rank's weights (layer_weights.cu): those of `other` (share_weights_with: same rank, model
+  // and placement, checked), or gathered from all experts and uploaded.
+  void share_weights(const Impl& other, const int32_t* phy2log);
+  void upload_weights(const MoeLayerWeights& weights, const int32_t* phy2log);
   void run_shared(const uint16_t* x, cudaStream_t stream);
   // The launch options of a stage's kernels: PDL in the fused pipeline, the stage's stamp pair.
   LaunchOptions launch(GpuStage stage) const {
