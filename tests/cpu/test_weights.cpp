@@ -878,6 +878,26 @@ TEST(RandomWeights, GptOssValuesHaveTheIntendedScale) {
   }
 }
 
+// The experts of an MXFP4 tensor are drawn on several threads, each from its own stream: two
+// writes give the same bytes (no race), and no two experts share a stream.
+TEST(RandomWeights, GptOssExpertsDrawnInParallelAreDeterministicAndDistinct) {
+  const fs::path dir = test_dir();
+  const ModelSpec spec = oss_spec();
+  write_random_weights(spec, {.num_layers = 1, .seed = 5}, (dir / "a").string());
+  write_random_weights(spec, {.num_layers = 1, .seed = 5}, (dir / "b").string());
+  for (const auto& entry : fs::directory_iterator(dir / "a"))
+    EXPECT_EQ(read_file(entry.path()), read_file(dir / "b" / entry.path().filename())) << entry.path();
+  const Checkpoint ckpt = Checkpoint::open((dir / "a").string());
+  for (const char* proj : {"gate_up_proj", "down_proj"}) {
+    const std::string blocks = gpt_oss_expert_tensor_name(0, proj, "blocks");
+    const TensorInfo& info = ckpt.info(blocks);
+    auto b = ckpt.bytes(blocks, Dtype::kU8, info.shape);
+    const size_t per_expert = b.size() / size_t(info.shape[0]);
+    for (int64_t e = 1; e < info.shape[0]; ++e)
+      EXPECT_NE(std::memcmp(b.data(), b.data() + size_t(e) * per_expert, per_expert), 0) << proj << " expert " << e;
+  }
+}
+
 TEST(LoadMoeLayer, BadGptOssCheckpointsAreClearErrors) {
   const fs::path dir = test_dir();
   const ModelSpec spec = oss_spec();
