@@ -143,9 +143,6 @@ Mxfp4ExpertWeights random_mxfp4_operand(int num_experts, int n_p, int k_p, int k
   return w;
 }
 
-// n rounded up to a multiple of 128: an MXFP4 model's hidden and inter as the layer pads them.
-inline int round_up_to_block(int64_t n) { return int((n + kQuantBlock - 1) / kQuantBlock * kQuantBlock); }
-
 // One MoE layer of an MXFP4 model (expert_format "mxfp4", gpt-oss) as load_moe_layer makes it for
 // all E experts: hidden and inter padded to multiples of 128, gate rows [0, inter) and up rows
 // [inter_p, inter_p + inter) of W1 real, the router on the unpadded hidden.
@@ -157,7 +154,8 @@ inline MoeLayerWeights random_layer_mxfp4(const ModelSpec& m) {
   MOEKIT_CHECK(m.num_shared_experts == 0,
                "model '" + m.name + "': MXFP4 layers hold no shared expert, the model has " +
                    std::to_string(m.num_shared_experts));
-  const int d_p = round_up_to_block(d), inter_p = round_up_to_block(inter);
+  const ExpertWeightSizes padded = loaded_expert_sizes(m);
+  const int d_p = int(padded.hidden), inter_p = int(padded.intermediate);
   MoeLayerWeights w;
   w.num_experts = E;
   w.hidden_size = d;

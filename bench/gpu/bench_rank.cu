@@ -168,8 +168,8 @@ struct Shape {
   explicit Shape(const ModelSpec& m)
       : mxfp4(m.expert_format == "mxfp4"),
         expert_bias(m.expert_bias),
-        d(mxfp4 ? round_up_to_block(m.hidden_size) : int(m.hidden_size)),
-        inter(mxfp4 ? round_up_to_block(m.moe_intermediate_size) : int(m.moe_intermediate_size)),
+        d(int(loaded_expert_sizes(m).hidden)),
+        inter(int(loaded_expert_sizes(m).intermediate)),
         shared_inter(int(m.num_shared_experts * m.shared_intermediate_size)),
         num_experts(m.num_routed_experts),
         topk(m.num_experts_per_token) {}

@@ -33,7 +33,7 @@
 // models have no shared expert, and their weights come padded to multiples of 128 (hidden 2880 ->
 // 2944): x and out stay [T, hidden] for the caller, the layer copies them into and out of padded
 // rows (zero columns, so results are unchanged) and its EP buffer has the padded hidden
-// (layer_hidden_size). The fused pipeline runs them without the SiLU·up epilogue (PDL chain only);
+// (weights.h loaded_expert_sizes). The fused pipeline runs them without the SiLU·up epilogue (PDL chain only);
 // set_placement works, staged moves (staging_slots) and peer slot mapping are refused.
 //
 // Static and captured: every buffer is allocated at set-up for T_max tokens per rank (decode:
@@ -123,10 +123,6 @@ struct GpuExpertSlots {
   const float* w2_scales = nullptr;
   bool valid() const { return w1 && w1_scales && w2 && w2_scales; }
 };
-
-// The hidden size of a layer's EP buffer and GEMMs: the model's, rounded up to a multiple of 128
-// for MXFP4 models (their loader pads the weights so, weights.h).
-int64_t layer_hidden_size(const ModelSpec& model);
 
 // The EP configuration a layer of `model` needs for P ranks holding num_slots physical experts.
 // Decode: T_max is rounded up so that M_max = P T_max is a multiple of 4 (the GEMM's TMA rows of

@@ -134,6 +134,15 @@ struct MoeLayerWeights {
   bool has_shared_experts() const { return shared_w1.layout.num_experts > 0; }
 };
 
+// The hidden and intermediate sizes of a layer's expert weights as load_moe_layer leaves them
+// (MoeLayerWeights::padded_hidden, padded_intermediate): the spec's for FP8, rounded up to
+// multiples of 128 for MXFP4 (see above). The GPU layer and the benchmarks size their buffers by it.
+struct ExpertWeightSizes {
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+};
+ExpertWeightSizes loaded_expert_sizes(const ModelSpec& spec);
+
 // Loads layer `layer` of `ckpt` for the experts [first_expert, first_expert + num_local_experts),
 // in the layout of spec.expert_format. Every tensor is checked against the spec's shapes and
 // dtypes; a missing tensor, or one of the wrong dtype or shape, is an Error naming the tensor and

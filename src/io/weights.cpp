@@ -68,7 +68,6 @@ LayerDims layer_dims(const ModelSpec& spec) {
   return d;
 }
 
-int64_t round_up_to_block(int64_t n) { return ceil_blocks(n) * kQuantBlock; }
 
 // (rows, cols) of a projection of an MLP with intermediate size `inter`.
 std::pair<int64_t, int64_t> proj_shape(std::string_view proj, int64_t hidden, int64_t inter) {
@@ -192,9 +191,7 @@ void load_mxfp4_matrix(const Checkpoint& ckpt, int layer, std::string_view proj,
 
 void load_moe_layer_mxfp4(const Checkpoint& ckpt, const LayerDims& d, int layer, int first_expert,
                           int num_local_experts, MoeLayerWeights& out) {
-  const int64_t hidden_p = round_up_to_block(d.hidden), inter_p = round_up_to_block(d.inter);
-  out.padded_hidden = hidden_p;
-  out.padded_intermediate = inter_p;
+  const int64_t hidden_p = out.padded_hidden, inter_p = out.padded_intermediate;
   out.w1_mxfp4 = make_mxfp4_weights(num_local_experts, 2 * inter_p, hidden_p, d.expert_bias);
   out.w2_mxfp4 = make_mxfp4_weights(num_local_experts, hidden_p, inter_p, d.expert_bias);
   // gate_up's even rows are gate rows, its odd rows up rows (weights.h).
@@ -405,6 +402,11 @@ std::string router_bias_name(int layer) { return fmt::format("model.layers.{}.ml
 std::string scale_inv_name(std::string_view weight_name) { return fmt::format("{}_scale_inv", weight_name); }
 std::vector<int64_t> block_scale_shape(int64_t rows, int64_t cols) { return {ceil_blocks(rows), ceil_blocks(cols)}; }
 
+ExpertWeightSizes loaded_expert_sizes(const ModelSpec& spec) {
+  if (spec.expert_format != "mxfp4") return {spec.hidden_size, spec.moe_intermediate_size};
+  return {ceil_blocks(spec.hidden_size) * kQuantBlock, ceil_blocks(spec.moe_intermediate_size) * kQuantBlock};
+}
+
 MoeLayerWeights load_moe_layer(const Checkpoint& ckpt, const ModelSpec& spec, int layer, int first_expert,
                                int num_local_experts) {
   const LayerDims d = layer_dims(spec);
@@ -418,12 +420,13 @@ MoeLayerWeights load_moe_layer(const Checkpoint& ckpt, const ModelSpec& spec, in
   out.num_experts = d.num_experts;
   out.hidden_size = d.hidden;
   out.intermediate_size = d.inter;
+  const ExpertWeightSizes padded = loaded_expert_sizes(spec);
+  out.padded_hidden = padded.hidden;
+  out.padded_intermediate = padded.intermediate;
   if (d.mxfp4) {
     load_moe_layer_mxfp4(ckpt, d, layer, first_expert, num_local_experts, out);
     return out;
   }
-  out.padded_hidden = d.hidden;
-  out.padded_intermediate = d.inter;
   for (auto [what, v] : {std::pair{"hidden_size", d.hidden}, {"moe_intermediate_size", d.inter},
                          {"shared intermediate size", d.shared_inter}})
     MOEKIT_CHECK(v % kQuantBlock == 0,

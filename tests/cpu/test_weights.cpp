@@ -803,6 +803,11 @@ TEST(RandomWeights, GptOssWriteThenLoadValueByValue) {
   EXPECT_EQ(w.num_local_experts(), 2);
   EXPECT_EQ(w.padded_hidden, hidden_p);
   EXPECT_EQ(w.padded_intermediate, inter_p);
+  // The sizes the GPU layer and the benchmarks take from the spec alone are the loaded ones.
+  EXPECT_EQ(loaded_expert_sizes(spec).hidden, hidden_p);
+  EXPECT_EQ(loaded_expert_sizes(spec).intermediate, inter_p);
+  EXPECT_EQ(loaded_expert_sizes(small_spec()).hidden, small_spec().hidden_size);
+  EXPECT_EQ(loaded_expert_sizes(small_spec()).intermediate, small_spec().moe_intermediate_size);
   EXPECT_TRUE(w.w1.w.empty() && !w.has_shared_experts());
   const Mxfp4ExpertWeights &w1 = w.w1_mxfp4, &w2 = w.w2_mxfp4;
   ASSERT_EQ(w1.layout.n, 2 * inter_p);

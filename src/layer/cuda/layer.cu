@@ -60,11 +60,6 @@ bool shared_expert_in_slab(const ModelSpec& model) {
   return shared_inter > 0 && shared_inter == model.moe_intermediate_size;
 }
 
-int64_t layer_hidden_size(const ModelSpec& model) {
-  return model.expert_format == "mxfp4" ? (model.hidden_size + kQuantBlock - 1) / kQuantBlock * kQuantBlock
-                                        : model.hidden_size;
-}
-
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
                          GpuPipeline pipeline) {
   MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
@@ -74,7 +69,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.max_tokens = max_tokens;
   // M_max = P T_max must be a multiple of 4 for the masked GEMM's TMA rows of scales.
   while (mode == EpMode::kLowLatency && (int64_t(num_ranks) * c.max_tokens) % 4 != 0) ++c.max_tokens;
-  c.hidden = int(layer_hidden_size(model));
+  c.hidden = int(loaded_expert_sizes(model).hidden);  // MXFP4: padded to the weights' K
   c.topk = model.num_experts_per_token;
   c.num_slots = num_slots;
   c.mode = mode;
@@ -121,7 +116,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   s.d = s.mxfp4 ? int(weights.padded_hidden) : s.model_d;
   s.inter = s.mxfp4 ? int(weights.padded_intermediate) : int(model.moe_intermediate_size);
   MOEKIT_CHECK(s.d % kQuantBlock == 0 && s.inter % kQuantBlock == 0 && s.d >= s.model_d &&
-                   s.d == layer_hidden_size(model) && s.inter >= model.moe_intermediate_size,
+                   s.d == loaded_expert_sizes(model).hidden && s.inter >= model.moe_intermediate_size,
                fmtr("model '{}': hidden {} and intermediate {} ({} and {} with the weights' padding), expected "
                     "multiples of {} (MXFP4: the loader's padding of the model's sizes)", model.name,
                     model.hidden_size, model.moe_intermediate_size, s.d, s.inter, kQuantBlock));
