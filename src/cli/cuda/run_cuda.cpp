@@ -128,7 +128,7 @@ CudaRunResult run_layers_cuda(const CudaRunInput& in) {
       st.topk_weights = download(layer.topk_weights(), size_t(T) * k);
       st.topk_slot = download(layer.topk_slot(), size_t(T) * k);
       st.recv_count = download(group.rank(r).recv_count(), size_t(e_loc));
-      st.ep = ep_stats(st.topk_slot, T, k, r, e_loc, ec.message_bytes(), d);
+      st.ep = ep_stats(st.topk_slot, T, k, r, e_loc, ec.message_bytes(), ec.hidden);  // the rows the EP moves (MXFP4: padded)
       for (int c : st.recv_count) st.ep.recv_rows += c;
       const gpu::GpuStageTimes t = layer.last_times();
       // The shared expert runs on a side stream under dispatch: it is hidden, not a stage.
