@@ -393,12 +393,7 @@ int main(int argc, char** argv) {
       out["problem3"].push_back(r);
     }
     }
-    if (!json_path.empty()) {
-      FILE* f = std::fopen(json_path.c_str(), "w");
-      MOEKIT_CHECK(f != nullptr, "cannot write " + json_path);
-      std::fputs(out.dump(1).c_str(), f);
-      std::fclose(f);
-    }
+    if (!json_path.empty()) write_text_file(json_path, out.dump(1));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gemm: error: %s\n", e.what());
     return 1;

@@ -212,12 +212,7 @@ int main(int argc, char** argv) {
                                        {"TFLOPs_fp8", tf8}, {"TFLOPs_mxfp4", tf4}, {"ratio", tf4 / tf8},
                                        {"config_fp8", c8}, {"config_mxfp4", c4}});
     }
-    if (!json_path.empty()) {
-      FILE* f = std::fopen(json_path.c_str(), "w");
-      MOEKIT_CHECK(f != nullptr, "cannot write " + json_path);
-      std::fputs(out.dump(1).c_str(), f);
-      std::fclose(f);
-    }
+    if (!json_path.empty()) write_text_file(json_path, out.dump(1));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gemm_mxfp4: error: %s\n", e.what());
     return 1;

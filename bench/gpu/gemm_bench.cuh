@@ -1,16 +1,27 @@
 // gemm_bench.cuh: what the GEMM benchmarks share: device allocation, random FP8 codes and
-// scales filled on the device, and the median of per-iteration CUDA-event times.
+// scales filled on the device, the median of per-iteration CUDA-event times, and the JSON file.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <vector>
 
+#include "moekit/check.h"
 #include "moekit/cuda_check.h"
 
 namespace moekit::gemm_bench {
+
+// Writes `text` (the benchmark's JSON) to `path`; an Error naming the path when it cannot.
+inline void write_text_file(const std::string& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  MOEKIT_CHECK(f != nullptr, "cannot write " + path);
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+}
 
 template <class T>
 T* device_alloc(size_t n) {
