@@ -10,7 +10,8 @@
 //             experts, hidden 4096, inter 1024), masked_m from uniform top-k routing of global
 //             batches 64..4096; floor = max(bytes of experts with tokens / copy bandwidth,
 //             FLOPs / FP8 rate).
-//   problem 3: contiguous prefill, 8 experts of the GEMM1 shape, 512/2048/8192 rows each: TFLOP/s.
+//   problem 3: contiguous prefill, 8 experts of the GEMM1 shape (N 4096 K 7168) and of the GEMM2
+//             shape (N 7168 K 2048), 512/2048/8192 rows each: TFLOP/s, also in clusters of 2.
 // Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
 // whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 123]
 #include <algorithm>
@@ -119,6 +120,16 @@ Ceilings measure_ceilings(json& out, bool quick) {
     us = median_us(10, [&](int) { g.run(nullptr); });
     c.fp8_tflops = 2.0 * M * N * K / (us * 1e-6) / 1e12;
     out["dense_fp8_config"] = g.config().to_string();
+  }
+  {  // the same tile in clusters of 2 (token tile multicast), for comparison
+    GemmConfig f = choose_contiguous_config({1, N, K, M}, 132);
+    f.cluster = 2;
+    f.num_ctas = 0;
+    ContiguousGemm g({1, N, K, M}, {a, as, re, w, ws, o}, &f);
+    const double us2 = median_us(10, [&](int) { g.run(nullptr); });
+    out["dense_fp8_TFLOPs_cluster2"] = 2.0 * M * N * K / (us2 * 1e-6) / 1e12;
+    std::printf("own dense FP8 in clusters of 2: %.0f TFLOP/s (%s)\n", out["dense_fp8_TFLOPs_cluster2"].get<double>(),
+                g.config().to_string().c_str());
   }
   for (void* p : {(void*)a, (void*)w, (void*)as, (void*)ws, (void*)re, (void*)o}) cudaFree(p);
   out["copy_TBps"] = c.copy_tbps;
@@ -235,8 +246,8 @@ std::vector<int32_t> uniform_routing(int batch, int topk, int total_experts, int
   return m;
 }
 
-json run_contiguous(int num_experts, int rows_per_expert, const Ceilings& ceil, int iters) {
-  const int N = 4096, K = 7168;
+json run_contiguous(int num_experts, int rows_per_expert, int N, int K, const Ceilings& ceil, int iters,
+                    const GemmConfig* force = nullptr) {
   const int total = num_experts * rows_per_expert;  // rows_per_expert is a multiple of 128: no padding
   uint8_t* a = device_alloc<uint8_t>(size_t(total) * K);
   uint8_t* w = device_alloc<uint8_t>(size_t(num_experts) * N * K);
@@ -253,10 +264,12 @@ json run_contiguous(int num_experts, int rows_per_expert, const Ceilings& ceil, 
   MOEKIT_CUDA_CHECK(cudaMemcpy(re, h.data(), total * 4, cudaMemcpyHostToDevice));
   json r;
   {
-    ContiguousGemm g({num_experts, N, K, total}, {a, as, re, w, ws, o});
+    ContiguousGemm g({num_experts, N, K, total}, {a, as, re, w, ws, o}, force);
     double us = median_us(iters, [&](int) { g.run(nullptr); });
     double flops = 2.0 * total * N * K;
     r["rows_per_expert"] = rows_per_expert;
+    r["n"] = N;
+    r["k"] = K;
     r["config"] = g.config().to_string();
     r["us"] = us;
     r["TFLOPs"] = flops / (us * 1e-6) / 1e12;
@@ -332,6 +345,22 @@ int main(int argc, char** argv) {
                   100 * r["effective_TBps"].get<double>() / ceil.copy_tbps);
       out["problem1_variants"].push_back(r);
     }
+    // "all 64" with the token tile multicast to clusters of 2 (both GEMMs).
+    for (int cluster : {1, 2}) {
+      GemmConfig f;
+      f.swap_ab = true;
+      f.block_m = 64;
+      f.block_n = 128;
+      f.cluster = cluster;
+      json r = run_masked_pair(dsv3_8, 128, cases[3].second, 64, ceil, 2, iters, &f, &f);
+      r["case"] = "all 64 (forced)";
+      std::printf("%-14s %-44s %9.1f %9.1f %9.1f %8.3f %7.1f%% %9.1f %8.3f\n", "all 64 forced",
+                  r["config_gemm1"].get<std::string>().substr(0, 44).c_str(), r["us_both"].get<double>(),
+                  r["us_gemm1"].get<double>(), r["us_gemm2"].get<double>(), r["effective_TBps"].get<double>(),
+                  100 * r["effective_TBps"].get<double>() / ceil.copy_tbps, r["us_both_in_graph"].get<double>(),
+                  r["effective_TBps_in_graph"].get<double>());
+      out["problem1_variants"].push_back(r);
+    }
     // Programmatic dependent launch: GEMM2 overlaps GEMM1's tail (both back to back).
     for (int c : {0, 1, 2, 3}) {
       // GEMM1/GEMM2 modes: PDL only; a decode step (GEMM1 follows the dispatch, which writes
@@ -384,13 +413,25 @@ int main(int argc, char** argv) {
 
     // ---- problem 3
     if (only.find('3') != std::string::npos) {
-    std::printf("\nproblem 3: contiguous prefill, 8 experts, N=4096 K=7168\n");
+    for (auto [N, K] : {std::pair{4096, 7168}, std::pair{7168, 2048}}) {
+    std::printf("\nproblem 3: contiguous prefill, 8 experts, N=%d K=%d\n", N, K);
     for (int rows : {512, 2048, 8192}) {
-      json r = run_contiguous(8, rows, ceil, quick ? 5 : 10);
+      json r = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10);
       std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s\n", rows, r["us"].get<double>(),
                   r["TFLOPs"].get<double>(), 100 * r["fraction_of_dense_fp8"].get<double>(),
                   r["config"].get<std::string>().c_str());
       out["problem3"].push_back(r);
+      // The same tile in clusters of 2: what the multicast of the token tile buys.
+      GemmConfig f;
+      f.block_m = 128;
+      f.block_n = 128;
+      f.cluster = 2;
+      json r1 = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10, &f);
+      std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s (forced)\n", rows,
+                  r1["us"].get<double>(), r1["TFLOPs"].get<double>(), 100 * r1["fraction_of_dense_fp8"].get<double>(),
+                  r1["config"].get<std::string>().c_str());
+      out["problem3_cluster2"].push_back(r1);
+    }
     }
     }
     if (!json_path.empty()) write_text_file(json_path, out.dump(1));

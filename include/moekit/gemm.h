@@ -82,8 +82,12 @@ struct GemmConfig {
   int block_n = 0;       // weight rows (output columns) per tile
   int num_stages = 0;    // shared-memory pipeline depth
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
-  int num_ctas = 0;      // persistent grid size
+  int num_ctas = 0;      // persistent grid size (a multiple of cluster)
   int smem_bytes = 0;
+  // CTAs per cluster: 2 pairs neighbouring weight blocks of one token block, which then share
+  // its activation tile by TMA multicast (FP8, BF16 output, no split-K, an even number of
+  // weight blocks); 1 otherwise.
+  int cluster = 1;
   std::string to_string() const;
 };
 

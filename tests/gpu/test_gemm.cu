@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "device_buffer.h"
@@ -183,6 +185,25 @@ TEST(GemmMasked, EveryTilePath) {
   }
 }
 
+// Clusters of 2 (the token tile multicast to two CTAs with neighbouring weight blocks): every
+// compiled cluster path, ragged experts around the token block (0, 1, 127, 128, 129 rows), a
+// shallow ring that wraps often, and the heuristic's pick for big batches.
+TEST(GemmMasked, ClusterPaths) {
+  std::mt19937 rng(77);
+  MaskedCase c({6, 512, 1024, 132, 0}, rng);
+  const std::vector<int32_t> masked_m = {0, 1, 127, 128, 129, 70};
+  for (auto [swap, block_m, stages] : {std::tuple{true, 64, 0}, std::tuple{true, 128, 0}, std::tuple{false, 128, 0},
+                                       std::tuple{true, 64, 2}, std::tuple{false, 128, 2}}) {
+    GemmConfig cfg = forced(swap, block_m, 1);
+    cfg.cluster = 2;
+    cfg.num_stages = stages;
+    ErrorStats st = run_masked(c, masked_m, &cfg);
+    expect_good(st, 3e-3, cfg.to_string());
+    EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string();
+    c.new_activations(rng);
+  }
+}
+
 TEST(GemmMasked, HeuristicConfigsAndStages) {
   std::mt19937 rng(99);
   MaskedCase c({8, 512, 2048, 64, 8}, rng);
@@ -296,7 +317,11 @@ __global__ void copy_inputs_kernel(const uint8_t* a_src, uint8_t* a, size_t a_by
 }
 
 TEST(GemmMasked, OverlapWithPreviousKernelInGraph) {
-  for (Overlap overlap : {Overlap::kPreviousKernel, Overlap::kPreviousKernelStaticWeights}) {
+  GemmConfig cluster = forced(true, 64, 1);  // early weights loaded by both CTAs of a cluster
+  cluster.cluster = 2;
+  for (auto [overlap, cfg] : {std::pair{Overlap::kPreviousKernel, (const GemmConfig*)nullptr},
+                              std::pair{Overlap::kPreviousKernelStaticWeights, (const GemmConfig*)nullptr},
+                              std::pair{Overlap::kPreviousKernelStaticWeights, (const GemmConfig*)&cluster}}) {
     std::mt19937 rng(8);
     MaskedCase c({4, 256, 2048, 32, 16}, rng);
     const bool copy_m = overlap == Overlap::kPreviousKernel;  // the static-weights mode promises masked_m is ready
@@ -305,7 +330,7 @@ TEST(GemmMasked, OverlapWithPreviousKernelInGraph) {
     DeviceBuffer<uint8_t> a_src(c.d_a.count);
     DeviceBuffer<float> s_src(c.d_as.count);
     DeviceBuffer<int32_t> m_src(c.d_m.count);
-    MaskedGemm gemm(c.problem, c.buffers());
+    MaskedGemm gemm(c.problem, c.buffers(), cfg);
     gemm.set_overlap(overlap);
     cudaStream_t stream;
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -333,7 +358,7 @@ TEST(GemmMasked, OverlapWithPreviousKernelInGraph) {
       MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
       expect_good(c.check(masked_m), 3e-3, "overlap mode " + std::to_string(int(overlap)) + ", replay " +
-                                               std::to_string(replay));
+                                               std::to_string(replay) + ", " + gemm.config().to_string());
       EXPECT_NE(old_a, c.a);
     }
     cudaGraphExecDestroy(exec);
@@ -380,6 +405,43 @@ TEST(GemmMasked, BadArgumentsRejected) {
   EXPECT_THROW(make(p, b, &bad), Error);  // no such instance
   GemmConfig too_split = forced(true, 16, 3);
   EXPECT_THROW(make(p, b, &too_split), Error);  // K/128 = 2 blocks cannot take 3 splits
+  // Clusters: N = 256 is two weight blocks, one cluster tile; each refusal names what is wrong.
+  GemmConfig cl = forced(true, 64, 1);
+  cl.cluster = 2;
+  EXPECT_NO_THROW(make(p, b, &cl));
+  const auto refused = [&](GemmConfig cfg, MaskedGemmProblem prob, const char* needle) {
+    try {
+      make(prob, b, &cfg);
+      ADD_FAILURE() << cfg.to_string() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  GemmConfig cl_split = cl;
+  cl_split.num_splits = 2;
+  refused(cl_split, p, "num_splits = 1");
+  GemmConfig cl16 = cl;
+  cl16.block_m = 16;
+  refused(cl16, p, "block_m in {64, 128} for swap-AB with cluster = 2");
+  GemmConfig cl3 = cl;
+  cl3.cluster = 3;
+  refused(cl3, p, "cluster in {1, 2}");
+  GemmConfig cl_ctas = cl;
+  cl_ctas.num_ctas = 5;
+  refused(cl_ctas, p, "num_ctas = 5 must be a multiple of cluster = 2");
+  DeviceBuffer<uint8_t> w384(size_t(2) * 384 * 256);
+  DeviceBuffer<float> ws384(size_t(2) * 3 * 2);
+  DeviceBuffer<uint16_t> out384(size_t(2) * 16 * 384);
+  MaskedGemmBuffers b384 = b;
+  b384.w = w384.ptr;
+  b384.w_scales = ws384.ptr;
+  b384.out = out384.ptr;
+  try {  // 384 output columns: three weight blocks cannot pair up
+    make({2, 384, 256, 16, 8}, b384, &cl);
+    ADD_FAILURE() << "N = 384 with cluster = 2 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("384 output columns"), std::string::npos) << e.what();
+  }
   try {
     make({2, 256, 100, 16, 8}, b);
   } catch (const Error& e) {
@@ -574,14 +636,18 @@ TEST(GemmGated, BadArgumentsRejected) {
   EXPECT_NE(message(p, b, &wide).find("block_m in {16, 32, 64}"), std::string::npos);
   const GemmConfig normal = forced(false, 64, 1);
   EXPECT_NE(message(p, b, &normal).find("swap-AB"), std::string::npos);
+  GemmConfig cluster = forced(true, 64, 1);
+  cluster.cluster = 2;
+  EXPECT_NE(message(p, b, &cluster).find("cluster = 1 for the SiLU"), std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Contiguous
 
-TEST(GemmContiguous, SegmentsWithPadding) {
-  std::mt19937 rng(42);
-  const int E = 4, N = 384, K = 2048;
+// One contiguous GEMM of ragged, padded expert segments against the float64 oracle and the CPU
+// reference, for each config (N: output columns; clusters need an even number of weight blocks).
+void check_contiguous_segments(int N, std::vector<GemmConfig> configs, std::mt19937& rng) {
+  const int E = 4, K = 2048;
   const std::vector<int> seg_rows = {130, 0, 7, 256};  // real rows per expert
   std::vector<int32_t> row_expert;
   for (int e = 0; e < E; ++e) {
@@ -599,13 +665,12 @@ TEST(GemmContiguous, SegmentsWithPadding) {
   d_w.upload(w.w);
   d_ws.upload(w.w_scales);
   d_re.upload(row_expert);
-  for (int block_m : {64, 128}) {
+  for (const GemmConfig& cfg : configs) {
     std::vector<uint8_t> a = random_fp8(l.a_elems(), rng);
     std::vector<float> as = random_scales(l.scale_elems(), rng);
     d_a.upload(a);
     d_as.upload(as);
     MOEKIT_CUDA_CHECK(cudaMemset(d_out.ptr, 0xFF, d_out.count * 2));
-    GemmConfig cfg = forced(false, block_m, 1);
     ContiguousGemm gemm({E, N, K, total}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}, &cfg);
     gemm.run(nullptr);
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -650,6 +715,33 @@ TEST(GemmContiguous, SegmentsWithPadding) {
   }
   EXPECT_THROW(ContiguousGemm({E, N, K, 100}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}), Error);
   EXPECT_THROW(ContiguousGemm({E, N, K, total}, {d_a.ptr, d_as.ptr, nullptr, d_w.ptr, d_ws.ptr, d_out.ptr}), Error);
+  if (N % 256 != 0) {  // an odd number of weight blocks cannot pair up in clusters
+    GemmConfig cl = forced(false, 128, 1);
+    cl.cluster = 2;
+    try {
+      ContiguousGemm g({E, N, K, total}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}, &cl);
+      ADD_FAILURE() << "N = " << N << " with cluster = 2 was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(N) + " output columns"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(GemmContiguous, SegmentsWithPadding) {
+  std::mt19937 rng(42);
+  check_contiguous_segments(384, {forced(false, 64, 1), forced(false, 128, 1)}, rng);
+}
+
+// The token tile multicast to clusters of 2; a two-stage ring wraps every other block.
+TEST(GemmContiguous, ClusterSegmentsWithPadding) {
+  std::mt19937 rng(43);
+  GemmConfig cl = forced(false, 128, 1);
+  cl.cluster = 2;
+  GemmConfig cl_shallow = cl;
+  cl_shallow.num_stages = 2;
+  GemmConfig cl_few = cl;
+  cl_few.num_ctas = 2;  // one cluster walks every tile
+  check_contiguous_segments(512, {cl, cl_shallow, cl_few}, rng);
 }
 
 }  // namespace

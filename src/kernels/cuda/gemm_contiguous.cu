@@ -17,6 +17,11 @@ template <class F>
 void with_contiguous_instance(const GemmConfig& cfg, F&& f) {
   const std::string bad = "contiguous GEMM config " + cfg.to_string() + " is not compiled; expected ";
   MOEKIT_CHECK(!cfg.swap_ab && cfg.block_n == 128, bad + "the normal orientation with block_n = 128");
+  if (cfg.cluster == 2) {
+    MOEKIT_CHECK(cfg.block_m == 128, bad + "block_m = 128 with cluster = 2");
+    return f(Instance<false, false, 2, 128, 128, false, 2>{});
+  }
+  MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster in {1, 2}");
   switch (cfg.block_m) {
     case 64: return f(Instance<false, false, 1, 64, 128>{});
     case 128: return f(Instance<false, false, 2, 128, 128>{});
@@ -60,8 +65,9 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
     im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, true);
   }
 
+  check_cluster(im.cfg, p.n);
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
-  im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm, kBlockK, true);
+  im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, false);
 
   im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * (p.n / bn));

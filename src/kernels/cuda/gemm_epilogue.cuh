@@ -35,12 +35,15 @@ __device__ __forceinline__ void store_bf16_transposed(const KernelArgs& args, co
     bias[0] = __ldg(args.bias + size_t(t.e) * args.n + t.w0 + f.row);
     bias[1] = __ldg(args.bias + size_t(t.e) * args.n + t.w0 + f.row + 8);
   }
+  uint16_t v[kRegs];  // converted before the first store (store_bf16 says why)
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) v[i] = ptx::to_bf16(acc[i] + bias[(i / 2) % 2]);
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) {
     const int col = (i / 4) * 8 + f.col + i % 2;
     const int row = f.row + ((i / 2) % 2) * 8;
-    const bool real = kMasked ? t.t0 + col < t.m_valid : __ldg(args.row_expert + t.t0 + col) >= 0;
-    if (real) out[size_t(col) * args.n + row] = float_to_bf16(acc[i] + bias[(i / 2) % 2]);
+    const bool real = kMasked ? t.t0 + col < t.m_valid : is_real_row(t, col);
+    if (real) out[size_t(col) * args.n + row] = v[i];
   }
 }
 
@@ -81,26 +84,47 @@ __device__ __forceinline__ bool reduce_splits(const KernelArgs& args, const Tile
   return true;
 }
 
-// Normal orientation: accumulator rows are tokens, columns weight rows; two columns per store.
+// Normal orientation: accumulator rows are tokens, columns weight rows. Straight from the
+// fragment each store instruction of a warp would write 4-byte pieces of 8 rows, and the stores
+// of a tile queue up at the load-store unit (a fifth of the contiguous GEMM's time, run 10). So
+// each warp stages its 16 rows through its own shared-memory rows, 64 columns at a time, and
+// writes them back as 16-byte pieces of whole 128-byte row segments: a quarter of the store
+// instructions, each one row-contiguous. Only the warp itself touches its staging rows
+// (__syncwarp orders them). Rows are padded to 36 words so that the fragment's writes (8 rows x
+// 4 words per instruction) and the 16-byte reads each hit 32 distinct banks.
+constexpr int kEpiRowWords = 36;                          // 64 BF16 columns + 4 words of padding
+constexpr int kEpiWarpBytes = 16 * kEpiRowWords * 4;      // 16 rows per warp
+// The staging rows of a kernel instance: normal-orientation BF16 tiles only.
+constexpr int epilogue_smem_bytes(bool swap_ab, bool gated, int math_wgs) {
+  return (!swap_ab && !gated) ? math_wgs * 4 * kEpiWarpBytes : 0;
+}
 template <bool kMasked, int kRegs>
 __device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInfo& t, const float* acc,
-                                           const Fragment& f) {
-  bool row_ok[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = t.t0 + f.row + h * 8;
-    row_ok[h] = kMasked ? m < t.m_valid : __ldg(args.row_expert + m) >= 0;
-  }
+                                           const Fragment& f, uint8_t* warp_rows) {
+  static_assert(kRegs == 64, "a 64 x 128 accumulator per warpgroup");
+  const int lane = f.mtid % 32, q = lane % 4;
+  const int warp_row0 = f.row - lane / 4;  // the warp's first tile row
+  uint32_t* buf = reinterpret_cast<uint32_t*>(warp_rows);
   const size_t row_base = kMasked ? size_t(t.e) * args.rows + t.t0 : size_t(t.t0);
-  uint16_t* out = args.out + row_base * args.n + t.w0;
+  uint16_t* out = args.out + (row_base + warp_row0) * args.n + t.w0;
 #pragma unroll
-  for (int i = 0; i < kRegs; i += 2) {
-    const int h = (i / 2) % 2;
-    if (!row_ok[h]) continue;
-    const int col = (i / 4) * 8 + f.col;
-    const int row = f.row + h * 8;
-    const uint32_t packed = uint32_t(float_to_bf16(acc[i])) | (uint32_t(float_to_bf16(acc[i + 1])) << 16);
-    *reinterpret_cast<uint32_t*>(out + size_t(row) * args.n + col) = packed;
+  for (int half = 0; half < 2; ++half) {
+    // Register pair i holds row lane/4 + 8·((i/2) % 2), columns (i/4)·8 + 2q, +1.
+#pragma unroll
+    for (int ii = 0; ii < kRegs / 2; ii += 2) {
+      const int i = half * kRegs / 2 + ii;
+      const int r = lane / 4 + ((i / 2) % 2) * 8, j = ii / 4;
+      buf[r * kEpiRowWords + j * 4 + q] = ptx::pack_bf16x2(acc[i], acc[i + 1]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // 4 rows x 128 bytes per instruction
+      const int r = lane / 8 + s * 4, chunk = lane % 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(buf + r * kEpiRowWords + chunk * 4);
+      const bool real = kMasked ? t.t0 + warp_row0 + r < t.m_valid : is_real_row(t, warp_row0 + r);
+      if (real) *reinterpret_cast<uint4*>(out + size_t(r) * args.n + half * 64 + chunk * 8) = v;
+    }
+    __syncwarp();  // the staging rows are free for the next half
   }
 }
 

@@ -23,7 +23,16 @@
 // Masked schedule: every CTA reads masked_m, computes the tiles of each expert (none for an
 // expert without tokens: its weights are never read) and a prefix sum of them, and walks the
 // tile indices blockIdx.x, blockIdx.x + gridDim.x, ...; producer and consumers walk the same
-// sequence, so they agree without talking. Split-K: the splits of one tile write fp32
+// sequence, so they agree without talking.
+//
+// Clusters (kCluster = 2): the two CTAs of a cluster take neighbouring weight blocks of the same
+// (expert, token block), so they need the same activation tile; each loads half of its rows and
+// multicasts them to both, which halves the activation bytes that cross L2 -> SM (the limit of the
+// compute-bound tiles: 32 KB per 128-deep block of a 128x128 tile, ~6.8 TB/s at 860 TFLOP/s).
+// A stage is then written by both CTAs' producers, so a consumer frees it in both (empty[s]
+// counts the math warps of the cluster), and neither CTA leaves while the other may still
+// address its shared memory. The cluster walks cluster tiles of 2 kBlockW weight rows.
+// Split-K: the splits of one tile write fp32
 // partials to a workspace; the last split to finish (an atomic counter per tile, which it
 // resets for the next launch) adds them in split order and writes BF16, so the result does not
 // depend on which split finished last.
@@ -41,7 +50,7 @@
 
 namespace moekit::gemm_detail {
 
-template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated = false>
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated = false, int kCluster = 1>
 __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                         const __grid_constant__ CUtensorMap tma_sa, const KernelArgs args) {
@@ -49,13 +58,17 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   static_assert(kBlockW % 64 == 0 && kBlockW <= 128, "a tile's weight rows share one 128-row scale block");
   static_assert(!kGated || (kSwapAB && kMasked && kBlockW == 128 && kBlockT <= 64),
                 "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
+  static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
+                "clusters of 2 multicast halves of the token tile (8-row swizzle atoms); not for gated tiles");
   constexpr int kSlabs = kGated ? 2 : 1;  // weight slabs per warpgroup: gate (and up)
   constexpr int kMathThreads = kMathWGs * 128;
   constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW;
   using Mma = ptx::Wgmma<kMmaN>;
   constexpr int kRegs = Mma::kRegs;
   constexpr int kAccRegs = kSlabs * kRegs;  // slab sl's registers at [sl * kRegs, (sl + 1) * kRegs)
-  using Layout = SmemLayout<kBlockT, kSlabs * kBlockW>;
+  // The normal orientation's epilogue stages each math warp's rows in shared memory.
+  constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs);
+  using Layout = SmemLayout<kBlockT, kSlabs * kBlockW, kEpiBytes>;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = ptx::align_smem_1024(smem_raw);
@@ -63,7 +76,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   uint8_t* w_tiles = smem;
   uint8_t* a_tiles = w_tiles + stages * Layout::kWTile;
   float* sa_tiles = reinterpret_cast<float*>(a_tiles + stages * Layout::kATile);
-  uint64_t* full = reinterpret_cast<uint64_t*>(sa_tiles + stages * Layout::kSaFloats);
+  uint8_t* epi_rows = reinterpret_cast<uint8_t*>(sa_tiles + stages * Layout::kSaFloats);  // 128-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi_rows + kEpiBytes);
   uint64_t* empty = full + stages;
   int* prefix = reinterpret_cast<int*>(empty + stages);  // [E+1]
   int* m_of = prefix + args.num_experts + 1;              // [E]
@@ -81,18 +95,34 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // loads; the consumers touch nothing the previous kernel writes except through the producer's
   // loads, and write nothing it reads.
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  begin_gemm(args, early_weights, full, empty, kMathWGs * 4);
+  begin_gemm(args, early_weights, full, empty, kMathWGs * 4 * kCluster);
+  const int rank = kCluster > 1 ? int(ptx::cluster_ctarank()) : 0;
+  if constexpr (kCluster > 1) ptx::cluster_sync();  // the peer's barriers exist before we load into them
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
     ptx::prefetch_tensormap(&tma_sa);
   }
-  const int num_tiles = count_tiles<kMasked, kBlockT>(args, num_w_blocks, prefix, m_of);
+  // Tiles of the walk: a cluster's tile is kCluster weight blocks, rank r computes block r of it.
+  const int num_tiles = count_tiles<kMasked, kBlockT>(args, num_w_blocks / kCluster, prefix, m_of);
+  const TileWalk walk = tile_walk<kCluster>();
+  auto fetch_rows = [&](int tile) {
+    BlockRows<kBlockT> rows{};
+    if constexpr (!kMasked) rows = fetch_block_rows<kBlockT>(tile, args, num_w_blocks / kCluster, lane);
+    return rows;
+  };
+  auto decode_with = [&](int tile, const BlockRows<kBlockT>& rows) {
+    TileInfo t = decode_tile<kMasked, kBlockT, kBlockW * kCluster>(tile, args, num_w_blocks / kCluster, prefix, m_of,
+                                                                   lane, rows);
+    t.w0 += rank * kBlockW;
+    return t;
+  };
+  auto decode = [&](int tile) { return decode_with(tile, fetch_rows(tile)); };
 
   if (warp < 4) {
     // ---------------- producer ----------------
     if constexpr (kMathWGs == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (warp != 0) return;
+    if (warp != 0) return end_cluster<kCluster>();
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
     // A stage's weight rows: one box of kBlockW rows, or (gated) the gate box and the up box
@@ -106,12 +136,17 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     auto load_a = [&](int stage, int kb, const TileInfo& t) {
       const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
       const int sa_row = kMasked ? t.e * k_blocks : 0;
-      ptx::tma_load_2d(a_tiles + stage * Layout::kATile, &tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
+      if constexpr (kCluster == 1) {
+        ptx::tma_load_2d(a_tiles + stage * Layout::kATile, &tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
+      } else {  // this CTA's half of the rows, to both CTAs (tma_a's box is kBlockT / 2 rows)
+        constexpr int kHalf = kBlockT / 2;
+        ptx::tma_load_2d_multicast(a_tiles + stage * Layout::kATile + rank * kHalf * kBlockK, &tma_a, &full[stage],
+                                   kb * kBlockK, a_row + rank * kHalf, 0x3, policy_a);
+      }
       ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, &tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
     };
-    produce<kMasked, kBlockT, kBlockW>(args, num_tiles, num_w_blocks, prefix, m_of, full, empty, Layout::kTxBytes,
-                                       early_weights, load_w, load_a);
-    return;
+    produce(args, num_tiles, walk, full, empty, Layout::kTxBytes, early_weights, decode, load_w, load_a);
+    return end_cluster<kCluster>();
   }
 
   // ---------------- consumers ----------------
@@ -143,22 +178,35 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       ws.hi[sl] = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
     }
   };
-  auto next_tile = [&](int tile, TileInfo& t) {  // the first tile at or after `tile` with work
-    for (; tile < num_tiles; tile += gridDim.x) {
-      t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+  // The first tile at or after `tile` with work; rows: `tile`'s, fetched earlier.
+  auto next_tile_from = [&](int tile, TileInfo& t, BlockRows<kBlockT> rows) {
+    for (; tile < num_tiles; tile += walk.stride) {
+      t = decode_with(tile, rows);
       if (t.e >= 0) break;
+      if (tile + walk.stride < num_tiles) rows = fetch_rows(tile + walk.stride);
     }
     return tile;
   };
+  auto next_tile = [&](int tile, TileInfo& t) { return tile < num_tiles ? next_tile_from(tile, t, fetch_rows(tile)) : tile; };
   TileInfo t{};
-  int tile = next_tile(blockIdx.x, t);
+  int tile = next_tile(walk.first, t);
   WScales ws{};
   if (tile < num_tiles) load_ws(t, t.kb_begin, ws);
   while (tile < num_tiles) {
+    // The next tile: masked, decoded from shared memory now; contiguous, its rows' experts are
+    // fetched now and decoded after this tile's k blocks (a decode here waited for them, a tenth
+    // of the consumers' time at K = 2048, run 10). Its weight scales are used from its first
+    // block on, after this tile's epilogue.
     TileInfo t_next{};
-    const int tile_next = next_tile(tile + gridDim.x, t_next);
+    int tile_next = tile + walk.stride;
     WScales ws_next{};
-    if (tile_next < num_tiles) load_ws(t_next, t_next.kb_begin, ws_next);
+    BlockRows<kBlockT> ahead{};
+    if constexpr (kMasked) {
+      tile_next = next_tile(tile_next, t_next);
+      if (tile_next < num_tiles) load_ws(t_next, t_next.kb_begin, ws_next);
+    } else if (tile_next < num_tiles) {
+      ahead = fetch_rows(tile_next);
+    }
     float acc[kAccRegs];
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
@@ -209,7 +257,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
-      if (lane == 0) ptx::mbar_arrive(&empty[s]);
+      if constexpr (kCluster == 1) {
+        if (lane == 0) ptx::mbar_arrive(&empty[s]);
+      } else if (lane < kCluster) {
+        ptx::mbar_arrive_cluster(&empty[s], lane);  // lane r frees the stage in CTA r
+      }
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl) {
 #pragma unroll
@@ -219,6 +271,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         }
       }
       if (++s == stages) s = 0, phase ^= 1;
+    }
+
+    if constexpr (!kMasked) {
+      if (tile_next < num_tiles) tile_next = next_tile_from(tile_next, t_next, ahead);
+      if (tile_next < num_tiles) load_ws(t_next, t_next.kb_begin, ws_next);
     }
 
     // ---------------- split-K reduction ----------------
@@ -232,13 +289,14 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     } else if constexpr (kSwapAB) {
       store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
     } else {
-      store_bf16<kMasked, kRegs>(args, t, acc, f);
+      store_bf16<kMasked, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarpBytes);
     }
     t = t_next;
     tile = tile_next;
     ws = ws_next;
   }
   if (mtid == 0) stamp_end(args.stamp);
+  end_cluster<kCluster>();
 }
 
 }  // namespace moekit::gemm_detail

@@ -9,6 +9,9 @@
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
 // (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64.
+// Clusters (cluster = 2, the token tile multicast to two CTAs) are never chosen: on the H200 they
+// measured 6-7% slower than single CTAs once the epilogue stopped stalling, and equal before
+// (docs/gemm.md, runs 9-11); they stay available as a forced config.
 // MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above up to 128 tokens per block,
 // contiguous with blocks of 128 tokens.
 #include <algorithm>

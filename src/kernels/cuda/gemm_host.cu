@@ -14,7 +14,8 @@ namespace moekit {
 std::string GemmConfig::to_string() const {
   std::ostringstream os;
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
-     << " stages=" << num_stages << " splits=" << num_splits << " ctas=" << num_ctas << " smem=" << smem_bytes;
+     << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas
+     << " smem=" << smem_bytes;
   return os.str();
 }
 
@@ -79,6 +80,16 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
   }
 }
 
+void check_cluster(const GemmConfig& cfg, int cols) {
+  if (cfg.cluster == 1) return;
+  MOEKIT_CHECK(cfg.num_splits == 1, "GEMM config " + cfg.to_string() + ": a cluster of " +
+                                        std::to_string(cfg.cluster) + " needs num_splits = 1");
+  MOEKIT_CHECK(cols % (cfg.cluster * cfg.block_n) == 0,
+               "GEMM config " + cfg.to_string() + ": a cluster of " + std::to_string(cfg.cluster) + " needs " +
+                   std::to_string(cols) + " output columns to be a multiple of cluster x block_n = " +
+                   std::to_string(cfg.cluster * cfg.block_n));
+}
+
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg) {
   const char* env = std::getenv("MOEKIT_PRINT_CONFIGS");
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
@@ -117,9 +128,32 @@ void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMa
     launch_kernel_ex(launch.kernel_mxfp4, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream, pdl, tma_a,
                      tma_w, tma_sa, tma_ws, args);
   } else {
-    launch_kernel_ex(launch.kernel, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream, pdl, tma_a, tma_w,
-                     tma_sa, args);
+    launch_kernel_ex(launch.kernel, dim3(cfg.num_ctas), dim3(launch.threads), cfg.smem_bytes, stream,
+                     LaunchShape{pdl, cfg.cluster}, tma_a, tma_w, tma_sa, args);
   }
+}
+
+int cluster_ctas(const Launch& launch, const GemmConfig& cfg) {
+  if (cfg.cluster == 1) return cfg.num_ctas;
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(num_sms());
+  lc.blockDim = dim3(launch.threads);
+  lc.dynamicSmemBytes = cfg.smem_bytes;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cfg.cluster;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  lc.attrs = &attr;
+  lc.numAttrs = 1;
+  int clusters = 0;
+  MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, launch.kernel, &lc));
+  MOEKIT_CHECK(clusters > 0, "GEMM config " + cfg.to_string() + ": no cluster of " + std::to_string(cfg.cluster) +
+                                 " CTAs fits on this device");
+  const int most = clusters * cfg.cluster;
+  if (cfg.num_ctas <= 0) return most;
+  MOEKIT_CHECK(cfg.num_ctas % cfg.cluster == 0, "GEMM config: num_ctas = " + std::to_string(cfg.num_ctas) +
+                                                    " must be a multiple of cluster = " + std::to_string(cfg.cluster));
+  return cfg.num_ctas;
 }
 
 void PlanCore::bind(int num_experts, int n, int k, int rows, const float* w_scales, uint16_t* out,

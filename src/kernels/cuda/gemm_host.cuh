@@ -26,6 +26,9 @@ void check_pointer(const void* p, const char* name);  // non-null, 16-byte align
 // w, and w_scales (FP8) or w_mx_scales (MXFP4), each with the other format's pointers null; bias only
 // with MXFP4, 4-byte aligned.
 void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, const uint32_t* w_mx_scales, const float* bias);
+// A config with cluster = 2 (any other was refused by the instance dispatch): FP8, BF16 output,
+// no split-K, and `cols` output columns in an even number of weight blocks.
+void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
 int max_smem_per_block();
 int num_sms();
@@ -51,7 +54,7 @@ void finish_config(GemmConfig& cfg, int num_experts, int extra_static) {
   MOEKIT_CHECK(cfg.smem_bytes <= max_smem_per_block(),
                "GEMM config needs " + std::to_string(cfg.smem_bytes) + " bytes of shared memory; the device has " +
                    std::to_string(max_smem_per_block()));
-  if (cfg.num_ctas <= 0) cfg.num_ctas = num_sms();
+  if (cfg.num_ctas <= 0 && cfg.cluster == 1) cfg.num_ctas = num_sms();  // clusters: cluster_ctas
 }
 
 // Raises a kernel's dynamic shared-memory limit to the device's opt-in maximum (less its static
@@ -65,16 +68,23 @@ struct Launch {
   void (*kernel)(CUtensorMap, CUtensorMap, CUtensorMap, KernelArgs) = nullptr;
   void (*kernel_mxfp4)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, KernelArgs) = nullptr;
   int threads = 0;
+  int cluster = 1;
 };
 
-template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated>
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated, int kCluster>
 Launch get_launch(int smem_bytes) {
   Launch l;
-  l.kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>;
+  l.kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster>;
   allow_smem(reinterpret_cast<const void*>(l.kernel), smem_bytes);
   l.threads = (kMathWGs + 1) * 128;
+  l.cluster = kCluster;
   return l;
 }
+
+// The grid of a plan: cfg.num_ctas when set (checked to be a multiple of cfg.cluster), else (with
+// clusters) as many CTAs as can be resident at once: a persistent grid with a cluster that waits
+// for a free pair of multiprocessors would double its tiles' time.
+int cluster_ctas(const Launch& launch, const GemmConfig& cfg);
 
 // One launch of a plan's kernel (with the programmatic-serialisation attribute when
 // args.flags has kFlagPdl).
@@ -110,8 +120,9 @@ struct PlanCore {
 namespace moekit::gemm_detail {
 
 // One compiled kernel instance, as a type the plans dispatch on. kGated: the SiLU·up + FP8
-// epilogue (a tile holds kBlockW gate rows and kBlockW up rows).
-template <bool kSwapAB_, bool kMasked_, int kMathWGs_, int kBlockT_, int kBlockW_, bool kGated_ = false>
+// epilogue (a tile holds kBlockW gate rows and kBlockW up rows). kCluster: CTAs per cluster.
+template <bool kSwapAB_, bool kMasked_, int kMathWGs_, int kBlockT_, int kBlockW_, bool kGated_ = false,
+          int kCluster = 1>
 struct Instance {
   static constexpr bool kSwapAB = kSwapAB_;
   static constexpr bool kMasked = kMasked_;
@@ -122,8 +133,13 @@ struct Instance {
   static Launch launch(GemmConfig& cfg, int num_experts) {
     constexpr int kWRows = kGated ? 2 * kBlockW : kBlockW;
     constexpr int kExtraStatic = kGated ? kMathWGs * 4 * kBlockT * 4 : 0;  // gemm_epilogue.cuh's warp_amax
-    finish_config<SmemLayout<kBlockT, kWRows>>(cfg, num_experts, kExtraStatic);
-    return get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated>(cfg.smem_bytes);
+    MOEKIT_CHECK(cfg.cluster == kCluster, "GEMM config " + cfg.to_string() + " dispatched to a kernel of cluster " +
+                                              std::to_string(kCluster));
+    constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs);
+    finish_config<SmemLayout<kBlockT, kWRows, kEpiBytes>>(cfg, num_experts, kExtraStatic);
+    Launch l = get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster>(cfg.smem_bytes);
+    cfg.num_ctas = cluster_ctas(l, cfg);
+    return l;
   }
 };
 

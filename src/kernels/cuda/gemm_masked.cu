@@ -19,6 +19,7 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
   const std::string bad = "masked GEMM config " + cfg.to_string() + " is not compiled; expected ";
   if (epilogue == GemmEpilogue::kSiluMulFp8) {
     MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128 for the SiLU·up epilogue");
+    MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 for the SiLU·up epilogue");
     switch (cfg.block_m) {
       case 16: return f(Instance<true, true, 2, 16, 128, true>{});
       case 32: return f(Instance<true, true, 2, 32, 128, true>{});
@@ -32,6 +33,18 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
     return f(Instance<true, true, 1, 16, 64>{});
   }
   MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128 (or 64 with swap-AB block_m = 16)");
+  if (cfg.cluster == 2) {
+    if (cfg.swap_ab) {
+      switch (cfg.block_m) {
+        case 64: return f(Instance<true, true, 2, 64, 128, false, 2>{});
+        case 128: return f(Instance<true, true, 2, 128, 128, false, 2>{});
+      }
+      MOEKIT_CHECK(false, bad + "block_m in {64, 128} for swap-AB with cluster = 2");
+    }
+    MOEKIT_CHECK(cfg.block_m == 128, bad + "block_m = 128 with cluster = 2");
+    return f(Instance<false, true, 2, 128, 128, false, 2>{});
+  }
+  MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster in {1, 2}");
   if (cfg.swap_ab) {
     switch (cfg.block_m) {
       case 16: return f(Instance<true, true, 2, 16, 128>{});
@@ -97,8 +110,9 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
     im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, true);
   }
 
+  check_cluster(im.cfg, gated ? p.n / 2 : p.n);
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
-  im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm, kBlockK, true);
+  im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
 
   const int cols = gated ? p.n / 2 : p.n;  // output columns

@@ -12,6 +12,7 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
   const std::string bad = std::string(masked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
                           " is not compiled; expected ";
   MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128");
+  MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 (MXFP4 kernels run one CTA per cluster)");
   if (!masked) {
     switch (cfg.block_m) {
       case 64: return Mxfp4Instance<false, 64>::launch(cfg, num_experts);

@@ -140,8 +140,10 @@ __global__ void __launch_bounds__(384, 1)
       ptx::tma_load_2d(a_tiles + stage * Layout::kATile, &tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
       ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, &tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
     };
-    produce<kMasked, kBlockT, kBlockW>(args, num_tiles, num_w_blocks, prefix, m_of, full, empty, Layout::kTxBytes,
-                                       early_weights, load_w, load_a);
+    auto decode = [&](int tile) {
+      return decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+    };
+    produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxBytes, early_weights, decode, load_w, load_a);
     return;
   }
 

@@ -44,16 +44,20 @@ constexpr int kFlagPdl = 1;
 constexpr int kFlagEarlyWeights = 2;
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
-// A-scale rows, full and empty barriers, then (masked) the tile prefix sums [E+1] and the
-// clamped masked_m [E]. kWRows: weight rows per stage (2 kBlockW for gated tiles).
-template <int kBlockT, int kWRows>
+// A-scale rows, the epilogue's staging rows (kEpiBytes, gemm_epilogue.cuh), full and empty
+// barriers, then (masked) the tile prefix sums [E+1] and the clamped masked_m [E]. kWRows:
+// weight rows per stage (2 kBlockW for gated tiles).
+template <int kBlockT, int kWRows, int kEpiBytes = 0>
 struct SmemLayout {
   static constexpr int kWTile = kWRows * kBlockK;
   static constexpr int kATile = kBlockT * kBlockK;
   static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;  // 128-byte aligned rows
   static constexpr int kStageBytes = kWTile + kATile + kSaFloats * 4 + 16;  // + two barriers
   static constexpr uint32_t kTxBytes = (kWRows + kBlockT) * kBlockK + kBlockT * 4;
-  static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
+  static constexpr int kEpi = kEpiBytes;
+  static int bytes(int stages, int num_experts) {
+    return 1024 + stages * kStageBytes + kEpiBytes + (2 * num_experts + 1) * 4;
+  }
 };
 
 struct TileInfo {
@@ -64,12 +68,49 @@ struct TileInfo {
   int kb_begin, kb_end;
   int split;
   int slot;       // split-K workspace slot of (expert, weight block, token block)
+  uint32_t real[4];  // contiguous: bit r % 32 of word r / 32 is set when token row t0 + r is real
 };
 
-// num_w_blocks: weight blocks per expert (N / kBlockW; gated tiles: N / 2 / kBlockW).
+// Contiguous: whether token row t0 + r of the tile is a real row (not segment padding).
+// (Selected, not indexed: a runtime index would put TileInfo in local memory.)
+__device__ __forceinline__ bool is_real_row(const TileInfo& t, int r) {
+  const uint32_t word = r < 32 ? t.real[0] : r < 64 ? t.real[1] : r < 96 ? t.real[2] : t.real[3];
+  return (word >> (r % 32)) & 1u;
+}
+
+// Contiguous: the grouped raster of a tile index (without its split): kRasterGroup token blocks
+// walk the weight blocks together. Returns the token block, sets wb.
+__device__ __forceinline__ int contiguous_token_block(int rest, int t_blocks, int num_w_blocks, int& wb) {
+  const int group = rest / (kRasterGroup * num_w_blocks);
+  const int first = group * kRasterGroup;
+  const int size = min(kRasterGroup, t_blocks - first);
+  const int in = rest - group * kRasterGroup * num_w_blocks;
+  wb = in / size;
+  return first + in % size;
+}
+
+// Contiguous: row_expert of a tile's token block, one value per lane for each 32 rows. Fetched a
+// whole tile ahead (fetch_block_rows) and read by decode_tile, so that no thread waits for them.
+template <int kBlockT>
+struct BlockRows {
+  int v[(kBlockT + 31) / 32];
+};
+template <int kBlockT>
+__device__ __forceinline__ BlockRows<kBlockT> fetch_block_rows(int tile, const KernelArgs& args, int num_w_blocks,
+                                                               int lane) {
+  int wb;
+  const int tb = contiguous_token_block(tile / args.num_splits, args.rows / kBlockT, num_w_blocks, wb);
+  BlockRows<kBlockT> rows;
+#pragma unroll
+  for (int j = 0; j < (kBlockT + 31) / 32; ++j) rows.v[j] = __ldg(args.row_expert + tb * kBlockT + j * 32 + lane);
+  return rows;
+}
+
+// num_w_blocks: weight blocks per expert (N / kBlockW; gated tiles: N / 2 / kBlockW). rows
+// (contiguous only): the tile's fetch_block_rows (the overload below fetches them itself).
 template <bool kMasked, int kBlockT, int kBlockW>
 __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args, int num_w_blocks, const int* prefix,
-                                                const int* m_of, int lane) {
+                                                const int* m_of, int lane, const BlockRows<kBlockT>& rows) {
   const int k_blocks = args.k / kBlockK;
   const int splits = args.num_splits;
   TileInfo t{};
@@ -94,25 +135,33 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
     int max_t_blocks = (args.rows + kBlockT - 1) / kBlockT;
     t.slot = (t.e * num_w_blocks + wb) * max_t_blocks + tb;
   } else {
-    // Grouped raster: kRasterGroup token blocks walk the weight blocks together.
-    int t_blocks = args.rows / kBlockT;
-    int group = rest / (kRasterGroup * num_w_blocks);
-    int first = group * kRasterGroup;
-    int size = min(kRasterGroup, t_blocks - first);
-    int in = rest - group * kRasterGroup * num_w_blocks;
-    tb = first + in % size;
-    wb = in / size;
+    tb = contiguous_token_block(rest, args.rows / kBlockT, num_w_blocks, wb);
     t.slot = tb * num_w_blocks + wb;
     t.m_valid = 0;
-    // The block's expert: the largest row_expert of its rows (padding rows are -1).
+    // The block's expert: the largest row_expert of its rows (padding rows are -1); and which rows
+    // are real, so that the epilogue needs no load of its own.
+    static_assert(kBlockT % 32 == 0 && kBlockT <= 128, "contiguous token blocks of 32..128 rows");
     int e = -1;
-    for (int r = lane; r < kBlockT; r += 32) e = max(e, __ldg(args.row_expert + tb * kBlockT + r));
+#pragma unroll
+    for (int j = 0; j < kBlockT / 32; ++j) {
+      const int re = rows.v[j];
+      e = max(e, re);
+      t.real[j] = __ballot_sync(0xFFFFFFFFu, re >= 0);
+    }
     for (int o = 16; o > 0; o /= 2) e = max(e, __shfl_xor_sync(0xFFFFFFFFu, e, o));
     t.e = e;
   }
   t.t0 = tb * kBlockT;
   t.w0 = wb * kBlockW;
   return t;
+}
+
+template <bool kMasked, int kBlockT, int kBlockW>
+__device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args, int num_w_blocks, const int* prefix,
+                                                const int* m_of, int lane) {
+  BlockRows<kBlockT> rows{};
+  if constexpr (!kMasked) rows = fetch_block_rows<kBlockT>(tile, args, num_w_blocks, lane);
+  return decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane, rows);
 }
 
 // The number of tiles of a launch, which every thread of the CTA returns. Masked: also fills
@@ -154,12 +203,23 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
   }
 }
 
+// The tiles a CTA works on: first, first + stride, ... A CTA alone walks from blockIdx.x in steps
+// of gridDim.x; the CTAs of a cluster walk the cluster's sequence together (each takes its own
+// weight block of a cluster tile, see decode_tile's callers).
+struct TileWalk {
+  int first, stride;
+};
+template <int kCluster>
+__device__ __forceinline__ TileWalk tile_walk() {
+  return {int(blockIdx.x) / kCluster, int(gridDim.x) / kCluster};
+}
+
 // The start of a grouped GEMM kernel, before the tile count: the PDL wait and trigger (unless the
 // producer takes them after its early weight loads), and in thread 0 the stage clock and the
-// ring's barriers (full[s]: the producer's arrive plus the stage's TMA bytes; empty[s]: one arrive
-// per math warp), made visible to TMA.
+// ring's barriers (full[s]: the producer's arrive plus the stage's TMA bytes; empty[s]:
+// empty_arrivals, one per math warp of every CTA that loads into the stage), made visible to TMA.
 __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_weights, uint64_t* full, uint64_t* empty,
-                                           int math_warps) {
+                                           int empty_arrivals) {
   if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
     ptx::grid_dependency_wait();
     ptx::launch_dependents();
@@ -168,26 +228,26 @@ __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_we
     stamp_start(args.stamp);
     for (int s = 0; s < args.num_stages; ++s) {
       ptx::mbar_init(&full[s], 1);
-      ptx::mbar_init(&empty[s], math_warps);
+      ptx::mbar_init(&empty[s], empty_arrivals);
     }
     ptx::fence_barrier_init();
   }
 }
 
-// The producer warp's loop (lane 0 issues): for every k block of every tile of this CTA, wait
-// for the stage to be free, announce tx_bytes, load_w(stage, kb, tile) (the weights) and
-// load_a(stage, kb, tile) (activations and their scales). Early weights: the first ring of
-// stages gets its weights (and the whole stage's expect-tx) before the PDL wait; their
-// activation loads follow it.
-template <bool kMasked, int kBlockT, int kBlockW, class LoadW, class LoadA>
-__device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, int num_w_blocks, const int* prefix,
-                                        const int* m_of, uint64_t* full, uint64_t* empty, uint32_t tx_bytes,
-                                        bool early_weights, LoadW&& load_w, LoadA&& load_a) {
+// The producer warp's loop (lane 0 issues): for every k block of every tile of this CTA's walk
+// (decode(tile) gives its TileInfo), wait for the stage to be free, announce tx_bytes,
+// load_w(stage, kb, tile) (the weights) and load_a(stage, kb, tile) (activations and their
+// scales). Early weights: the first ring of stages gets its weights (and the whole stage's
+// expect-tx) before the PDL wait; their activation loads follow it.
+template <class Decode, class LoadW, class LoadA>
+__device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, TileWalk walk, uint64_t* full,
+                                        uint64_t* empty, uint32_t tx_bytes, bool early_weights, Decode&& decode,
+                                        LoadW&& load_w, LoadA&& load_a) {
   const int lane = threadIdx.x % 32, stages = args.num_stages;
   int prefetched = 0;
   if (early_weights) {
-    for (int tile = blockIdx.x; tile < num_tiles && prefetched < stages; tile += gridDim.x) {
-      const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+    for (int tile = walk.first; tile < num_tiles && prefetched < stages; tile += walk.stride) {
+      const TileInfo t = decode(tile);
       for (int kb = t.kb_begin; kb < t.kb_end && prefetched < stages; ++kb, ++prefetched) {
         if (lane == 0) {
           ptx::mbar_arrive_expect_tx(&full[prefetched], tx_bytes);
@@ -200,8 +260,8 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, i
   }
   int iter = 0, s = 0;
   uint32_t phase = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
+  for (int tile = walk.first; tile < num_tiles; tile += walk.stride) {
+    const TileInfo t = decode(tile);
     if (t.e < 0) continue;
     for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
       if (lane == 0) {
@@ -215,6 +275,13 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, i
       if (++s == stages) s = 0, phase ^= 1;
     }
   }
+}
+
+// Every thread's last step in a clustered kernel: no CTA leaves while a peer may still multicast
+// into its shared memory or arrive on its barriers.
+template <int kCluster>
+__device__ __forceinline__ void end_cluster() {
+  if constexpr (kCluster > 1) ptx::cluster_sync();
 }
 
 // The consumer warpgroups' named barrier (the producer warps have left).

@@ -38,19 +38,36 @@ __device__ __forceinline__ void end_kernel(unsigned long long* stamp) {
   if (threadIdx.x == 0) stamp_end(stamp);
 }
 
+// The launch attributes a kernel of this project may need: PDL, and the CTAs per cluster (the
+// grid must be a multiple of it). A bare bool reads as "pdl".
+struct LaunchShape {
+  LaunchShape(bool pdl_, int cluster_ = 1) : pdl(pdl_), cluster(cluster_) {}
+  bool pdl;
+  int cluster;
+};
+
 template <class... Params, class... Args>
 void launch_kernel_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
-                      bool pdl, Args&&... args) {
+                      LaunchShape shape, Args&&... args) {
   cudaLaunchConfig_t lc{};
   lc.gridDim = grid;
   lc.blockDim = block;
   lc.dynamicSmemBytes = smem_bytes;
   lc.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (shape.pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (shape.cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = shape.cluster;
+    attr[n].val.clusterDim.y = attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
   lc.attrs = attr;
-  lc.numAttrs = pdl ? 1 : 0;
+  lc.numAttrs = n;
   MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, std::forward<Args>(args)...));
 }
 

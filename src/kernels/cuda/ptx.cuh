@@ -54,6 +54,34 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Arrive once on the barrier at the same shared-memory offset in CTA `cta` of this cluster (this
+// CTA's own rank included): a consumer that has finished reading a stage frees it for a peer's
+// multicast load. The default (CTA-scope) release: what it orders is the caller's reads of the
+// stage, which a wgmma wait has already completed. A `.release.cluster` arrive fences every
+// earlier memory operation at cluster scope, a MEMBAR per stage that made the clustered GEMM
+// 1.7x slower (docs/gemm.md, run 9).
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+// ---- thread-block clusters ------------------------------------------------------------------
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA in the cluster; what each wrote before is visible to all after (its
+// barrier inits included). Also keeps a CTA alive until its peers no longer address its shared
+// memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // ---- programmatic dependent launch ----------------------------------------------------------
 // Lets the next grid on the stream be scheduled before this one ends (no-op without the launch
 // attribute).
@@ -88,6 +116,35 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y), "l"(policy)
       : "memory");
+}
+
+// The same load delivered to every CTA of `cta_mask` in the cluster, at the same shared-memory
+// offset, each completing its bytes on the barrier at `bar`'s offset in that CTA.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y,
+                                                      uint16_t cta_mask, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5, %6;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y), "h"(cta_mask), "l"(policy)
+      : "memory");
+}
+
+// ---- conversions ----------------------------------------------------------------------------
+// Two floats rounded to BF16 (nearest, ties to even) in one register: lo in bits 0-15, hi in
+// 16-31. One instruction and no branch, where moekit::float_to_bf16 is a sequence with a NaN test:
+// an epilogue that packs all its values first and then stores keeps no register of a pending store
+// busy (run 10 of docs/gemm.md). Finite values round as float_to_bf16 does; a NaN becomes the
+// canonical BF16 NaN.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ uint16_t to_bf16(float x) {
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
 }
 
 // ---- shared memory written by the threads, read by wgmma -------------------------------------
