@@ -13,7 +13,10 @@
 //   problem 3: contiguous prefill, 8 experts of the GEMM1 shape (N 4096 K 7168) and of the GEMM2
 //             shape (N 7168 K 2048), 512/2048/8192 rows each: TFLOP/s, also in clusters of 2.
 // Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
-// whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 123]
+//   problem 4: the A/B driver for kernel changes: problem 3's two shapes at 2048 rows per expert on
+//             constant data (random data moves the tensor-core rate by up to ~15% run to run),
+//             single CTAs and clusters of 2. Not in the default run.
+// whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 1234]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -246,8 +249,11 @@ std::vector<int32_t> uniform_routing(int batch, int topk, int total_experts, int
   return m;
 }
 
+// constant: every code 1.0 and every scale 1.0 instead of random data. Random operands draw more
+// power and cost the tensor cores up to ~15% of their rate run to run; constant ones isolate
+// what a kernel change does (problem 4).
 json run_contiguous(int num_experts, int rows_per_expert, int N, int K, const Ceilings& ceil, int iters,
-                    const GemmConfig* force = nullptr) {
+                    const GemmConfig* force = nullptr, bool constant = false) {
   const int total = num_experts * rows_per_expert;  // rows_per_expert is a multiple of 128: no padding
   uint8_t* a = device_alloc<uint8_t>(size_t(total) * K);
   uint8_t* w = device_alloc<uint8_t>(size_t(num_experts) * N * K);
@@ -255,10 +261,18 @@ json run_contiguous(int num_experts, int rows_per_expert, int N, int K, const Ce
   float* ws = device_alloc<float>(size_t(num_experts) * (N / 128) * (K / 128));
   int32_t* re = device_alloc<int32_t>(total);
   uint16_t* o = device_alloc<uint16_t>(size_t(total) * N);
-  fill_fp8(a, size_t(total) * K, 11);
-  fill_fp8(w, size_t(num_experts) * N * K, 12);
-  fill_scales(as, size_t(total) * K / 128, 13);
-  fill_scales(ws, size_t(num_experts) * (N / 128) * (K / 128), 14);
+  if (constant) {
+    MOEKIT_CUDA_CHECK(cudaMemset(a, 0x38, size_t(total) * K));  // e4m3 1.0
+    MOEKIT_CUDA_CHECK(cudaMemset(w, 0x38, size_t(num_experts) * N * K));
+    const std::vector<float> ones(std::max<size_t>(size_t(total) * K / 128, size_t(num_experts) * (N / 128) * (K / 128)), 1.0f);
+    MOEKIT_CUDA_CHECK(cudaMemcpy(as, ones.data(), size_t(total) * K / 128 * 4, cudaMemcpyHostToDevice));
+    MOEKIT_CUDA_CHECK(cudaMemcpy(ws, ones.data(), size_t(num_experts) * (N / 128) * (K / 128) * 4, cudaMemcpyHostToDevice));
+  } else {
+    fill_fp8(a, size_t(total) * K, 11);
+    fill_fp8(w, size_t(num_experts) * N * K, 12);
+    fill_scales(as, size_t(total) * K / 128, 13);
+    fill_scales(ws, size_t(num_experts) * (N / 128) * (K / 128), 14);
+  }
   std::vector<int32_t> h(total);
   for (int i = 0; i < total; ++i) h[i] = i / rows_per_expert;
   MOEKIT_CUDA_CHECK(cudaMemcpy(re, h.data(), total * 4, cudaMemcpyHostToDevice));
@@ -290,7 +304,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_gemm [--json PATH] [--quick] [--only 123]\n");
+      std::fprintf(stderr, "usage: bench_gemm [--json PATH] [--quick] [--only 1234]\n");
       return 2;
     }
   }
@@ -432,6 +446,22 @@ int main(int argc, char** argv) {
                   r1["config"].get<std::string>().c_str());
       out["problem3_cluster2"].push_back(r1);
     }
+    }
+    }
+    // ---- problem 4: the A/B driver of kernel changes (constant data, 2048 rows per expert)
+    if (only.find('4') != std::string::npos) {
+    std::printf("\nproblem 4: contiguous, 8 experts x 2048 rows, constant data (kernel A/B)\n");
+    for (auto [N, K] : {std::pair{7168, 2048}, std::pair{4096, 7168}}) {
+      for (int cluster : {1, 2}) {
+        GemmConfig f;
+        f.block_m = 128;
+        f.block_n = 128;
+        f.cluster = cluster;
+        json r = run_contiguous(8, 2048, N, K, ceil, 10, &f, true);
+        std::printf("N=%d K=%d  %9.1f us  %7.1f TFLOP/s  %s\n", N, K, r["us"].get<double>(), r["TFLOPs"].get<double>(),
+                    r["config"].get<std::string>().c_str());
+        out["problem4"].push_back(r);
+      }
     }
     }
     if (!json_path.empty()) write_text_file(json_path, out.dump(1));
