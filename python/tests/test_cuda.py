@@ -252,6 +252,52 @@ def test_gpu_layer_bad_arguments(layer_weights):
 
 
 
+# ---- gpt-oss's block on the GPU: MXFP4 experts with biases, clamped SwiGLU, router logit bias -------
+
+# hidden 160 and inter 96 are padded to 256 and 128 inside the layer; limit 1 makes the clamps act
+# (the C++ tests' gpt-oss-style model, tests/oss_test_model.h).
+OSS = {
+    "name": "py-test-oss", "hidden_size": 160, "num_layers": 1, "num_moe_layers": 1,
+    "moe_intermediate_size": 96, "num_routed_experts": 16, "num_experts_per_token": 4,
+    "num_shared_experts": 0, "shared_intermediate_size": 0,
+    "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 0.53, "kv_bytes_per_token": 1024,
+    "router": {"scoring": "topk_softmax", "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,
+               "normalize_topk": True, "logit_bias": True},
+    "expert_format": "mxfp4", "activation": {"kind": "clamped_swiglu", "alpha": 1.702, "limit": 1.0},
+    "expert_bias": True,
+}
+
+
+def test_gpu_layer_runs_gpt_oss_like_the_cpu_layer_and_replays(tmp_path, rng):
+    moekit.write_random_weights(OSS, str(tmp_path), num_layers=1, seed=5)
+    cuda = TorchBackend("cuda")
+    tokens = lambda r: moekit.float32_to_bf16(r.standard_normal((6, 160)).astype(np.float32))
+    x = tokens(rng)
+    cpu = moekit.MoELayer(OSS, tmp_path, num_ranks=2, max_tokens=4)
+    gpu = moekit.MoELayer(OSS, tmp_path, num_ranks=2, max_tokens=4, device="cuda")
+    xs = [cuda.put(x[:3], "bf16"), cuda.put(x[3:], "bf16")]
+    # Both gate with their own router (its logit bias, top-4 then softmax); the GPU layer's MXFP4
+    # GEMMs sum in a different order than the CPU's: 1e-3 .. 3e-3 apart in the C++ tests.
+    got = bf16_bits_to_float(np.concatenate([cuda.get(o) for o in gpu.forward_all(xs)]))
+    gpu.check()
+    want = bf16_bits_to_float(np.concatenate(cpu.forward_all([x[:3], x[3:]])))
+    assert got.shape == (6, 160) and np.isfinite(got).all()
+    assert np.linalg.norm(got - want) <= 1.5e-2 * np.linalg.norm(want)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gpu.forward_all(xs)
+    x2 = tokens(np.random.default_rng(22))
+    xs[0].copy_(cuda.put(x2[:3], "bf16"))
+    xs[1].copy_(cuda.put(x2[3:], "bf16"))
+    graph.replay()
+    gpu.check()
+    replayed = bf16_bits_to_float(np.concatenate([cuda.get(o) for o in captured]))
+    want2 = bf16_bits_to_float(np.concatenate(cpu.forward_all([x2[:3], x2[3:]])))
+    assert np.linalg.norm(replayed - want2) <= 1.5e-2 * np.linalg.norm(want2)
+    assert np.linalg.norm(replayed - got) > 0.1 * np.linalg.norm(got)  # new tokens, new output
+
+
 # ---- The contiguous grouped GEMM (prefill) on CUDA tensors ------------------------------------------
 
 def _segments(counts):
