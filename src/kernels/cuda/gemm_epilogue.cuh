@@ -84,6 +84,46 @@ __device__ __forceinline__ bool reduce_splits(const KernelArgs& args, const Tile
   return true;
 }
 
+// swap-AB, staged: a warp's 16 weight rows are 16 neighbouring output columns, 32 bytes of each
+// token's output row. The warp writes its values (as BF16) into 32-byte token rows of its own
+// shared memory, then each lane writes 16-byte halves of them: kBlockT / 16 stores per thread
+// instead of kRegs 2-byte ones. The two halves of a token row swap places for tokens with bit 2
+// set, so the fragment's writes (4 token pairs x 8 weight rows per instruction) and the 16-byte
+// reads (4 tokens per quarter warp) each hit 32 distinct banks.
+template <bool kMasked, int kBlockT, int kRegs>
+__device__ __forceinline__ void store_bf16_transposed_staged(const KernelArgs& args, const TileInfo& t,
+                                                             const float* acc, const Fragment& f,
+                                                             uint8_t* warp_rows) {
+  static_assert(kRegs == kBlockT / 2 && kBlockT % 16 == 0, "an m64 x kBlockT accumulator");
+  const int lane = f.mtid % 32;
+  const int warp_col0 = f.row - lane / 4;  // the warp's first weight row in the tile
+  uint16_t* half_words = reinterpret_cast<uint16_t*>(warp_rows);
+  float bias[2] = {0.0f, 0.0f};
+  if (args.bias) {
+    bias[0] = __ldg(args.bias + size_t(t.e) * args.n + t.w0 + f.row);
+    bias[1] = __ldg(args.bias + size_t(t.e) * args.n + t.w0 + f.row + 8);
+  }
+  auto word_of = [](int c, int half) { return 8 * c + 4 * (half ^ ((c >> 2) & 1)); };  // a token row's half
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) {
+    const int r = lane / 4 + ((i / 2) % 2) * 8;  // weight row within the warp's 16
+    const int c = (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+    half_words[2 * (word_of(c, r >> 3) + ((r & 7) >> 1)) + (r & 1)] = ptx::to_bf16(acc[i] + bias[(i / 2) % 2]);
+  }
+  __syncwarp();
+  const size_t row0 = kMasked ? size_t(t.e) * args.rows + t.t0 : size_t(t.t0);
+  uint16_t* out = args.out + row0 * args.n + t.w0 + warp_col0;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(warp_rows);
+#pragma unroll
+  for (int s = 0; s < kBlockT / 16; ++s) {
+    const int c = (s * 32 + lane) / 2, half = lane % 2;
+    const uint4 v = *reinterpret_cast<const uint4*>(words + word_of(c, half));
+    const bool real = kMasked ? t.t0 + c < t.m_valid : is_real_row(t, c);
+    if (real) *reinterpret_cast<uint4*>(out + size_t(c) * args.n + half * 8) = v;
+  }
+  __syncwarp();  // the staging rows are free for the next tile
+}
+
 // Normal orientation: accumulator rows are tokens, columns weight rows. Straight from the
 // fragment each store instruction of a warp would write 4-byte pieces of 8 rows, and the stores
 // of a tile queue up at the load-store unit (a fifth of the contiguous GEMM's time, run 10). So
@@ -94,9 +134,16 @@ __device__ __forceinline__ bool reduce_splits(const KernelArgs& args, const Tile
 // 4 words per instruction) and the 16-byte reads each hit 32 distinct banks.
 constexpr int kEpiRowWords = 36;                          // 64 BF16 columns + 4 words of padding
 constexpr int kEpiWarpBytes = 16 * kEpiRowWords * 4;      // 16 rows per warp
-// The staging rows of a kernel instance: normal-orientation BF16 tiles only.
-constexpr int epilogue_smem_bytes(bool swap_ab, bool gated, int math_wgs) {
-  return (!swap_ab && !gated) ? math_wgs * 4 * kEpiWarpBytes : 0;
+// Swap-AB tiles of 32 and 64 tokens stage too (store_bf16_transposed_staged): 32 bytes per token
+// per warp. (16 tokens store 8 values per thread, little to gain; 128 made ptxas spill.)
+constexpr bool stages_transposed(bool swap_ab, bool gated, int block_t) {
+  return swap_ab && !gated && (block_t == 32 || block_t == 64);
+}
+// The staging rows of a kernel instance.
+constexpr int epilogue_smem_bytes(bool swap_ab, bool gated, int math_wgs, int block_t) {
+  return (!swap_ab && !gated)                          ? math_wgs * 4 * kEpiWarpBytes
+         : stages_transposed(swap_ab, gated, block_t) ? math_wgs * 4 * block_t * 32
+                                                       : 0;
 }
 template <bool kMasked, int kRegs>
 __device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInfo& t, const float* acc,

@@ -67,7 +67,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   constexpr int kRegs = Mma::kRegs;
   constexpr int kAccRegs = kSlabs * kRegs;  // slab sl's registers at [sl * kRegs, (sl + 1) * kRegs)
   // The normal orientation's epilogue stages each math warp's rows in shared memory.
-  constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs);
+  constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs, kBlockT);
+  constexpr int kEpiWarp = kEpiBytes / (kMathWGs * 4);  // one math warp's staging rows
   using Layout = SmemLayout<kBlockT, kSlabs * kBlockW, kEpiBytes>;
 
   extern __shared__ uint8_t smem_raw[];
@@ -287,9 +288,13 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     } else if constexpr (kGated) {
       store_silu_mul_fp8<kBlockT, kRegs, kMathThreads>(args, t, acc, acc + kRegs, f);
     } else if constexpr (kSwapAB) {
-      store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
+      if constexpr (stages_transposed(kSwapAB, kGated, kBlockT)) {
+        store_bf16_transposed_staged<kMasked, kBlockT, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
+      } else {
+        store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
+      }
     } else {
-      store_bf16<kMasked, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarpBytes);
+      store_bf16<kMasked, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
     }
     t = t_next;
     tile = tile_next;

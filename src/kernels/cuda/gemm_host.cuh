@@ -135,7 +135,7 @@ struct Instance {
     constexpr int kExtraStatic = kGated ? kMathWGs * 4 * kBlockT * 4 : 0;  // gemm_epilogue.cuh's warp_amax
     MOEKIT_CHECK(cfg.cluster == kCluster, "GEMM config " + cfg.to_string() + " dispatched to a kernel of cluster " +
                                               std::to_string(kCluster));
-    constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs);
+    constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs, kBlockT);
     finish_config<SmemLayout<kBlockT, kWRows, kEpiBytes>>(cfg, num_experts, kExtraStatic);
     Launch l = get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster>(cfg.smem_bytes);
     cfg.num_ctas = cluster_ctas(l, cfg);
