@@ -27,15 +27,16 @@
 //
 // Clusters (kCluster = 2): the two CTAs of a cluster take neighbouring weight blocks of the same
 // (expert, token block), so they need the same activation tile; each loads half of its rows and
-// multicasts them to both, which halves the activation bytes that cross L2 -> SM (the limit of the
-// compute-bound tiles: 32 KB per 128-deep block of a 128x128 tile, ~6.8 TB/s at 860 TFLOP/s).
-// A stage is then written by both CTAs' producers, so a consumer frees it in both (empty[s]
-// counts the math warps of the cluster), and neither CTA leaves while the other may still
-// address its shared memory. The cluster walks cluster tiles of 2 kBlockW weight rows.
-// Split-K: the splits of one tile write fp32
-// partials to a workspace; the last split to finish (an atomic counter per tile, which it
-// resets for the next launch) adds them in split order and writes BF16, so the result does not
-// depend on which split finished last.
+// multicasts them to both, which cuts the bytes crossing L2 -> SM per 128-deep block of a 128x128
+// tile from 32 KB to 24 KB. A stage is then written by both CTAs' producers, so a consumer frees
+// it in both (empty[s] counts the math warps of the cluster), and neither CTA leaves while the
+// other may still address its shared memory. The cluster walks cluster tiles of 2 kBlockW weight
+// rows. Measured slower than single CTAs on the H200 (the L2 -> SM bytes were not the limit,
+// docs/gemm.md run 9): a forced config only.
+//
+// Split-K: the splits of one tile write fp32 partials to a workspace; the last split to finish
+// (an atomic counter per tile, which it resets for the next launch) adds them in split order and
+// writes BF16, so the result does not depend on which split finished last.
 #pragma once
 
 #include <cuda_runtime.h>
