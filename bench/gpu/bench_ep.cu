@@ -9,7 +9,8 @@
 //
 //   bench_ep [--json PATH] [--iters N] [--ranks P] [--tokens T] [--hidden d] [--experts E]
 //            [--topk k] [--prefill-tokens T] [--commit SHA]
-// Low-latency mode at (P, T) and normal mode at (P, prefill T) are measured, each captured
+// Low-latency mode at (P, T) and normal mode at (P, prefill T) are measured (a count of 0 skips
+// that mode, so that a profiler's first kernel of a name is the other mode's), each captured
 // in CUDA Graphs: one graph of every rank's dispatch_send + dispatch_recv, one of every rank's
 // combine_send + combine_recv, and, measured last because it leaves the ranks out of step, one
 // of the sends alone (receive time = dispatch - send).
@@ -254,7 +255,7 @@ int main(int argc, char** argv) {
   const double bw = copy_bandwidth(s);
   std::printf("device: %s, %d SMs, copy bandwidth %.2f TB/s (read + write)\n", dev.name.c_str(), dev.num_sms, bw / 1e12);
   std::vector<Result> results;
-  results.push_back(run_mode(o, EpMode::kLowLatency, o.tokens, s));
+  if (o.tokens > 0) results.push_back(run_mode(o, EpMode::kLowLatency, o.tokens, s));
   if (o.prefill_tokens > 0) results.push_back(run_mode(o, EpMode::kNormal, o.prefill_tokens, s));
 
   const double nvlink = 450e9;

@@ -17,6 +17,12 @@ raise moekit.Error naming it within the timeout.
 These need PyTorch with torch.distributed and NCCL, 2 GPUs and moekit built with CUDA (the GPU
 machine: scripts/gpu-python); elsewhere they skip, saying what is missing. The argument checks
 that come before any collective run everywhere, and the checks of what the group swapped on one GPU.
+
+MOEKIT_TEST_ONE_GPU=1 runs the `nvlink` cases with both processes on GPU 0 (a gloo group): CUDA IPC
+maps memory between processes of one GPU as between GPUs, so the whole Python path (the exchange
+through the group, the kernels on mapped memory, graphs, the dead rank) runs where 2 GPUs do not
+exist. The processes' kernels take turns on the GPU, so nothing here is timed. NCCL refuses two
+ranks on one GPU: the `nccl` cases still need 2.
 """
 
 import functools
@@ -41,6 +47,14 @@ INTER = 128
 PROTOCOLS = ("low-latency", "normal")
 SPAWN_LIMIT_S = 180.0   # a spawned test that runs longer is killed and fails
 FAULT_TIMEOUT_S = 2.0   # the fault test's Buffer timeout_s
+# The output against the float64 evaluation. Not the layer's 1.5e-2: these tokens carry their rank and
+# index in x[:, 0] (up to ~2000 beside N(0, 1) values, so that a misrouted row is caught by value),
+# which makes gate and up large, and the FP8 GEMM's accumulation error then moves some SiLU * up
+# values across an FP8 rounding step, each by 1/16 of its size. With exact fp32 GEMMs the same
+# pipeline is off by ~2.4e-3 (bf16 outputs); TBD measured on the GPU. A misrouted token or a
+# wrong weight is off by tens of percent.
+OUTPUT_BOUND = 5e-2
+ONE_GPU = os.environ.get("MOEKIT_TEST_ONE_GPU") == "1"  # both ranks on GPU 0 (module docstring)
 
 
 def _skip_reason():
@@ -54,13 +68,16 @@ def _skip_reason():
     if not dist.is_nccl_available():
         return "needs NCCL in torch.distributed"
     gpus = torch.cuda.device_count()
-    if gpus < P:
-        return f"needs {P} GPUs (one process per GPU), found {gpus}"
+    if gpus < (1 if ONE_GPU else P):
+        return f"needs {P} GPUs (one process per GPU), found {gpus}; MOEKIT_TEST_ONE_GPU=1 runs the nvlink cases on one"
     return None
 
 
 SKIP = _skip_reason()
 needs_gpus = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+TRANSPORTS = [pytest.param("nvlink"),
+              pytest.param("nccl", marks=pytest.mark.skipif(ONE_GPU, reason="MOEKIT_TEST_ONE_GPU=1: NCCL refuses two "
+                                                                             "ranks on one GPU; needs 2 GPUs"))]
 needs_one_gpu = pytest.mark.skipif(torch is None or not torch.cuda.is_available() or not moekit.with_cuda,
                                    reason="needs PyTorch with a CUDA GPU and moekit built with CUDA")
 
@@ -240,11 +257,12 @@ def _spawn(fn, tmp_path, *args):
 
 
 def _start_rank(rank, init, backend="nccl"):
-    """Joins the group as rank `rank` on GPU `rank`; returns the WORLD group."""
+    """Joins the group as rank `rank` on GPU `rank` (GPU 0 and a gloo group under ONE_GPU); returns
+    the WORLD group."""
     from datetime import timedelta
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    torch.cuda.set_device(rank)
-    torch.distributed.init_process_group(backend, init_method=init, rank=rank, world_size=P,
+    torch.cuda.set_device(0 if ONE_GPU else rank)
+    torch.distributed.init_process_group("gloo" if ONE_GPU else backend, init_method=init, rank=rank, world_size=P,
                                          timeout=timedelta(seconds=120))
     return torch.distributed.group.WORLD
 
@@ -252,7 +270,10 @@ def _start_rank(rank, init, backend="nccl"):
 def _barrier(rank):
     """No rank frees its buffers while a peer may still write into them."""
     torch.cuda.synchronize()
-    torch.distributed.barrier(device_ids=[rank])
+    if ONE_GPU:
+        torch.distributed.barrier()
+    else:
+        torch.distributed.barrier(device_ids=[rank])
 
 
 def _example():
@@ -383,9 +404,8 @@ def _checkpoint_view(w1, w2):
 
 
 def _expect_output(got, inputs, tensors, what):
-    """out[t] = sum_j w[t, j] * expert(slot j)(x[t]) in float64, with the pipeline's roundings; the
-    bound is the GPU layer's (its FP8 tensor-core sums keep fewer bits): a misrouted token, a wrong
-    weight or a wrong scale is off by tens of percent."""
+    """out[t] = sum_j w[t, j] * expert(slot j)(x[t]) in float64, with the pipeline's roundings. Prints
+    the relative error of the whole output (for the record) and checks it against OUTPUT_BOUND."""
     x, idx, w = inputs
     xf = bf16_bits_to_float(x).astype(np.float32)
     want = np.zeros(xf.shape)
@@ -393,7 +413,8 @@ def _expect_output(got, inputs, tensors, what):
         for j in np.flatnonzero(idx[t] >= 0):
             want[t] += w[t, j] * expert_f64(tensors, f"e{idx[t, j]}", xf[t:t + 1])[0]
     err = np.linalg.norm(bf16_bits_to_float(got["out"]) - want) / np.linalg.norm(want)
-    assert err <= 1.5e-2, f"{what}: output off the float64 evaluation by {err:.2e}"
+    print(f"{what}: output off the float64 evaluation by {err:.2e}", flush=True)
+    assert err <= OUTPUT_BOUND, f"{what}: output off the float64 evaluation by {err:.2e} (bound {OUTPUT_BOUND:.0e})"
 
 
 def _buffer_rank(rank, init, transport):
@@ -449,7 +470,7 @@ def _buffer_rank(rank, init, transport):
 
 
 @needs_gpus
-@pytest.mark.parametrize("transport", ["nvlink", "nccl"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_buffer_over_a_process_group(tmp_path, transport):
     _spawn(_buffer_rank, tmp_path, transport)
 
@@ -542,7 +563,7 @@ def _fault_rank(rank, init, transport, results):
 
 
 @needs_gpus
-@pytest.mark.parametrize("transport", ["nvlink", "nccl"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_rank_that_dies_is_named(tmp_path, transport):
     """nvlink: the combine kernel's own wait times out; nccl: check() aborts the NCCL communicator after
     timeout_s (NCCL's send/receive would wait forever) and the receive kernel's wait then names the

@@ -3,18 +3,20 @@
 //
 // Message positions are deterministic without atomics on global memory: CTA c owns the tokens
 // [c*T/G, (c+1)*T/G) and first counts, over the tokens before its range, how many messages go to
-// each rank and how many rows go to each slot (shared-memory counters). Its warp 0 then walks
-// its own tokens in order (one lane per top-k entry), so token t's message lands at inbox position "messages to that rank
-// from tokens < t", and each entry's row position is "rows of that slot from tokens < t": the
-// canonical order of layout.h, computed where the routing is known. The last CTA to finish
-// recounts the whole batch; the thread that raises a peer's flag first writes that peer's
-// per-expert counts into its inbox header, so its release store covers them (every CTA's payload
-// is covered by the system fence before its sign-off).
+// each rank and how many rows go to each slot (shared-memory counters). It then plans its tokens
+// in batches of up to 32, in token order (plan_batch), so token t's message lands at inbox
+// position "messages to that rank from tokens < t", and each entry's row position is "rows of
+// that slot from tokens < t": the canonical order of layout.h, computed where the routing is
+// known. The CTA with the last tokens ends holding the whole batch's counts and writes every
+// peer's per-expert counts into its inbox header; the last CTA to finish raises the flags, whose
+// release stores cover every CTA's payload and headers (each CTA fences before its sign-off).
 //
-// Latency, not bytes, sets this kernel's time at decode sizes (one token per CTA): the first x
-// block of a CTA's token is loaded before the counting, the counting loads four rounds of
-// topk_idx at once, and the conversion to e4m3 is the hardware's (cvt.rn.satfinite, the same
-// rounding as fp8.h's) wherever the chunk is finite.
+// A batch's tokens are copied by teams of warps working side by side: at decode sizes (one token
+// per CTA) the whole CTA is one team and latency sets the time, so the token's first x block is
+// loaded before the counting and the counting keeps eight rounds of topk_idx in flight; at
+// prefill sizes each warp copies its own tokens and loads its next x block before it sends the
+// current one. The conversion to e4m3 is the hardware's (cvt.rn.satfinite, the same rounding as
+// fp8.h's) wherever the chunk is finite.
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
@@ -30,7 +32,7 @@ namespace {
 // at a time (one entry per lane), kCountRounds rounds loaded before any is classified; entries
 // that fail the validity rule are skipped, and every CTA applies the same rule, so all agree on
 // positions.
-constexpr int kCountRounds = 4;
+constexpr int kCountRounds = 8;
 __device__ void count_tokens(const EpArgs& a, const int32_t* topk_idx, int t0, int t1, int* cnt_slot, int* cnt_rank) {
   for (int i = threadIdx.x; i < a.num_slots; i += blockDim.x) cnt_slot[i] = 0;
   for (int i = threadIdx.x; i < a.num_ranks; i += blockDim.x) cnt_rank[i] = 0;
@@ -56,6 +58,7 @@ __device__ void count_tokens(const EpArgs& a, const int32_t* topk_idx, int t0, i
   __syncthreads();
 }
 
+// What the copy of one token needs: its messages' places and each top-k entry's code and weight.
 struct TokenPlan {
   int num_targets;
   int target_rank[kEpMaxTopk];
@@ -65,59 +68,100 @@ struct TokenPlan {
   float entry_w[kEpMaxTopk];
 };
 
-// Warp 0, lane j = entry j: positions of token t's messages and rows, in token order (the counters
-// hold the counts of all earlier tokens). Valid entries of a token have distinct slots and the
-// first entry per rank is unique, so no two lanes touch the same counter. Records bad entries.
-__device__ void plan_token(const EpArgs& a, const int32_t* topk_idx, const float* topk_weights, int t, int parity,
-                           unsigned step, int* cnt_slot, int* cnt_rank, TokenPlan& p) {
-  const int k = a.topk, lane = threadIdx.x & 31;
-  const bool active = lane < k;
-  const int slot = active ? topk_idx[size_t(t) * k + lane] : -1;
-  const float weight = active ? topk_weights[size_t(t) * k + lane] : 0.0f;  // loaded with the slot: one round trip
-  const EntryInfo e = classify_entry(slot, active, 0, a.num_slots, a.local_experts);
-  if (e.fault) record_fault(a, EpErrorKind(e.fault), kPhaseDispatchSend, -1, step, t, lane, slot);
+// Tokens planned at once: every warp plans up to kBatchTokens / warps of them (one lane per top-k
+// entry), so a batch costs one round trip for its routing and one turn per warp at the counters.
+constexpr int kBatchTokens = 32;
+__device__ __forceinline__ int plan_tokens_per_warp(int k) {
+  const int by_lanes = 32 / k, by_batch = kBatchTokens / (kEpThreads / 32);
+  return by_lanes < by_batch ? by_lanes : by_batch;
+}
+
+// All threads: the plans of tokens [b0, b0 + n) of the batch into plans[0, n), positions in token
+// order. Warp w holds tokens [w * per_warp, (w + 1) * per_warp) (lane = group * k + j: entry j of
+// the group's token). Inside a warp, an entry's place among the warp's entries of its slot (or,
+// for a message, of its rank) is a match_any rank; across warps, the warps take turns at the
+// shared counters in warp order. Valid entries of a token have distinct slots and the first entry
+// per rank is unique, so each counter grows by the warp's count of that key. Records bad entries.
+__device__ void plan_batch(const EpArgs& a, const int32_t* topk_idx, const float* topk_weights, int b0, int n,
+                           int parity, unsigned step, int* cnt_slot, int* cnt_rank, TokenPlan* plans) {
+  const int k = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int per_warp = plan_tokens_per_warp(k), group = lane / k, j = lane % k, i = warp * per_warp + group;
+  const bool active = group < per_warp && i < n;
+  const int t = b0 + i;
+  const int slot = active ? topk_idx[size_t(t) * k + j] : -1;
+  const float weight = active ? topk_weights[size_t(t) * k + j] : 0.0f;  // loaded with the slot: one round trip
+  const EntryInfo e = classify_entry(slot, active, group, a.num_slots, a.local_experts);
+  if (e.fault) record_fault(a, EpErrorKind(e.fault), kPhaseDispatchSend, -1, step, t, j, slot);
+  const unsigned earlier = (1u << lane) - 1;
+  const unsigned same_slot = __match_any_sync(0xFFFFFFFFu, e.valid ? slot : (1 << 30) | lane);
+  const unsigned same_rank = __match_any_sync(0xFFFFFFFFu, e.first_on_rank ? e.rank : (1 << 30) | lane);
+  int row_pos = 0, msg_pos = 0;
+  const int warps_used = (n + per_warp - 1) / per_warp;
+  for (int w = 0; w < warps_used; ++w) {
+    if (warp == w) {
+      if (e.valid) row_pos = cnt_slot[slot] + __popc(same_slot & earlier);
+      if (e.first_on_rank) msg_pos = cnt_rank[e.rank] + __popc(same_rank & earlier);
+      __syncwarp();
+      if (e.valid && (same_slot & earlier) == 0) cnt_slot[slot] += __popc(same_slot);
+      if (e.first_on_rank && (same_rank & earlier) == 0) cnt_rank[e.rank] += __popc(same_rank);
+    }
+    __syncthreads();
+  }
+
+  TokenPlan& p = plans[active ? i : 0];
   int code = -1;
   float w = 0.0f;
   if (e.valid) {
     w = weight;
-    if (!isfinite(w)) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, lane, 0);
-    code = ((slot % a.local_experts) << 16) | cnt_slot[slot]++;
+    if (!isfinite(w)) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, j, 0);
+    code = ((slot % a.local_experts) << 16) | row_pos;
   }
   if (active) {
-    p.entry_rank[lane] = e.rank;
-    p.entry_code[lane] = code;
-    p.entry_w[lane] = w;
+    p.entry_rank[j] = e.rank;
+    p.entry_code[j] = code;
+    p.entry_w[j] = w;
   }
-  const unsigned leaders = __ballot_sync(0xFFFFFFFFu, e.first_on_rank);
+  const unsigned token_lanes = (k == 32 ? 0xFFFFFFFFu : (1u << k) - 1) << (group * k);
+  const unsigned all_leaders = __ballot_sync(0xFFFFFFFFu, e.first_on_rank);
+  const unsigned leaders = all_leaders & token_lanes;
   if (e.first_on_rank) {
-    const int i = __popc(leaders & ((1u << lane) - 1));
-    p.target_rank[i] = e.rank;
-    p.target_msg[i] = a.dispatch_outbox(parity, e.rank) + a.dispatch_header_bytes + size_t(cnt_rank[e.rank]++) * a.msg_bytes;
+    const int target = __popc(leaders & earlier);
+    p.target_rank[target] = e.rank;
+    p.target_msg[target] = a.dispatch_outbox(parity, e.rank) + a.dispatch_header_bytes + size_t(msg_pos) * a.msg_bytes;
   }
   // The combine sums the partial results in ascending rank order: a leader's place in that
-  // order is the number of leaders with a smaller rank (one shuffle per leader, not per lane).
+  // order is the number of its token's leaders with a smaller rank (one shuffle per leader).
   int place = 0;
-  for (unsigned m = leaders; m; m &= m - 1) place += __shfl_sync(0xFFFFFFFFu, e.rank, __ffs(m) - 1) < e.rank;
+  for (unsigned m = all_leaders; m; m &= m - 1) {
+    const int from = __ffs(m) - 1;
+    const int r = __shfl_sync(0xFFFFFFFFu, e.rank, from);
+    place += (token_lanes >> from & 1u) && r < e.rank;
+  }
   const int num_targets = __popc(leaders);
   if (e.first_on_rank) a.route_ranks[size_t(t) * k + place] = e.rank;
-  if (active && lane >= num_targets) a.route_ranks[size_t(t) * k + lane] = -1;
-  if (lane == 0) p.num_targets = num_targets;
+  if (active && j >= num_targets) a.route_ranks[size_t(t) * k + j] = -1;
+  if (active && j == 0) p.num_targets = num_targets;
 }
 
-// x chunks (16 elements) of one token that each thread holds at once: a 8192-wide token in one
-// pass at 256 threads, so the whole token is in flight before the first conversion.
+// A token is copied by a team of warps: the whole CTA when the CTA has one token (decode), one
+// warp per token from 8 tokens on. Team thread tt of team_threads holds x chunks (16 elements)
+// c_base + i * team_threads + tt, i < kQuantRounds: a whole 8192-wide token in one pass for a
+// CTA-wide team, so the token is in flight before the first conversion.
 constexpr int kQuantRounds = 2;
 struct XBlock {
   uint4 u[kQuantRounds][2];
 };
+struct Team {
+  int tt, threads;  // this thread's index in its team, the team's size
+};
 
-// Loads this thread's chunks of token t from chunk c_base on: chunk c_base + i * blockDim.x + threadIdx.x.
-__device__ __forceinline__ void load_x(const EpArgs& a, const uint16_t* x, int t, int c_base, XBlock& b) {
+// Loads this thread's chunks of token t from chunk c_base on.
+__device__ __forceinline__ void load_x(const EpArgs& a, const uint16_t* x, int t, int c_base, Team team, XBlock& b) {
   const int num_chunks = a.hidden / 16;
   const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.hidden);
 #pragma unroll
   for (int i = 0; i < kQuantRounds; ++i) {
-    const int c = c_base + i * int(blockDim.x) + int(threadIdx.x);
+    const int c = c_base + i * team.threads + team.tt;
     b.u[i][0] = b.u[i][1] = make_uint4(0, 0, 0, 0);
     if (c < num_chunks) {
       b.u[i][0] = __ldg(xr + 2 * c);
@@ -139,14 +183,15 @@ __device__ __forceinline__ uint32_t cvt_e4m3x4(float q0, float q1, float q2, flo
 // scale) in fp32) of the chunks in b and one 16-byte store per target per 16 elements. Eight
 // lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or an
 // infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
-__device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, unsigned step,
+__device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, Team team, unsigned step,
                                   const TokenPlan& p) {
-  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int num_chunks = a.hidden / 16;
 #pragma unroll
   for (int i = 0; i < kQuantRounds; ++i) {
-    if (c_base + i * int(blockDim.x) + warp * 32 >= num_chunks) break;  // warp-uniform: the shuffles need all lanes
-    const int c = c_base + i * int(blockDim.x) + int(threadIdx.x);
+    const int warp_first = c_base + i * team.threads + team.tt - lane;
+    if (warp_first >= num_chunks) break;  // warp-uniform: the shuffles need all lanes
+    const int c = warp_first + lane;
     const bool active = c < num_chunks;
     const uint32_t w[8] = {b.u[i][0].x, b.u[i][0].y, b.u[i][0].z, b.u[i][0].w,
                            b.u[i][1].x, b.u[i][1].y, b.u[i][1].z, b.u[i][1].w};
@@ -200,7 +245,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   extern __shared__ int smem[];
   int* cnt_slot = smem;               // [num_slots]
   int* cnt_rank = smem + a.num_slots;  // [P]
-  __shared__ TokenPlan plan;
+  __shared__ TokenPlan plans[kBatchTokens];
   begin_ep_kernel(a, kPhaseDispatchSend);
   if (a.self_slab && blockIdx.x == 0 && threadIdx.x == 0) a.recv_count[a.local_experts] = num_tokens;
   const unsigned step = current_step(a, kPhaseDispatchSend);
@@ -208,43 +253,65 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   const int t_begin = int(int64_t(num_tokens) * blockIdx.x / gridDim.x);
   const int t_end = int(int64_t(num_tokens) * (blockIdx.x + 1) / gridDim.x);
 
-  // The first x block of the CTA's first token is in flight while the counts are made.
-  XBlock xb;
-  if (t_begin < t_end) load_x(a, x, t_begin, 0, xb);
-  count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
-  const int num_chunks = a.hidden / 16, block_chunks = kQuantRounds * int(blockDim.x);
-  for (int t = t_begin; t < t_end; ++t) {
-    if (threadIdx.x < 32) plan_token(a, topk_idx, topk_weights, t, parity, step, cnt_slot, cnt_rank, plan);
+  // Tokens are planned and copied a batch at a time; the first x block of each team's first token
+  // is in flight while the counts before the CTA's range are made and while the batch is planned.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = kEpThreads / 32;
+  const int num_chunks = a.hidden / 16, per_batch = plan_tokens_per_warp(a.topk) * num_warps;
+  for (int b0 = t_begin; b0 < t_end; b0 += per_batch) {
+    const int n = t_end - b0 < per_batch ? t_end - b0 : per_batch;
+    const int team_warps = num_warps / (n < num_warps ? n : num_warps), teams = num_warps / team_warps;
+    const Team team{(warp % team_warps) * 32 + lane, team_warps * 32};
+    const int block_chunks = kQuantRounds * team.threads;
+    int i = warp / team_warps, c_base = 0;
+    XBlock cur;
+    if (i < n) load_x(a, x, b0 + i, 0, team, cur);
+    if (b0 == t_begin) count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
+    plan_batch(a, topk_idx, topk_weights, b0, n, parity, step, cnt_slot, cnt_rank, plans);
     __syncthreads();
-    if (threadIdx.x < plan.num_targets) {
-      const int r = plan.target_rank[threadIdx.x];
-      int* meta = reinterpret_cast<int*>(plan.target_msg[threadIdx.x] + a.msg_meta_off);
-      float* wts = reinterpret_cast<float*>(meta + 1 + a.topk);
-      meta[0] = t;
-      for (int j = 0; j < a.topk; ++j) {
-        const bool here = plan.entry_rank[j] == r;
-        meta[1 + j] = here ? plan.entry_code[j] : -1;
-        wts[j] = here ? plan.entry_w[j] : 0.0f;
+    while (i < n) {
+      const TokenPlan& p = plans[i];
+      if (c_base == 0 && team.tt < p.num_targets) {
+        const int r = p.target_rank[team.tt];
+        int* meta = reinterpret_cast<int*>(p.target_msg[team.tt] + a.msg_meta_off);
+        float* wts = reinterpret_cast<float*>(meta + 1 + a.topk);
+        meta[0] = b0 + i;
+        for (int j = 0; j < a.topk; ++j) {
+          const bool here = p.entry_rank[j] == r;
+          meta[1 + j] = here ? p.entry_code[j] : -1;
+          wts[j] = here ? p.entry_w[j] : 0.0f;
+        }
       }
+      int next_i = i, next_c = c_base + block_chunks;  // the block after this one, loaded before this one is sent
+      if (next_c >= num_chunks) {
+        next_c = 0;
+        next_i += teams;
+      }
+      XBlock next;
+      if (next_i < n) load_x(a, x, b0 + next_i, next_c, team, next);
+      quantize_and_send(a, cur, b0 + i, c_base, team, step, p);
+      cur = next;
+      i = next_i;
+      c_base = next_c;
     }
-    for (int c_base = 0; c_base < num_chunks; c_base += block_chunks) {
-      if (c_base > 0) load_x(a, x, t, c_base, xb);
-      quantize_and_send(a, xb, t, c_base, step, plan);
-    }
-    if (t + 1 < t_end) load_x(a, x, t + 1, 0, xb);  // the next token's first block, before the barrier
-    __syncthreads();
+    __syncthreads();  // the next batch rewrites the plans
   }
+  if (t_begin == t_end) count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
 
-  if (finish_cta(a, kPhaseDispatchSend, true)) {
-    count_tokens(a, topk_idx, 0, num_tokens, cnt_slot, cnt_rank);
-    // The thread that raises peer r's flag writes r's counts first: its release store covers them.
-    const int E = a.local_experts;
-    for (int r = threadIdx.x; r < a.num_ranks; r += blockDim.x) {
-      uint8_t* inbox = a.dispatch_outbox(parity, r);
-      int* counts = reinterpret_cast<int*>(inbox + kEpFlagBytes);
-      for (int e = 0; e < E; ++e) counts[e] = cnt_slot[r * E + e];
-      st_release_sys(reinterpret_cast<uint64_t*>(inbox), uint64_t(step) << 32 | uint32_t(cnt_rank[r]));
+  // The CTA with the last tokens now holds the whole batch's counts: it writes each peer's
+  // per-expert counts into that peer's inbox header (covered by its system fence in finish_cta,
+  // like its payload) and the message counts for the last CTA, which raises the flags.
+  const int E = a.local_experts;
+  if (blockIdx.x == gridDim.x - 1) {
+    for (int i = threadIdx.x; i < a.num_ranks * E; i += blockDim.x) {
+      const int r = i / E, e = i % E;
+      reinterpret_cast<int*>(a.dispatch_outbox(parity, r) + kEpFlagBytes)[e] = cnt_slot[i];
     }
+    for (int r = threadIdx.x; r < a.num_ranks; r += blockDim.x) a.send_msgs[r] = cnt_rank[r];
+  }
+  if (finish_cta(a, kPhaseDispatchSend, true)) {
+    for (int r = threadIdx.x; r < a.num_ranks; r += blockDim.x)
+      st_release_sys(reinterpret_cast<uint64_t*>(a.dispatch_outbox(parity, r)),
+                     uint64_t(step) << 32 | uint32_t(__ldcg(a.send_msgs + r)));
     if (threadIdx.x == 0) {
       a.ctr->num_tokens = num_tokens;
       advance_step(a, kPhaseDispatchSend, step);

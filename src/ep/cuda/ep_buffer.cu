@@ -36,7 +36,7 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // The private allocation, region by region (offsets are 256-byte aligned).
 struct PrivateLayout {
-  size_t counters, status, route_ranks, recv_msgs, map_token, map_rows, map_w;
+  size_t counters, status, route_ranks, send_msgs, recv_msgs, map_token, map_rows, map_w;
   size_t recv_x, recv_scales, recv_count, recv_src, row_expert, total_rows;
   size_t state_bytes, output_bytes, total;
 };
@@ -53,6 +53,7 @@ PrivateLayout private_layout(const EpConfig& c) {
   l.counters = take(sizeof(EpCounters));
   l.status = take(sizeof(EpStatusWord));
   l.route_ranks = take(4 * T * k);
+  l.send_msgs = take(4 * P);
   l.recv_msgs = take(4 * P);
   l.map_token = take(4 * P * T);
   l.map_rows = take(4 * P * T * k);
@@ -248,6 +249,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.ctr = reinterpret_cast<EpCounters*>(base + l.counters);
   a.status = reinterpret_cast<EpStatusWord*>(base + l.status);
   a.route_ranks = reinterpret_cast<int32_t*>(base + l.route_ranks);
+  a.send_msgs = reinterpret_cast<int32_t*>(base + l.send_msgs);
   a.recv_msgs = reinterpret_cast<int32_t*>(base + l.recv_msgs);
   a.map_token = reinterpret_cast<int32_t*>(base + l.map_token);
   a.map_rows = reinterpret_cast<int32_t*>(base + l.map_rows);

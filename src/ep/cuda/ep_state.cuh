@@ -70,6 +70,7 @@ struct EpArgs {
   EpCounters* ctr;
   EpStatusWord* status;
   int32_t* route_ranks;
+  int32_t* send_msgs;  // [P]: messages per peer of the last send, from the CTA with the last tokens
   int32_t* recv_msgs;
   int32_t* map_token;
   int32_t* map_rows;
