@@ -8,7 +8,7 @@
 // way per GPU for reference; the multi-GPU numbers come from the multi-GPU run.
 //
 //   bench_ep [--json PATH] [--iters N] [--ranks P] [--tokens T] [--hidden d] [--experts E]
-//            [--topk k] [--prefill-tokens T] [--commit SHA]
+//            [--topk k] [--prefill-tokens T] [--ctas N] [--commit SHA]
 // Low-latency mode at (P, T) and normal mode at (P, prefill T) are measured (a count of 0 skips
 // that mode, so that a profiler's first kernel of a name is the other mode's), each captured
 // in CUDA Graphs: one graph of every rank's dispatch_send + dispatch_recv, one of every rank's
@@ -39,6 +39,7 @@ struct Options {
   std::string json;
   std::string commit = "unknown";
   int iters = 200, ranks = 8, tokens = 128, hidden = 7168, experts = 256, topk = 8, prefill_tokens = 4096;
+  int ctas = 0;  // EpConfig::num_ctas (0: one per SM)
 };
 
 Options parse(int argc, char** argv) {
@@ -61,6 +62,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--experts") o.experts = std::stoi(next());
     else if (a == "--topk") o.topk = std::stoi(next());
     else if (a == "--prefill-tokens") o.prefill_tokens = std::stoi(next());
+    else if (a == "--ctas") o.ctas = std::stoi(next());
     else {
       std::fprintf(stderr, "bench_ep: unknown argument %s\n", a.c_str());
       std::exit(2);
@@ -136,6 +138,7 @@ Result run_mode(const Options& o, EpMode mode, int tokens, cudaStream_t s) {
   c.mode = mode;
   c.block_m = 128;
   c.timeout_s = 10;
+  c.num_ctas = o.ctas;
   const int P = c.num_ranks, d = c.hidden, k = c.topk, E = c.slots_per_rank();
   std::printf("%s mode, P=%d T=%d: %s\n", ep_mode_name(mode), P, tokens, ep_memory(c).describe().c_str());
   EpLocalGroup group(c);
@@ -285,8 +288,8 @@ int main(int argc, char** argv) {
     const std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     std::fprintf(f, "{\n  \"benchmark\": \"ep\",\n  \"date\": \"%s\",\n  \"commit\": \"%s\",\n", date, o.commit.c_str());
-    std::fprintf(f, "  \"command\": \"bench_ep --iters %d --ranks %d --tokens %d --hidden %d --experts %d --topk %d --prefill-tokens %d\",\n",
-                 o.iters, o.ranks, o.tokens, o.hidden, o.experts, o.topk, o.prefill_tokens);
+    std::fprintf(f, "  \"command\": \"bench_ep --iters %d --ranks %d --tokens %d --hidden %d --experts %d --topk %d --prefill-tokens %d --ctas %d\",\n",
+                 o.iters, o.ranks, o.tokens, o.hidden, o.experts, o.topk, o.prefill_tokens, o.ctas);
     std::fprintf(f, "  \"device\": {\"name\": \"%s\", \"sms\": %d, \"copy_bandwidth_Bps\": %.6g},\n", dev.name.c_str(),
                  dev.num_sms, bw);
     std::fprintf(f, "  \"transport\": \"local\",\n  \"ranks\": %d, \"hidden\": %d, \"experts\": %d, \"topk\": %d,\n", o.ranks,

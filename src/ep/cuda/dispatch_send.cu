@@ -180,19 +180,24 @@ __device__ __forceinline__ uint32_t cvt_e4m3x4(float q0, float q1, float q2, flo
 }
 
 // All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
-// scale) in fp32) of the chunks in b and one 16-byte store per target per 16 elements. Eight
-// lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or an
-// infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
+// scale) in fp32) of the chunks in b, then one pass per target with a 16-byte store per 16
+// elements (the target's message address read from the plan once per block, not once per chunk).
+// Eight lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or
+// an infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
 __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, Team team, unsigned step,
                                   const TokenPlan& p) {
   const int lane = threadIdx.x & 31;
   const int num_chunks = a.hidden / 16;
+  uint4 out[kQuantRounds];
+  float scale[kQuantRounds];
+  int chunk[kQuantRounds];  // -1: this thread has no chunk i
+#pragma unroll
+  for (int i = 0; i < kQuantRounds; ++i) chunk[i] = -1;
 #pragma unroll
   for (int i = 0; i < kQuantRounds; ++i) {
     const int warp_first = c_base + i * team.threads + team.tt - lane;
     if (warp_first >= num_chunks) break;  // warp-uniform: the shuffles need all lanes
     const int c = warp_first + lane;
-    const bool active = c < num_chunks;
     const uint32_t w[8] = {b.u[i][0].x, b.u[i][0].y, b.u[i][0].z, b.u[i][0].w,
                            b.u[i][1].x, b.u[i][1].y, b.u[i][1].z, b.u[i][1].w};
     float v[16];
@@ -210,14 +215,14 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     }
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    if (!active) continue;
+    if (c >= num_chunks) continue;
     if (!finite) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, c * 16, 1);
-    const float scale = fmaxf(amax, kMinAmax) / kFp8Max;
+    scale[i] = fmaxf(amax, kMinAmax) / kFp8Max;
     float q[16];
 #pragma unroll
-    for (int h = 0; h < 16; ++h) q[h] = v[h] / scale;
+    for (int h = 0; h < 16; ++h) q[h] = v[h] / scale[i];
     uint32_t packed[4];
-    if (finite && isfinite(scale)) {
+    if (finite && isfinite(scale[i])) {
 #pragma unroll
       for (int h = 0; h < 4; ++h) packed[h] = cvt_e4m3x4(q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]);
     } else {
@@ -226,16 +231,27 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
         packed[h] = uint32_t(float_to_fp8_e4m3(q[4 * h])) | uint32_t(float_to_fp8_e4m3(q[4 * h + 1])) << 8 |
                     uint32_t(float_to_fp8_e4m3(q[4 * h + 2])) << 16 | uint32_t(float_to_fp8_e4m3(q[4 * h + 3])) << 24;
     }
-    const uint4 out = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    for (int r = 0; r < p.num_targets; ++r) {
-      uint8_t* msg = p.target_msg[r];
-      *reinterpret_cast<uint4*>(msg + size_t(c) * 16) = out;
-      if ((c & 7) == 0) *reinterpret_cast<float*>(msg + a.msg_scale_off + (c >> 3) * 4) = scale;
+    out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    chunk[i] = c;
+  }
+  for (int r = 0; r < p.num_targets; ++r) {
+    uint8_t* msg = p.target_msg[r];
+#pragma unroll
+    for (int i = 0; i < kQuantRounds; ++i) {
+      const int c = chunk[i];
+      if (c < 0) continue;
+      *reinterpret_cast<uint4*>(msg + size_t(c) * 16) = out[i];
+      if ((c & 7) == 0) *reinterpret_cast<float*>(msg + a.msg_scale_off + (c >> 3) * 4) = scale[i];
     }
-    if (a.self_slab) {  // the rank's own copy: masked slab E_loc, row t (EpConfig::self_slab)
-      const size_t slab = size_t(a.local_experts);
-      *reinterpret_cast<uint4*>(a.recv_x + (slab * a.max_m + t) * a.hidden + size_t(c) * 16) = out;
-      if ((c & 7) == 0) a.recv_scales[(slab * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + t] = scale;
+  }
+  if (a.self_slab) {  // the rank's own copy: masked slab E_loc, row t (EpConfig::self_slab)
+    const size_t slab = size_t(a.local_experts);
+#pragma unroll
+    for (int i = 0; i < kQuantRounds; ++i) {
+      const int c = chunk[i];
+      if (c < 0) continue;
+      *reinterpret_cast<uint4*>(a.recv_x + (slab * a.max_m + t) * a.hidden + size_t(c) * 16) = out[i];
+      if ((c & 7) == 0) a.recv_scales[(slab * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + t] = scale[i];
     }
   }
 }
