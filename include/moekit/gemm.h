@@ -59,6 +59,15 @@
 // writes neither masked_m nor the weights: the schedule and the first ring of weight tiles are
 // then loaded before the wait, so the weight stream starts under the previous kernel's tail
 // (GEMM2 after the activation kernel, or back-to-back GEMMs of one step).
+// kPreviousGemmPerExpert (masked, FP8) is kPreviousKernelStaticWeights where the previous kernel
+// is a masked GEMM that signals its experts one by one: this GEMM's ready_in is that GEMM's
+// ready_out (E_loc + 1 device ints, zero when first used), and its producer waits for each
+// expert's rows to be complete instead of for the previous grid, so GEMM2 of a decode step
+// streams the experts GEMM1 has finished while GEMM1 is still busy with the rest. The counter of
+// expert e reaches (K / 64) · masked_m[e] of the waiting GEMM when the signalling GEMM has stored
+// all of its output rows of e (its N = the waiting GEMM's K); the waiting GEMM's last CTA zeroes
+// the counters for the next run, so the pair must run together in every step (a GEMM with
+// ready_in also resets when it runs without the overlap).
 //
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
 // that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
@@ -91,7 +100,7 @@ struct GemmConfig {
   std::string to_string() const;
 };
 
-enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights };
+enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights, kPreviousGemmPerExpert };
 
 enum class GemmEpilogue { kBf16, kSiluMulFp8 };
 
@@ -130,6 +139,8 @@ struct MaskedGemmBuffers {
   float* act_scales = nullptr;      // kSiluMulFp8
   const uint32_t* w_mx_scales = nullptr;  // kMxfp4
   const float* bias = nullptr;      // kMxfp4, optional
+  int32_t* ready_out = nullptr;     // optional: per-expert readiness this GEMM signals (FP8)
+  int32_t* ready_in = nullptr;      // kPreviousGemmPerExpert: the readiness it waits for (FP8)
 };
 
 struct ContiguousGemmBuffers {

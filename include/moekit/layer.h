@@ -107,6 +107,9 @@ struct GpuLayerConfig {
   bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
   GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
   bool merge_shared = true;    // fused: the shared expert as expert E_loc of the routed GEMMs where it fits
+  // Fused, with the SiLU·up epilogue: GEMM2 waits for each expert's rows (GEMM1 signals them), not
+  // for GEMM1's whole grid (gemm.h kPreviousGemmPerExpert). False: the grid, as before.
+  bool expert_ready = true;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;

@@ -641,6 +641,110 @@ TEST(GemmGated, BadArgumentsRejected) {
   EXPECT_NE(message(p, b, &cluster).find("cluster = 1 for the SiLU"), std::string::npos);
 }
 
+// GEMM1 (gated, signalling each stored tile) -> GEMM2 (waiting per expert, PDL) as a decode step
+// runs them, captured once and replayed with new masked_m and activations: GEMM2's output equals,
+// byte for byte, the same GEMM2 config run after the whole of GEMM1 had finished, no real row is
+// left unwritten, and the counters are back at zero after every replay (the waiting GEMM's last CTA
+// resets them). GEMM1 with and without split-K (only the storing split signals), 16- and 32-token
+// tiles, ragged experts and experts without rows.
+TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
+  std::mt19937 rng(2024);
+  const int E = 6, inter = 384, d = 512, max_m = 40;
+  MaskedCase c1({E, 2 * inter, 1024, max_m, 8}, rng);
+  Operands w2 = make_weights(E, d, inter, rng);
+  DeviceBuffer<uint8_t> d_w2(w2.w.size());
+  DeviceBuffer<float> d_w2s(w2.w_scales.size());
+  d_w2.upload(w2.w);
+  d_w2s.upload(w2.w_scales);
+  DeviceBuffer<uint8_t> act(size_t(E) * max_m * inter), ref_act(act.count);
+  DeviceBuffer<float> act_s(size_t(E) * (inter / 128) * max_m), ref_act_s(act_s.count);
+  DeviceBuffer<uint16_t> out(size_t(E) * max_m * d), ref_out(out.count);
+  DeviceBuffer<int32_t> ready(E + 1);
+  MOEKIT_CUDA_CHECK(cudaMemset(ready.ptr, 0, sizeof(int32_t) * (E + 1)));
+  MaskedGemmProblem p1 = c1.problem;
+  p1.epilogue = GemmEpilogue::kSiluMulFp8;
+  const MaskedGemmProblem p2{E, d, inter, max_m, 8};
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const GemmConfig cfg1 : {forced(true, 16, 1), forced(true, 32, 2)}) {
+    MaskedGemmBuffers b1 = c1.buffers();
+    b1.out = nullptr, b1.act = act.ptr, b1.act_scales = act_s.ptr, b1.ready_out = ready.ptr;
+    MaskedGemm g1(p1, b1, &cfg1);
+    g1.set_overlap(Overlap::kPreviousKernel);
+    MaskedGemmBuffers b2{act.ptr, act_s.ptr, d_w2.ptr, d_w2s.ptr, c1.d_m.ptr, out.ptr};
+    b2.ready_in = ready.ptr;
+    MaskedGemm g2(p2, b2);
+    g2.set_overlap(Overlap::kPreviousGemmPerExpert);
+    // The reference: the same configs, GEMM2 started after GEMM1 completed.
+    MaskedGemmBuffers r1 = b1;
+    r1.act = ref_act.ptr, r1.act_scales = ref_act_s.ptr, r1.ready_out = nullptr;
+    MaskedGemm g1_ref(p1, r1, &cfg1);
+    MaskedGemm g2_ref(p2, MaskedGemmBuffers{ref_act.ptr, ref_act_s.ptr, d_w2.ptr, d_w2s.ptr, c1.d_m.ptr, ref_out.ptr},
+                      &g2.config());
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    g1.run(stream);
+    g2.run(stream);
+    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::uniform_int_distribution<int> dist(0, max_m);
+    std::vector<int32_t> masked_m(E);
+    for (int replay = 0; replay < 4; ++replay) {
+      for (auto& m : masked_m) m = dist(rng);
+      masked_m[replay % E] = 0;
+      masked_m[(replay + 1) % E] = max_m;
+      c1.new_activations(rng);
+      c1.d_m.upload(masked_m);
+      out.poison(0xFF);
+      MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      g1_ref.run(stream);
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      g2_ref.run(stream);
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint16_t> got = out.download(), want = ref_out.download();
+      long differ = 0, unwritten = 0;
+      for (int e = 0; e < E; ++e)
+        for (int m = 0; m < masked_m[e]; ++m)
+          for (int j = 0; j < d; ++j) {
+            const size_t i = (size_t(e) * max_m + m) * d + j;
+            differ += got[i] != want[i];
+            unwritten += got[i] == 0xFFFF;
+          }
+      const std::string what = cfg1.to_string() + " replay " + std::to_string(replay);
+      EXPECT_EQ(differ, 0) << what;
+      EXPECT_EQ(unwritten, 0) << what;
+      for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST(GemmExpertReady, BadArgumentsRejected) {
+  std::mt19937 rng(9);
+  MaskedCase c({2, 256, 256, 16, 8}, rng);
+  DeviceBuffer<int32_t> ready(3);
+  auto message = [&](auto&& make) -> std::string {
+    try {
+      make();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message([&] {
+              MaskedGemm g(c.problem, c.buffers());
+              g.set_overlap(Overlap::kPreviousGemmPerExpert);
+            }).find("kPreviousGemmPerExpert needs ready_in"),
+            std::string::npos);
+  MaskedGemmBuffers same = c.buffers();
+  same.ready_in = same.ready_out = ready.ptr;
+  EXPECT_NE(message([&] { MaskedGemm g(c.problem, same); }).find("ready_in and ready_out are the same"),
+            std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Contiguous
 

@@ -84,9 +84,11 @@ void ContiguousGemm::run(cudaStream_t stream) const { impl_->run(stream); }
 void ContiguousGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 
 void ContiguousGemm::set_overlap(Overlap overlap) {
-  MOEKIT_CHECK(overlap != Overlap::kPreviousKernelStaticWeights,
-               "contiguous GEMM: kPreviousKernelStaticWeights needs the masked layout (the schedule of "
-               "the contiguous layout depends on row_expert, which the previous kernel may write)");
+  MOEKIT_CHECK(overlap != Overlap::kPreviousKernelStaticWeights && overlap != Overlap::kPreviousGemmPerExpert,
+               std::string("contiguous GEMM: ") +
+                   (overlap == Overlap::kPreviousGemmPerExpert ? "kPreviousGemmPerExpert" : "kPreviousKernelStaticWeights") +
+                   " needs the masked layout (the schedule of the contiguous layout depends on row_expert, which "
+                   "the previous kernel may write)");
   impl_->set_overlap(overlap);
 }
 

@@ -34,6 +34,11 @@
 // rows. Measured slower than single CTAs on the H200 (the L2 -> SM bytes were not the limit,
 // docs/gemm.md run 9): a forced config only.
 //
+// Per-expert readiness (masked, gemm_schedule.cuh): a GEMM may signal each stored tile into
+// per-expert counters (ready_out) and the next masked GEMM may wait on them (ready_in) instead of
+// on this kernel's grid, so GEMM2 streams the experts GEMM1 has finished while GEMM1 finishes the
+// rest.
+//
 // Split-K: the splits of one tile write fp32 partials to a workspace; the last split to finish
 // (an atomic counter per tile, which it resets for the next launch) adds them in split order and
 // writes BF16, so the result does not depend on which split finished last.
@@ -297,9 +302,15 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     } else {
       store_bf16<kMasked, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
     }
+    if constexpr (kMasked) {
+      if (store && args.ready_out) expert_ready_add<kMathThreads, kBlockW, kBlockT>(args, t, mtid);
+    }
     t = t_next;
     tile = tile_next;
     ws = ws_next;
+  }
+  if constexpr (kMasked) {
+    if (args.ready_in) expert_ready_reset<kMathThreads>(args, mtid, &last_flag);
   }
   if (mtid == 0) stamp_end(args.stamp);
   end_cluster<kCluster>();

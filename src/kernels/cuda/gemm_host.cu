@@ -178,9 +178,10 @@ void PlanCore::run(cudaStream_t stream) const {
 }
 
 void PlanCore::set_overlap(Overlap overlap) {
-  args.flags = overlap == Overlap::kNone             ? 0
-               : overlap == Overlap::kPreviousKernel ? kFlagPdl
-                                                     : kFlagPdl | kFlagEarlyWeights;
+  args.flags = overlap == Overlap::kNone                        ? 0
+               : overlap == Overlap::kPreviousKernel            ? kFlagPdl
+               : overlap == Overlap::kPreviousKernelStaticWeights ? kFlagPdl | kFlagEarlyWeights
+                                                                : kFlagPdl | kFlagEarlyWeights | kFlagExpertReady;
 }
 
 void SplitWorkspace::allocate(size_t slots, int splits, int tile_elems) {

@@ -121,6 +121,13 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   im.args.masked_m = b.masked_m;
   im.args.act = b.act;
   im.args.act_scales = b.act_scales;
+  MOEKIT_CHECK(!(mxfp4 && (b.ready_out || b.ready_in)),
+               "masked GEMM: per-expert readiness (ready_out / ready_in) needs FP8 weights; the MXFP4 kernel "
+               "neither signals nor waits");
+  MOEKIT_CHECK(b.ready_in == nullptr || b.ready_in != b.ready_out,
+               "masked GEMM: ready_in and ready_out are the same counters; a GEMM waits for the previous one's");
+  im.args.ready_out = b.ready_out;
+  im.args.ready_in = b.ready_in;
   maybe_print_config("masked", describe(p), im.cfg);
 }
 
@@ -130,7 +137,12 @@ const GemmConfig& MaskedGemm::config() const { return impl_->cfg; }
 
 void MaskedGemm::run(cudaStream_t stream) const { impl_->run(stream); }
 
-void MaskedGemm::set_overlap(Overlap overlap) { impl_->set_overlap(overlap); }
+void MaskedGemm::set_overlap(Overlap overlap) {
+  MOEKIT_CHECK(overlap != Overlap::kPreviousGemmPerExpert || impl_->args.ready_in != nullptr,
+               "masked GEMM: kPreviousGemmPerExpert needs ready_in (the previous GEMM's ready_out counters); "
+               "this plan has none");
+  impl_->set_overlap(overlap);
+}
 
 void MaskedGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 

@@ -32,6 +32,8 @@ struct KernelArgs {
   uint8_t* act = nullptr;          // gated: SiLU·up in FP8 [E, rows, n/2]
   float* act_scales = nullptr;     // gated: its scales [E, n/256, rows]
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
+  int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
+  int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
 };
 
 // Programmatic dependent launch: this kernel may start while the previous kernel on the stream
@@ -42,6 +44,42 @@ constexpr int kFlagPdl = 1;
 // schedule is computed and the first ring of weight tiles is loaded before the wait: the
 // weight stream starts during the previous kernel's tail (GEMM2 after the activation kernel).
 constexpr int kFlagEarlyWeights = 2;
+// With kFlagPdl | kFlagEarlyWeights: the previous kernel is a masked GEMM that signals per expert
+// (ready_out = this kernel's ready_in), so the producer waits for each expert's rows, not for the
+// previous kernel's grid: experts the previous GEMM has finished stream while it finishes the rest.
+constexpr int kFlagExpertReady = 4;
+
+// Per-expert readiness between two masked GEMMs of one step (GEMM1 -> GEMM2 of a decode step).
+// The counter of expert e counts units of 64 output columns x 1 row: every stored tile of the
+// signalling GEMM adds (its weight rows / 64) x (its real token rows), so the expert is complete
+// when the counter reaches (K / 64) x masked_m[e] of the waiting GEMM, whose K is the signalling
+// GEMM's output width. Neither side needs the other's tile shape. The signal is a release after a
+// barrier of the tile's math threads (whose stores precede it); the wait is an acquire and then
+// a proxy fence, since the waiting GEMM reads the rows with TMA. The waiting GEMM's last CTA zeroes
+// the counters (and its own CTA count, element E) for the next step.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// One thread spins until expert e's rows are complete. The signalling GEMM is resident whenever
+// this runs (this kernel is launched only once every CTA of it has started, PDL), so the wait
+// ends; a counter that never gets there (a caller pairing GEMMs wrongly) traps after ~10 s
+// instead of hanging the stream.
+__device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
+  const int target = (args.k / 64) * m_valid;
+  const long long start = clock64();
+  while (ld_acquire_gpu(args.ready_in + e) < target) {
+    if (clock64() - start > (1ll << 34)) __trap();
+    __nanosleep(32);
+  }
+  fence_proxy_async_global();
+}
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
 // A-scale rows, the epilogue's staging rows (kEpiBytes, gemm_epilogue.cuh), full and empty
@@ -245,6 +283,7 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
                                         LoadW&& load_w, LoadA&& load_a) {
   const int lane = threadIdx.x % 32, stages = args.num_stages;
   int prefetched = 0;
+  const bool per_expert = early_weights && (args.flags & kFlagExpertReady);
   if (early_weights) {
     for (int tile = walk.first; tile < num_tiles && prefetched < stages; tile += walk.stride) {
       const TileInfo t = decode(tile);
@@ -255,14 +294,20 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
         }
       }
     }
-    ptx::grid_dependency_wait();
-    ptx::launch_dependents();
+    if (!per_expert) {
+      ptx::grid_dependency_wait();
+      ptx::launch_dependents();
+    }
   }
-  int iter = 0, s = 0;
+  int iter = 0, s = 0, ready_e = -1;
   uint32_t phase = 0;
   for (int tile = walk.first; tile < num_tiles; tile += walk.stride) {
     const TileInfo t = decode(tile);
     if (t.e < 0) continue;
+    if (per_expert && t.e != ready_e) {  // (tiles of one expert are consecutive in every walk)
+      if (lane == 0) expert_ready_wait(args, t.e, t.m_valid);
+      ready_e = t.e;
+    }
     for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
       if (lane == 0) {
         if (iter >= prefetched) {
@@ -274,6 +319,10 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
       }
       if (++s == stages) s = 0, phase ^= 1;
     }
+  }
+  if (per_expert) {  // the PDL chain's rule: trigger only after this kernel's own wait
+    ptx::grid_dependency_wait();
+    ptx::launch_dependents();
   }
 }
 
@@ -288,6 +337,27 @@ __device__ __forceinline__ void end_cluster() {
 template <int kMathThreads>
 __device__ __forceinline__ void math_barrier() {
   asm volatile("bar.sync 1, %0;" ::"n"(kMathThreads) : "memory");
+}
+
+// The signalling side, by every math thread after a tile's output is stored: the tile's stores,
+// then one release of its units of expert t.e.
+template <int kMathThreads, int kBlockW, int kBlockT>
+__device__ __forceinline__ void expert_ready_add(const KernelArgs& args, const TileInfo& t, int mtid) {
+  fence_proxy_async_global();  // the next GEMM reads these rows with TMA
+  math_barrier<kMathThreads>();
+  if (mtid == 0) red_release_gpu_add(args.ready_out + t.e, (kBlockW / 64) * min(kBlockT, t.m_valid - t.t0));
+}
+
+// The waiting side, by every math thread at the CTA's end: the last CTA zeroes the counters for
+// the next step. Every CTA's producer has read its counters before its consumers got their last
+// stage, so no read is still to come.
+template <int kMathThreads>
+__device__ __forceinline__ void expert_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
+  math_barrier<kMathThreads>();
+  if (mtid == 0) *last_flag = atomicAdd(args.ready_in + args.num_experts, 1) == int(gridDim.x) - 1;
+  math_barrier<kMathThreads>();
+  if (!*last_flag) return;
+  for (int e = mtid; e <= args.num_experts; e += kMathThreads) args.ready_in[e] = 0;
 }
 
 }  // namespace moekit::gemm_detail

@@ -222,6 +222,10 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.gated = choose_masked_config(g, query_device().num_sms).block_m <= 32;
   }
   if (!s.gated) s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);  // gated: GEMM1 writes act itself
+  if (s.gated && config.expert_ready) {  // GEMM2 takes each expert as soon as GEMM1 has stored its rows
+    s.expert_ready = s.alloc<int32_t>(slabs + 1);
+    MOEKIT_CUDA_CHECK(cudaMemset(s.expert_ready, 0, sizeof(int32_t) * (slabs + 1)));
+  }
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
   s.y = s.alloc<uint16_t>(total_rows * s.d);
@@ -264,8 +268,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1, format};
   const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max), GemmEpilogue::kBf16, format};
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
-                             s.act_scales, s.w1_mx, s.b1};
-  const MaskedGemmBuffers b2{s.act, s.act_scales, s.w2, s.w2s, ep.recv_count(), s.y, nullptr, nullptr, s.w2_mx, s.b2};
+                             s.act_scales, s.w1_mx, s.b1, s.expert_ready, nullptr};
+  const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
+                             nullptr, nullptr,      s.w2_mx, s.b2,  nullptr,         s.expert_ready};
   if (s.decode) {
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
@@ -273,7 +278,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     // under the activation kernel, or under GEMM1 itself in the fused pipeline (docs/gemm.md: the
     // decode-step overlap).
     s.gemm1->set_overlap(Overlap::kPreviousKernel);
-    s.gemm2->set_overlap(Overlap::kPreviousKernelStaticWeights);
+    s.gemm2->set_overlap(s.expert_ready ? Overlap::kPreviousGemmPerExpert : Overlap::kPreviousKernelStaticWeights);
   } else {
     s.cgemm1 = std::make_unique<ContiguousGemm>(
         ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows, format},
