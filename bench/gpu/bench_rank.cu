@@ -15,6 +15,8 @@
 // --uniform: the uniform case only (no skew, no EPLB placement).
 // --expert-ready 0: fused layers with GpuLayerConfig::expert_ready off (GEMM2 waits for GEMM1's
 // grid instead of for each expert's rows), the baseline of that lever.
+// --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
+// (GpuLayerConfig::merge_shared off) instead of as expert E_loc of the routed GEMMs.
 // --timeline: for the uniform case, one more replay of a graph captured with the layers' stage
 // clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
 // the middle layer of the first segment, and the share of rank 0's step during which a GEMM
@@ -97,7 +99,8 @@ namespace {
 constexpr const char* kUsage =
     "bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--ranks 8] [--batch 8,64,256,1024,2048] [--layers N]\n"
     "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
-    "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--json FILE] [--help]\n";
+    "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
+    "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
 constexpr double kEpTimeoutS = 10;         // every receive's data is sent before it: a wait means a bug
@@ -336,6 +339,7 @@ struct Options {
   std::vector<gpu::GpuPipeline> pipelines = {gpu::GpuPipeline::kStaged, gpu::GpuPipeline::kFused};
   bool timeline = false;
   bool expert_ready = true;  // GpuLayerConfig::expert_ready (--expert-ready 0: GEMM2 waits for GEMM1's grid)
+  bool merge_shared = true;  // GpuLayerConfig::merge_shared (--merge-shared 0: the shared expert's own GEMMs)
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -516,6 +520,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.replica_seed = kReplicaSeed;
   cfg.pipeline = pipeline;
   cfg.expert_ready = opt.expert_ready;
+  cfg.merge_shared = opt.merge_shared;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -941,6 +946,8 @@ int main(int argc, char** argv) try {
         MOEKIT_CHECK(p == "staged" || p == "fused", fmtr("--pipeline '{}': expected staged, fused or both", p));
         opt.pipelines.push_back(p == "fused" ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged);
       }
+    } else if (a == "--merge-shared") {
+      opt.merge_shared = next_int(0) != 0;
     } else if (a == "--expert-ready") {
       opt.expert_ready = next_int(0) != 0;
     } else if (a == "--timeline") {

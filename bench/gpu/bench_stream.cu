@@ -1,0 +1,296 @@
+// bench_stream: how fast the grouped GEMM's weight loads can stream from HBM with nothing else in
+// the kernel, against the device copy and a plain streaming read, in one run. It separates what
+// the memory system gives the GEMM's access pattern from what the GEMM's own pipeline costs.
+//
+// One persistent CTA per SM: one thread issues the loads into a ring of shared-memory stages
+// (full/empty mbarriers, as in gemm_fp8.cuh), one thread frees each stage as soon as it has
+// landed (no math). The weights are E experts of [N, K] FP8 bytes, walked tile by tile as the
+// masked GEMM walks them (a tile = 128 weight rows x all of K, one 128-deep block per stage):
+//   box K           the GEMM's box (128 rows x 128 bytes, 128-byte swizzle), row stride K
+//   2 boxes K       two boxes per stage, inter rows apart (the gated GEMM1's gate and up rows)
+//   bulk            one contiguous 1D copy of the stage's bytes (weights stored tile-major)
+// each with the tiles dealt round-robin (static, as the GEMM deals them) or taken from an atomic
+// queue (dynamic), and with 6..13 stages. Figures: the median of 10 runs of each, TB/s of weight
+// bytes; shapes are one EP8 rank of DeepSeek-V3 (33 experts with the shared one, GEMM1 N 4096
+// K 7168, GEMM2 N 7168 K 2048). Then the masked GEMMs themselves on the same bytes (below).
+//
+// Usage: bench_stream [--json PATH]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/gemm_host.cuh"
+#include "kernels/cuda/ptx.cuh"
+#include "moekit/cuda_check.h"
+#include "moekit/gemm.h"
+
+using namespace moekit;
+
+namespace {
+
+constexpr int kBlockK = 128;
+constexpr int kBoxBytes = 128 * kBlockK;  // 128 rows x 128 bytes
+
+struct StreamArgs {
+  int tiles;         // weight tiles of 128 rows
+  int k_blocks;      // 128-deep blocks per tile
+  int stages;
+  int boxes;         // boxes per stage (1, or 2: the second one `second_rows` rows further down)
+  int second_rows;
+  const uint8_t* flat;  // bulk: tile-major weights, one stage's bytes per (tile, block)
+  int* queue;           // dynamic: [0] next tile, [1] CTAs done (both reset by the last CTA)
+};
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          ptx::smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(ptx::smem_addr(bar)), "l"(policy)
+      : "memory");
+}
+
+template <bool kBulk, bool kDynamic>
+__global__ void __launch_bounds__(64, 1) stream_kernel(const __grid_constant__ CUtensorMap map, StreamArgs a) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* ring = ptx::align_smem_1024(smem_raw);
+  const int stage_bytes = a.boxes * kBoxBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + a.stages * stage_bytes);
+  uint64_t* empty = full + a.stages;
+  int* last = reinterpret_cast<int*>(empty + a.stages);  // [stages]: 1 when the stage ends the walk
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < a.stages; ++s) ptx::mbar_init(&full[s], 1), ptx::mbar_init(&empty[s], 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // producer
+    const uint64_t policy = ptx::policy_evict_first();
+    int s = 0;
+    uint32_t phase = 0;
+    int tile = kDynamic ? atomicAdd(a.queue, 1) : int(blockIdx.x);
+    for (;; tile = kDynamic ? atomicAdd(a.queue, 1) : tile + int(gridDim.x)) {
+      const bool done = tile >= a.tiles;
+      for (int kb = 0; kb < (done ? 1 : a.k_blocks); ++kb) {
+        ptx::mbar_wait(&empty[s], phase ^ 1);
+        last[s] = done;
+        if (done) {
+          ptx::mbar_arrive(&full[s]);
+        } else {
+          ptx::mbar_arrive_expect_tx(&full[s], stage_bytes);
+          uint8_t* dst = ring + s * stage_bytes;
+          if constexpr (kBulk) {
+            bulk_load(dst, a.flat + (size_t(tile) * a.k_blocks + kb) * stage_bytes, stage_bytes, &full[s], policy);
+          } else {
+            // Gated: tile -> (expert, 128-row block of its gate half); the up box is inter rows down.
+            const int blocks = a.boxes == 2 ? a.second_rows / 128 : 1;
+            const int row = a.boxes == 2 ? (tile / blocks) * 2 * a.second_rows + (tile % blocks) * 128 : tile * 128;
+            for (int b = 0; b < a.boxes; ++b)
+              ptx::tma_load_2d(dst + b * kBoxBytes, &map, &full[s], kb * kBlockK, row + b * a.second_rows, policy);
+          }
+        }
+        if (++s == a.stages) s = 0, phase ^= 1;
+      }
+      if (done) break;
+    }
+  } else if (threadIdx.x == 32) {  // consumer: frees every stage once it has landed
+    int s = 0;
+    uint32_t phase = 0;
+    for (;;) {
+      ptx::mbar_wait(&full[s], phase);
+      const bool done = last[s];
+      ptx::mbar_arrive(&empty[s]);
+      if (done) break;
+      if (++s == a.stages) s = 0, phase ^= 1;
+    }
+    if (kDynamic && atomicAdd(a.queue + 1, 1) == int(gridDim.x) - 1) {  // every CTA has taken its last tile
+      a.queue[0] = 0;
+      a.queue[1] = 0;
+    }
+  }
+}
+
+struct Pattern {
+  std::string name;
+  bool bulk, dynamic;
+  int boxes, stages, k;
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    if (s == "--json" && i + 1 < argc) json_path = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: bench_stream [--json PATH]\n");
+      return s == "--help" ? 0 : 2;
+    }
+  }
+  int num_sms = 0;
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  const int E = 33, n1 = 4096, k1 = 7168, n2 = 7168, k2 = 2048;
+  const size_t bytes = size_t(E) * n1 * k1;  // the largest tensor; GEMM2's is half of it
+  // Two copies, used in turn, so that no run finds the previous one's bytes in L2.
+  uint8_t* w[2];
+  for (auto& p : w) {
+    MOEKIT_CUDA_CHECK(cudaMalloc(&p, bytes));
+    MOEKIT_CUDA_CHECK(cudaMemset(p, 0x11, bytes));
+  }
+  int* queue;
+  MOEKIT_CUDA_CHECK(cudaMalloc(&queue, 2 * sizeof(int)));
+  MOEKIT_CUDA_CHECK(cudaMemset(queue, 0, 2 * sizeof(int)));
+  cudaEvent_t e0, e1;
+  MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
+  MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
+  auto time = [&](auto&& launch) {
+    std::vector<float> ms;
+    for (int it = 0; it < 11; ++it) {
+      MOEKIT_CUDA_CHECK(cudaEventRecord(e0));
+      launch(it % 2);
+      MOEKIT_CUDA_CHECK(cudaEventRecord(e1));
+      MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
+      float t = 0;
+      MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (it > 0) ms.push_back(t);  // the first run warms up
+    }
+    return median(ms);
+  };
+
+  // Ceilings: the device copy (bytes read + written) of half the tensor, and a read-only stream.
+  const float copy_ms = time([&](int i) { MOEKIT_CUDA_CHECK(cudaMemcpyAsync(w[1 - i], w[i], bytes / 2, cudaMemcpyDeviceToDevice)); });
+  const double copy_tbs = double(bytes) / (copy_ms * 1e-3) / 1e12;
+  std::printf("device: %d SMs; copy %.3f TB/s (read + write of %.0f MB)\n", num_sms, copy_tbs, bytes / 2 / 1e6);
+
+  const std::vector<Pattern> patterns = {
+      {"box K 7168, static, 12 stages", false, false, 1, 12, k1},
+      {"box K 7168, static, 6 stages", false, false, 1, 6, k1},
+      {"box K 7168, dynamic, 12 stages", false, true, 1, 12, k1},
+      {"2 boxes K 7168 (gated), static, 6 stages", false, false, 2, 6, k1},
+      {"2 boxes K 7168 (gated), dynamic, 6 stages", false, true, 2, 6, k1},
+      {"box K 2048, static, 13 stages", false, false, 1, 13, k2},
+      {"box K 2048, dynamic, 13 stages", false, true, 1, 13, k2},
+      {"bulk 16 KB, static, 12 stages", true, false, 1, 12, k1},
+      {"bulk 16 KB, dynamic, 12 stages", true, true, 1, 12, k1},
+      {"bulk 32 KB, static, 6 stages", true, false, 2, 6, k1},
+  };
+  std::string js = "{\"copy_tbs\": " + std::to_string(copy_tbs) + ", \"patterns\": [";
+  for (size_t pi = 0; pi < patterns.size(); ++pi) {
+    const Pattern& p = patterns[pi];
+    const int n = p.k == k1 ? n1 : n2;
+    const size_t pat_bytes = size_t(E) * n * p.k;
+    StreamArgs a{};
+    a.k_blocks = p.k / kBlockK;
+    a.stages = p.stages;
+    a.boxes = p.boxes;
+    a.queue = queue;
+    // Gated: a tile is 128 gate rows and the matching 128 up rows, n / 2 rows further down.
+    a.second_rows = p.boxes == 2 ? n / 2 : 0;
+    a.tiles = int(pat_bytes / (size_t(a.k_blocks) * p.boxes * kBoxBytes));  // 128 (gated: 2 x 128) rows each
+    const size_t smem = 1024 + size_t(p.stages) * p.boxes * kBoxBytes + p.stages * 20;
+    auto kernel = p.bulk ? (p.dynamic ? stream_kernel<true, true> : stream_kernel<true, false>)
+                         : (p.dynamic ? stream_kernel<false, true> : stream_kernel<false, false>);
+    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    CUtensorMap maps[2];
+    for (int i = 0; i < 2; ++i)
+      maps[i] = gemm_detail::make_tma_2d(w[i], false, uint64_t(E) * n, p.k, p.k, 128, kBlockK, true);
+    const float ms = time([&](int i) {
+      a.flat = w[i];
+      kernel<<<num_sms, 64, smem>>>(maps[i], a);
+      MOEKIT_CUDA_CHECK(cudaGetLastError());
+    });
+    const double moved = double(a.tiles) * a.k_blocks * p.boxes * kBoxBytes;
+    const double tbs = moved / (ms * 1e-3) / 1e12;
+    std::printf("  %-44s %8.1f us  %.0f MB  %.3f TB/s  %.1f%% of copy\n", p.name.c_str(), ms * 1e3, moved / 1e6, tbs,
+                100 * tbs / copy_tbs);
+    js += std::string(pi ? ", " : "") + "{\"name\": \"" + p.name + "\", \"us\": " + std::to_string(ms * 1e3) +
+          ", \"mb\": " + std::to_string(moved / 1e6) + ", \"tbs\": " + std::to_string(tbs) + "}";
+  }
+  js += "]";
+
+  // The GEMMs themselves on the same bytes: GEMM1 with the SiLU·up epilogue (N 4096 = gate + up,
+  // K 7168) and GEMM2 (N 7168, K 2048) of one EP8 rank of DeepSeek-V3 at B = 256: 32 routed experts
+  // with 8 rows and the shared expert with 32 (two 16-token blocks: 544 GEMM1 tiles), or every
+  // expert with 8 rows (528 tiles, 4 per SM exactly); GEMM1 also with forced split-K.
+  {
+    const int m_max = 256;
+    uint8_t *a1, *act;
+    float *as1, *ws1, *acts, *ws2;
+    uint16_t* out;
+    int32_t* m;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&a1, size_t(E) * m_max * k1));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&as1, sizeof(float) * E * (k1 / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&ws1, sizeof(float) * E * (n1 / 128) * (k1 / 128)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&act, size_t(E) * m_max * k2));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&acts, sizeof(float) * E * (k2 / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&ws2, sizeof(float) * E * (n2 / 128) * (k2 / 128)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * E * m_max * n2));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&m, sizeof(int32_t) * E));
+    MOEKIT_CUDA_CHECK(cudaMemset(a1, 0x11, size_t(E) * m_max * k1));
+    MOEKIT_CUDA_CHECK(cudaMemset(as1, 0, sizeof(float) * E * (k1 / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMemset(ws1, 0, sizeof(float) * E * (n1 / 128) * (k1 / 128)));
+    MOEKIT_CUDA_CHECK(cudaMemset(ws2, 0, sizeof(float) * E * (n2 / 128) * (k2 / 128)));
+    const MaskedGemmProblem p1{E, n1, k1, m_max, 8, GemmEpilogue::kSiluMulFp8};
+    const MaskedGemmProblem p2{E, n2, k2, m_max, 8};
+    std::vector<int32_t> shared_32(E, 8), all_8(E, 8);
+    shared_32[E - 1] = 32;
+    auto run = [&](const std::string& name, const MaskedGemmProblem& p, const MaskedGemmBuffers& b0,
+                   const MaskedGemmBuffers& b1, const std::vector<int32_t>& mm, const GemmConfig* cfg, double mb) {
+      MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+      MaskedGemm g0(p, b0, cfg), g1(p, b1, cfg);
+      const float ms = time([&](int i) { (i ? g1 : g0).run(nullptr); });
+      const double tbs = mb * 1e6 / (ms * 1e-3) / 1e12;
+      std::printf("  %-44s %8.1f us  %.0f MB  %.3f TB/s  %.1f%% of copy  [%s]\n", name.c_str(), ms * 1e3, mb, tbs,
+                  100 * tbs / copy_tbs, g0.config().to_string().c_str());
+      js += ", {\"name\": \"" + name + "\", \"us\": " + std::to_string(ms * 1e3) + ", \"mb\": " + std::to_string(mb) +
+            ", \"tbs\": " + std::to_string(tbs) + ", \"config\": \"" + g0.config().to_string() + "\"}";
+    };
+    std::printf("the GEMMs on the same bytes (E = %d, M_max = %d):\n", E, m_max);
+    const double mb1 = double(E) * n1 * k1 / 1e6, mb2 = double(E) * n2 * k2 / 1e6;
+    MaskedGemmBuffers g1b[2], g2b[2];
+    for (int i = 0; i < 2; ++i) {
+      g1b[i] = {a1, as1, w[i], ws1, m, nullptr, act, acts};
+      g2b[i] = {act, acts, w[i], ws2, m, out};
+    }
+    run("GEMM1 gated, shared expert 32 rows (544 tiles)", p1, g1b[0], g1b[1], shared_32, nullptr, mb1);
+    run("GEMM1 gated, all 8 rows (528 tiles)", p1, g1b[0], g1b[1], all_8, nullptr, mb1);
+    for (int splits : {2, 4}) {
+      GemmConfig c{};
+      c.swap_ab = true, c.block_m = 16, c.block_n = 128, c.num_splits = splits;
+      run("GEMM1 gated, shared 32 rows, split " + std::to_string(splits), p1, g1b[0], g1b[1], shared_32, &c, mb1);
+    }
+    GemmConfig c32{};
+    c32.swap_ab = true, c32.block_m = 32, c32.block_n = 128;
+    run("GEMM1 gated, shared 32 rows, block_m 32", p1, g1b[0], g1b[1], shared_32, &c32, mb1);
+    run("GEMM2, shared expert 32 rows", p2, g2b[0], g2b[1], shared_32, nullptr, mb2);
+    run("GEMM2, all 8 rows", p2, g2b[0], g2b[1], all_8, nullptr, mb2);
+    run("GEMM2, shared 32 rows, block_m 32", p2, g2b[0], g2b[1], shared_32, &c32, mb2);
+    // B = 64: 28 routed experts with 2 rows, 4 without, the shared one with 8: 464 GEMM1 tiles
+    // (3.5 per SM), the weights of 29 experts.
+    std::vector<int32_t> b64(E, 2);
+    for (int e = 0; e < 4; ++e) b64[e * 8] = 0;
+    b64[E - 1] = 8;
+    run("GEMM1 gated, B = 64 pattern (464 tiles)", p1, g1b[0], g1b[1], b64, nullptr, mb1 * 29 / 33);
+    run("GEMM2, B = 64 pattern", p2, g2b[0], g2b[1], b64, nullptr, mb2 * 29 / 33);
+    for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
+      cudaFree(q);
+  }
+  js += "]}\n";
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    MOEKIT_CHECK(f != nullptr, "bench_stream: cannot write " + json_path);
+    std::fputs(js.c_str(), f);
+    std::fclose(f);
+  }
+  for (auto& p : w) cudaFree(p);
+  cudaFree(queue);
+  return 0;
+}
