@@ -76,20 +76,36 @@ __device__ __forceinline__ int plan_tokens_per_warp(int k) {
   return by_lanes < by_batch ? by_lanes : by_batch;
 }
 
+// One lane's top-k entry of a batch: warp w holds tokens [w * per_warp, (w + 1) * per_warp) of it
+// (lane = group * k + j: entry j of the group's token). Loaded at the top of the batch, so that
+// its round trip overlaps the x load and the counting (at decode sizes the send is a chain of
+// round trips: stage clock, 1.2 us of 8 for this one when it followed the counting).
+struct BatchEntry {
+  int slot;
+  float weight;
+};
+__device__ __forceinline__ BatchEntry load_batch_entry(const EpArgs& a, const int32_t* topk_idx,
+                                                       const float* topk_weights, int b0, int n) {
+  const int k = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int per_warp = plan_tokens_per_warp(k), group = lane / k, j = lane % k, i = warp * per_warp + group;
+  const bool active = group < per_warp && i < n;
+  const size_t at = size_t(b0 + i) * k + j;
+  return {active ? topk_idx[at] : -1, active ? topk_weights[at] : 0.0f};
+}
+
 // All threads: the plans of tokens [b0, b0 + n) of the batch into plans[0, n), positions in token
-// order. Warp w holds tokens [w * per_warp, (w + 1) * per_warp) (lane = group * k + j: entry j of
-// the group's token). Inside a warp, an entry's place among the warp's entries of its slot (or,
+// order, from this lane's entry `in` (load_batch_entry). Inside a warp, an entry's place among the warp's entries of its slot (or,
 // for a message, of its rank) is a match_any rank; across warps, the warps take turns at the
 // shared counters in warp order. Valid entries of a token have distinct slots and the first entry
 // per rank is unique, so each counter grows by the warp's count of that key. Records bad entries.
-__device__ void plan_batch(const EpArgs& a, const int32_t* topk_idx, const float* topk_weights, int b0, int n,
-                           int parity, unsigned step, int* cnt_slot, int* cnt_rank, TokenPlan* plans) {
+__device__ void plan_batch(const EpArgs& a, BatchEntry in, int b0, int n, int parity, unsigned step, int* cnt_slot,
+                           int* cnt_rank, TokenPlan* plans) {
   const int k = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per_warp = plan_tokens_per_warp(k), group = lane / k, j = lane % k, i = warp * per_warp + group;
   const bool active = group < per_warp && i < n;
   const int t = b0 + i;
-  const int slot = active ? topk_idx[size_t(t) * k + j] : -1;
-  const float weight = active ? topk_weights[size_t(t) * k + j] : 0.0f;  // loaded with the slot: one round trip
+  const int slot = in.slot;
+  const float weight = in.weight;
   const EntryInfo e = classify_entry(slot, active, group, a.num_slots, a.local_experts);
   if (e.fault) record_fault(a, EpErrorKind(e.fault), kPhaseDispatchSend, -1, step, t, j, slot);
   const unsigned earlier = (1u << lane) - 1;
@@ -270,7 +286,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   const int t_end = int(int64_t(num_tokens) * (blockIdx.x + 1) / gridDim.x);
 
   // Tokens are planned and copied a batch at a time; the first x block of each team's first token
-  // is in flight while the counts before the CTA's range are made and while the batch is planned.
+  // and the batch's routing are in flight while the counts before the CTA's range are made.
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = kEpThreads / 32;
   const int num_chunks = a.hidden / 16, per_batch = plan_tokens_per_warp(a.topk) * num_warps;
   for (int b0 = t_begin; b0 < t_end; b0 += per_batch) {
@@ -281,8 +297,9 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
     int i = warp / team_warps, c_base = 0;
     XBlock cur;
     if (i < n) load_x(a, x, b0 + i, 0, team, cur);
+    const BatchEntry entry = load_batch_entry(a, topk_idx, topk_weights, b0, n);
     if (b0 == t_begin) count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
-    plan_batch(a, topk_idx, topk_weights, b0, n, parity, step, cnt_slot, cnt_rank, plans);
+    plan_batch(a, entry, b0, n, parity, step, cnt_slot, cnt_rank, plans);
     __syncthreads();
     while (i < n) {
       const TokenPlan& p = plans[i];
