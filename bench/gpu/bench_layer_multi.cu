@@ -59,6 +59,7 @@
 
 #include "bench_common.h"
 #include "moekit/cuda_check.h"
+#include "moekit/cuda_graph.h"
 #include "moekit/ep.h"
 #include "moekit/eplb.h"
 #include "moekit/layer.h"
@@ -181,32 +182,6 @@ struct DeviceBuffer {
   T* as() const {
     return static_cast<T*>(ptr);
   }
-};
-
-// A captured CUDA Graph; the capture is ended even when issuing throws.
-struct Graph {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  template <class Issue>
-  Graph(cudaStream_t stream, Issue&& issue) {
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      issue();
-    } catch (...) {
-      cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  }
-  ~Graph() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
-  Graph(const Graph&) = delete;
-  Graph& operator=(const Graph&) = delete;
-  void launch(cudaStream_t stream) const { MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }
 };
 
 struct Events {
@@ -420,18 +395,18 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
       for (int s = 0; s < kNumStages; ++s) row.stages_us[s] += 1e3 * ms[s] / L;
       l->set_timing(false);
     }
-    auto time_graph = [&](const Graph& graph) {
+    auto time_graph = [&](const CapturedGraph& graph) {
       for (int i = 0; i < 2; ++i) ev.run_us(&sync, stream.s, [&] { graph.launch(stream.s); });
       return ev.median_us(sync, stream.s, opt.iters, [&] { graph.launch(stream.s); }) / L;
     };
     {
-      Graph graph(stream.s, issue);
+      CapturedGraph graph(stream.s, issue);
       row.graph_us = time_graph(graph);
       check_all();
     }
     {
       for (auto* l : layers) l->set_shared_overlap(false);
-      Graph graph(stream.s, issue);
+      CapturedGraph graph(stream.s, issue);
       row.inline_us = time_graph(graph);
       check_all();
       for (auto* l : layers) l->set_shared_overlap(true);
@@ -446,7 +421,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
       buf.combine_recv(nullptr, o, s);
     };
     {
-      Graph graph(stream.s, [&] {
+      CapturedGraph graph(stream.s, [&] {
         for (int l = 0; l < L; ++l) issue_comm(*ep, *layers[l], xs(l), T, outs(l), stream.s);
       });
       row.comm_us = time_graph(graph);
@@ -474,7 +449,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
           for (auto& l : mb[h]) l->check(stream.s);
       };
       {
-        Graph graph(stream.s, [&] {
+        CapturedGraph graph(stream.s, [&] {
           MOEKIT_CUDA_CHECK(cudaEventRecord(fork, stream.s));
           MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream2.s, fork, 0));
           for (int l = 0; l < L; ++l) {
@@ -490,7 +465,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
         check_mb();
       }
       {
-        Graph graph(stream.s, [&] {
+        CapturedGraph graph(stream.s, [&] {
           for (int l = 0; l < L; ++l)
             for (int h = 0; h < 2; ++h)
               mb[h][l]->forward_decode(xs(l) + size_t(begin[h]) * d, count[h], first + begin[h],
@@ -500,7 +475,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
         check_mb();
       }
       {
-        Graph graph(stream.s, [&] {
+        CapturedGraph graph(stream.s, [&] {
           for (int l = 0; l < L; ++l)
             for (int h = 0; h < 2; ++h)
               issue_comm(*mb_ep[h], *mb[h][l], xs(l) + size_t(begin[h]) * d, count[h], outs(l) + size_t(begin[h]) * d,

@@ -20,6 +20,7 @@
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
+#include "moekit/cuda_graph.h"
 #include "moekit/ep_cpu.h"
 #include "moekit/eplb.h"
 #include "moekit/fp8.h"
@@ -284,26 +285,10 @@ INSTANTIATE_TEST_SUITE_P(Prefill, GpuLayer,
 // a failure does not leave the stream capturing for the tests that follow).
 struct CapturedStep {
   GpuRig& rig;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CapturedStep(GpuRig& r, bool caller_routing) : rig(r) {
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(rig.stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      rig.issue(caller_routing);
-    } catch (...) {
-      cudaStreamEndCapture(rig.stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(rig.stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  }
-  ~CapturedStep() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
+  CapturedGraph graph;
+  CapturedStep(GpuRig& r, bool caller_routing) : rig(r), graph(r.stream, [&] { r.issue(caller_routing); }) {}
   void replay() {
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, rig.stream));
+    graph.launch(rig.stream);
     rig.check();
   }
 };
@@ -623,7 +608,7 @@ MoveTimes move_and_check(GpuRig& rig, const Placement& a, const Placement& b, si
     rig.load(x, nullptr, nullptr);
     MOEKIT_CUDA_CHECK(cudaEventRecord(t0, rig.stream));
     if (graph)
-      MOEKIT_CUDA_CHECK(cudaGraphLaunch(captured->exec, rig.stream));
+      captured->graph.launch(rig.stream);
     else
       rig.issue(false);
     MOEKIT_CUDA_CHECK(cudaEventRecord(t1, rig.stream));

@@ -33,6 +33,7 @@
 
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
+#include "moekit/cuda_graph.h"
 #include "moekit/ep.h"
 #include "moekit/eplb.h"
 #include "moekit/layer.h"
@@ -105,31 +106,6 @@ struct Stream {
   Stream& operator=(const Stream&) = delete;
 };
 
-// One rank's step captured as a CUDA Graph; the capture is ended even when issuing throws.
-struct CapturedLayerStep {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  template <class Issue>
-  CapturedLayerStep(cudaStream_t stream, Issue&& issue) {
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      issue();
-    } catch (...) {
-      cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  }
-  ~CapturedLayerStep() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
-  CapturedLayerStep(const CapturedLayerStep&) = delete;
-  CapturedLayerStep& operator=(const CapturedLayerStep&) = delete;
-};
-
 template <class T>
 size_t count_different_bits(const std::vector<T>& a, const std::vector<T>& b) {
   if (a.size() != b.size()) return std::max(a.size(), b.size());
@@ -174,7 +150,7 @@ int run_rank(const gpu::EpProcessGroup& g, const MultiCase& c, RankSync& sync) {
       layer.forward_prefill(x.ptr, T, t0, out.ptr, stream.s, ri, rw);
   };
   // Graph steps replay what was captured with the router (index 0) or caller routing (index 1).
-  std::unique_ptr<CapturedLayerStep> graphs[2];
+  std::unique_ptr<CapturedGraph> graphs[2];
 
   struct Step {
     bool caller, graph;
@@ -199,11 +175,11 @@ int run_rank(const gpu::EpProcessGroup& g, const MultiCase& c, RankSync& sync) {
     const std::vector<uint16_t> poison(out.count, kPoison);
     out.upload(poison.data(), poison.size());
     if (st.graph && !graphs[st.caller])
-      graphs[st.caller] = std::make_unique<CapturedLayerStep>(stream.s, [&] { issue(st.caller); });
+      graphs[st.caller] = std::make_unique<CapturedGraph>(stream.s, [&] { issue(st.caller); });
 
     sync.wait();
     if (st.graph)
-      MOEKIT_CUDA_CHECK(cudaGraphLaunch(graphs[st.caller]->exec, stream.s));
+      graphs[st.caller]->launch(stream.s);
     else
       issue(st.caller);
     layer.check(stream.s);

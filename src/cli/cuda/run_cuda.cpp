@@ -12,6 +12,7 @@
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
+#include "moekit/cuda_graph.h"
 #include "moekit/eplb.h"
 #include "moekit/layer.h"
 #include "moekit/weights.h"
@@ -145,22 +146,15 @@ CudaRunResult run_layers_cuda(const CudaRunInput& in) {
   // One layer's step of all ranks, captured once and replayed (the same inputs as its eager run).
   {
     upload_rows(x.ptr, res.x[L - 1], d);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    issue(L - 1, forced);
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const CapturedGraph graph(stream, [&] { issue(L - 1, forced); });
+    graph.launch(stream);
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
     constexpr int kReplays = 20;
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < kReplays; ++i) MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    for (int i = 0; i < kReplays; ++i) graph.launch(stream);
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
     res.graph_step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kReplays;
     for (auto& layer : layers[L - 1]) layer->check(stream);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
   layers.clear();
   cudaStreamDestroy(stream);
