@@ -17,6 +17,7 @@
 #include "kernels/cuda/activation.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
+#include "moekit/cuda_graph.h"
 #include "moekit/fp8.h"
 #include "moekit/gemm.h"
 #include "moekit/layout.h"
@@ -681,13 +682,10 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
     MaskedGemm g1_ref(p1, r1, &cfg1);
     MaskedGemm g2_ref(p2, MaskedGemmBuffers{ref_act.ptr, ref_act_s.ptr, d_w2.ptr, d_w2s.ptr, c1.d_m.ptr, ref_out.ptr},
                       &g2.config());
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    g1.run(stream);
-    g2.run(stream);
-    MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(stream, [&] {
+      g1.run(stream);
+      g2.run(stream);
+    });
     std::uniform_int_distribution<int> dist(0, max_m);
     std::vector<int32_t> masked_m(E);
     for (int replay = 0; replay < 4; ++replay) {
@@ -697,7 +695,7 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
       c1.new_activations(rng);
       c1.d_m.upload(masked_m);
       out.poison(0xFF);
-      MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch(stream);
       g1_ref.run(stream);
       MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
       g2_ref.run(stream);
@@ -716,8 +714,6 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
       EXPECT_EQ(unwritten, 0) << what;
       for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
   cudaStreamDestroy(stream);
 }

@@ -57,15 +57,6 @@ constexpr int kFlagExpertReady = 4;
 // barrier of the tile's math threads (whose stores precede it); the wait is an acquire and then
 // a proxy fence, since the waiting GEMM reads the rows with TMA. The waiting GEMM's last CTA zeroes
 // the counters (and its own CTA count, element E) for the next step.
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // One thread spins until expert e's rows are complete. The signalling GEMM is resident whenever
 // this runs (this kernel is launched only once every CTA of it has started, PDL), so the wait
@@ -74,11 +65,11 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 __device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
   const int target = (args.k / 64) * m_valid;
   const long long start = clock64();
-  while (ld_acquire_gpu(args.ready_in + e) < target) {
+  while (ptx::ld_acquire_gpu(args.ready_in + e) < target) {
     if (clock64() - start > (1ll << 34)) __trap();
     __nanosleep(32);
   }
-  fence_proxy_async_global();
+  ptx::fence_proxy_async_global();
 }
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
@@ -343,9 +334,9 @@ __device__ __forceinline__ void math_barrier() {
 // then one release of its units of expert t.e.
 template <int kMathThreads, int kBlockW, int kBlockT>
 __device__ __forceinline__ void expert_ready_add(const KernelArgs& args, const TileInfo& t, int mtid) {
-  fence_proxy_async_global();  // the next GEMM reads these rows with TMA
+  ptx::fence_proxy_async_global();  // the next GEMM reads these rows with TMA
   math_barrier<kMathThreads>();
-  if (mtid == 0) red_release_gpu_add(args.ready_out + t.e, (kBlockW / 64) * min(kBlockT, t.m_valid - t.t0));
+  if (mtid == 0) ptx::red_release_gpu_add(args.ready_out + t.e, (kBlockW / 64) * min(kBlockT, t.m_valid - t.t0));
 }
 
 // The waiting side, by every math thread at the CTA's end: the last CTA zeroes the counters for

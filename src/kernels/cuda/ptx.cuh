@@ -152,6 +152,20 @@ __device__ __forceinline__ uint16_t to_bf16(float x) {
 // reads a tile the threads wrote); a barrier over the writers must follow before the wgmma.
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Makes this thread's ordinary stores to global memory visible to the async proxy (a TMA load by
+// a later reader, which must also fence after it has acquired them).
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// ---- GPU-scope flags between the CTAs of two kernels (per-expert readiness, gemm_schedule.cuh) --
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads, a multiple of 32.
 __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
