@@ -1,5 +1,5 @@
 // bench_stream: how fast the grouped GEMM's weight loads can stream from HBM with nothing else in
-// the kernel, against the device copy and a plain streaming read, in one run. It separates what
+// the kernel, against the device copy, in one run. It separates what
 // the memory system gives the GEMM's access pattern from what the GEMM's own pipeline costs.
 //
 // One persistent CTA per SM: one thread issues the loads into a ring of shared-memory stages
@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
     return median(ms);
   };
 
-  // Ceilings: the device copy (bytes read + written) of half the tensor, and a read-only stream.
+  // The ceiling: the device copy (bytes read + written) of half the tensor.
   const float copy_ms = time([&](int i) { MOEKIT_CUDA_CHECK(cudaMemcpyAsync(w[1 - i], w[i], bytes / 2, cudaMemcpyDeviceToDevice)); });
   const double copy_tbs = double(bytes) / (copy_ms * 1e-3) / 1e12;
   std::printf("device: %d SMs; copy %.3f TB/s (read + write of %.0f MB)\n", num_sms, copy_tbs, bytes / 2 / 1e6);
@@ -182,9 +182,19 @@ int main(int argc, char** argv) {
       {"bulk 16 KB, dynamic, 12 stages", true, true, 1, 12, k1},
       {"bulk 32 KB, static, 6 stages", true, false, 2, 6, k1},
   };
-  std::string js = "{\"copy_tbs\": " + std::to_string(copy_tbs) + ", \"patterns\": [";
-  for (size_t pi = 0; pi < patterns.size(); ++pi) {
-    const Pattern& p = patterns[pi];
+  // One line per measurement, and one JSON object in "runs" (config: the GEMM's, or empty).
+  std::string js = "{\"copy_tbs\": " + std::to_string(copy_tbs) + ", \"runs\": [";
+  bool first_run = true;
+  auto report = [&](const std::string& name, float ms, double mb, const std::string& config) {
+    const double tbs = mb * 1e6 / (ms * 1e-3) / 1e12;
+    std::printf("  %-44s %8.1f us  %.0f MB  %.3f TB/s  %.1f%% of copy%s\n", name.c_str(), ms * 1e3, mb, tbs,
+                100 * tbs / copy_tbs, config.empty() ? "" : ("  [" + config + "]").c_str());
+    js += std::string(first_run ? "" : ", ") + "{\"name\": \"" + name + "\", \"us\": " + std::to_string(ms * 1e3) +
+          ", \"mb\": " + std::to_string(mb) + ", \"tbs\": " + std::to_string(tbs) + ", \"config\": \"" + config +
+          "\"}";
+    first_run = false;
+  };
+  for (const Pattern& p : patterns) {
     const int n = p.k == k1 ? n1 : n2;
     const size_t pat_bytes = size_t(E) * n * p.k;
     StreamArgs a{};
@@ -207,14 +217,8 @@ int main(int argc, char** argv) {
       kernel<<<num_sms, 64, smem>>>(maps[i], a);
       MOEKIT_CUDA_CHECK(cudaGetLastError());
     });
-    const double moved = double(a.tiles) * a.k_blocks * p.boxes * kBoxBytes;
-    const double tbs = moved / (ms * 1e-3) / 1e12;
-    std::printf("  %-44s %8.1f us  %.0f MB  %.3f TB/s  %.1f%% of copy\n", p.name.c_str(), ms * 1e3, moved / 1e6, tbs,
-                100 * tbs / copy_tbs);
-    js += std::string(pi ? ", " : "") + "{\"name\": \"" + p.name + "\", \"us\": " + std::to_string(ms * 1e3) +
-          ", \"mb\": " + std::to_string(moved / 1e6) + ", \"tbs\": " + std::to_string(tbs) + "}";
+    report(p.name, ms, double(a.tiles) * a.k_blocks * p.boxes * kBoxBytes / 1e6, "");
   }
-  js += "]";
 
   // The GEMMs themselves on the same bytes: GEMM1 with the SiLU·up epilogue (N 4096 = gate + up,
   // K 7168) and GEMM2 (N 7168, K 2048) of one EP8 rank of DeepSeek-V3 at B = 256: 32 routed experts
@@ -246,12 +250,7 @@ int main(int argc, char** argv) {
                    const MaskedGemmBuffers& b1, const std::vector<int32_t>& mm, const GemmConfig* cfg, double mb) {
       MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
       MaskedGemm g0(p, b0, cfg), g1(p, b1, cfg);
-      const float ms = time([&](int i) { (i ? g1 : g0).run(nullptr); });
-      const double tbs = mb * 1e6 / (ms * 1e-3) / 1e12;
-      std::printf("  %-44s %8.1f us  %.0f MB  %.3f TB/s  %.1f%% of copy  [%s]\n", name.c_str(), ms * 1e3, mb, tbs,
-                  100 * tbs / copy_tbs, g0.config().to_string().c_str());
-      js += ", {\"name\": \"" + name + "\", \"us\": " + std::to_string(ms * 1e3) + ", \"mb\": " + std::to_string(mb) +
-            ", \"tbs\": " + std::to_string(tbs) + ", \"config\": \"" + g0.config().to_string() + "\"}";
+      report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb, g0.config().to_string());
     };
     std::printf("the GEMMs on the same bytes (E = %d, M_max = %d):\n", E, m_max);
     const double mb1 = double(E) * n1 * k1 / 1e6, mb2 = double(E) * n2 * k2 / 1e6;
