@@ -742,6 +742,76 @@ TEST(GemmExpertReady, BadArgumentsRejected) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// L2 prefetch of one expert (MaskedGemmBuffers::l2_prefetch_expert)
+
+// A hint may change the timing, never the result: a plan that prefetches an expert, run as a
+// programmatic dependent launch behind the kernel that writes its inputs in a replayed graph
+// with new data, gives the same bytes as a plan without it run afterwards on the same inputs; for
+// an expert with rows, one without, and the split-K and cluster tile paths.
+TEST(GemmL2Prefetch, SameBytesAsWithoutInGraph) {
+  GemmConfig split = forced(true, 16, 2);
+  GemmConfig cluster = forced(true, 64, 1);
+  cluster.cluster = 2;
+  for (auto [expert, cfg] : {std::pair{2, (const GemmConfig*)nullptr}, std::pair{1, (const GemmConfig*)nullptr},
+                             std::pair{2, (const GemmConfig*)&split}, std::pair{0, (const GemmConfig*)&cluster}}) {
+    std::mt19937 rng(31 + expert);
+    MaskedCase c({4, 256, 2048, 32, 16}, rng);
+    std::vector<int32_t> masked_m = {16, 0, 32, 3};
+    c.d_m.upload(masked_m);
+    DeviceBuffer<uint8_t> a_src(c.d_a.count);
+    DeviceBuffer<float> s_src(c.d_as.count);
+    MaskedGemm plain(c.problem, c.buffers(), cfg);
+    MaskedGemmBuffers pb = c.buffers();
+    pb.l2_prefetch_expert = expert;
+    MaskedGemm prefetching(c.problem, pb, cfg);
+    prefetching.set_overlap(Overlap::kPreviousKernel);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CapturedGraph graph(stream, [&] {
+      copy_inputs_kernel<<<264, 256, 0, stream>>>(a_src.ptr, c.d_a.ptr, c.d_a.count, s_src.ptr, c.d_as.ptr,
+                                                  c.d_as.count, nullptr, c.d_m.ptr, 0);
+      MOEKIT_CUDA_CHECK_LAUNCH();
+      prefetching.run(stream);
+    });
+    const std::string what = "prefetch expert " + std::to_string(expert) + ", " + prefetching.config().to_string();
+    for (int replay = 0; replay < 3; ++replay) {
+      c.a = random_fp8(c.d_a.count, rng);
+      c.a_scales = random_scales(c.d_as.count, rng);
+      a_src.upload(c.a);
+      s_src.upload(c.a_scales);
+      c.poison();
+      graph.launch(stream);
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint16_t> got = c.d_out.download();
+      expect_good(c.check(masked_m), 3e-3, what + ", replay " + std::to_string(replay));
+      c.poison();
+      plain.run(stream);
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(got, c.d_out.download()) << what << ", replay " << replay;
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+TEST(GemmL2Prefetch, BadExpertNamed) {
+  std::mt19937 rng(10);
+  MaskedCase c({2, 256, 256, 16, 8}, rng);
+  for (int bad : {2, -2}) {
+    MaskedGemmBuffers b = c.buffers();
+    b.l2_prefetch_expert = bad;
+    try {
+      MaskedGemm g(c.problem, b);
+      ADD_FAILURE() << "l2_prefetch_expert = " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("l2_prefetch_expert = " + std::to_string(bad) + "; expected -1 (none) or an "
+                                           "expert 0..1"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Contiguous
 
 // One contiguous GEMM of ragged, padded expert segments against the float64 oracle and the CPU

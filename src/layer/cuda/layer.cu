@@ -267,8 +267,11 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   const WeightFormat format = s.mxfp4 ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
   const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1, format};
   const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max), GemmEpilogue::kBf16, format};
-  const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
-                             s.act_scales, s.w1_mx, s.b1, s.expert_ready, nullptr};
+  MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
+                       s.act_scales, s.w1_mx, s.b1, s.expert_ready, nullptr};
+  // Merged, the shared expert's rows are this rank's own tokens: GEMM1 pulls its W1 into L2
+  // while the dispatch runs (gemm.h "L2 prefetch").
+  if (s.merged && config.prefetch_shared && !s.mxfp4) b1.l2_prefetch_expert = s.e_loc;
   const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
                              nullptr, nullptr,      s.w2_mx, s.b2,  nullptr,         s.expert_ready};
   if (s.decode) {
