@@ -17,8 +17,8 @@
 // grid instead of for each expert's rows), the baseline of that lever.
 // --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
 // (GpuLayerConfig::merge_shared off) instead of as expert E_loc of the routed GEMMs.
-// --prefetch-shared 0: fused layers without GEMM1's L2 prefetch of the shared expert's W1
-// (GpuLayerConfig::prefetch_shared off), the baseline of that lever.
+// --prefetch-shared 0: fused layers without the L2 prefetch of the shared expert's W1 at the
+// start of the step (GpuLayerConfig::prefetch_shared off), the baseline of that lever.
 // --timeline: for the uniform case, one more replay of a graph captured with the layers' stage
 // clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
 // the middle layer of the first segment, and the share of rank 0's step during which a GEMM

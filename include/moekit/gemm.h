@@ -69,13 +69,11 @@
 // the counters for the next run, so the pair must run together in every step (a GEMM with
 // ready_in also resets when it runs without the overlap).
 //
-// L2 prefetch (MaskedGemmBuffers::l2_prefetch_expert, FP8): before the PDL wait, the CTAs ask L2
-// for one expert's weights (a bulk prefetch, nothing waits for it), and the tiles load that
-// expert without demoting its lines, while every other expert streams as evict-first. For an
-// expert whose rows are known to come before the previous kernel has written them (the decode
-// step's shared expert, a fixed number of rows): its bytes leave HBM while the dispatch runs
-// instead of after it. It helps only while its bytes fit in L2 beside the stream (the H200's
-// 50 MB; DeepSeek-V3's shared W1 is 29 MB) and the GPU has HBM to spare before the wait.
+// L2-resident expert (MaskedGemmBuffers::l2_resident_expert, FP8): every expert's weights stream
+// through L2 as evict-first (read once), except this one's, which load without changing their
+// lines' priority. For an expert the caller has asked L2 for ahead of the GEMM (the MoE layer
+// prefetches its shared expert's W1 while the dispatch runs): its lines stay while the other
+// experts stream past, so its tiles read L2 instead of HBM. Results are the same either way.
 //
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
 // that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
@@ -149,10 +147,9 @@ struct MaskedGemmBuffers {
   const float* bias = nullptr;      // kMxfp4, optional
   int32_t* ready_out = nullptr;     // optional: per-expert readiness this GEMM signals (FP8)
   int32_t* ready_in = nullptr;      // kPreviousGemmPerExpert: the readiness it waits for (FP8)
-  // FP8, -1 or 0..E_loc-1: an expert whose rows are sure to come (the MoE layer's shared expert):
-  // each run first asks L2 for all of its weights, before the PDL wait, so that under an overlap
-  // they stream while the previous kernel still runs (see "L2 prefetch" above). Same results.
-  int l2_prefetch_expert = -1;
+  // FP8, -1 (none) or 0..E_loc-1: an expert whose weights the caller has put in L2 (see
+  // "L2-resident expert" above).
+  int l2_resident_expert = -1;
 };
 
 struct ContiguousGemmBuffers {

@@ -15,6 +15,7 @@
 #include "device_buffer.h"
 #include "gemm_operands.h"
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/l2_prefetch.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 #include "moekit/cuda_graph.h"
@@ -742,12 +743,13 @@ TEST(GemmExpertReady, BadArgumentsRejected) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// L2 prefetch of one expert (MaskedGemmBuffers::l2_prefetch_expert)
+// An L2-resident expert (MaskedGemmBuffers::l2_resident_expert) and the prefetch kernel
 
-// A hint may change the timing, never the result: a plan that prefetches an expert, run as a
-// programmatic dependent launch behind the kernel that writes its inputs in a replayed graph
-// with new data, gives the same bytes as a plan without it run afterwards on the same inputs; for
-// an expert with rows, one without, and the split-K and cluster tile paths.
+// A cache hint may change the timing, never the result: in a replayed graph with new data, the
+// kernel that writes the GEMM's inputs, the L2 prefetch of one expert's weights and the GEMM that
+// keeps that expert resident (both programmatic dependent launches) give the same bytes as a plain
+// plan run afterwards on the same inputs; for an expert with rows, one without, and the split-K
+// and cluster tile paths.
 TEST(GemmL2Prefetch, SameBytesAsWithoutInGraph) {
   GemmConfig split = forced(true, 16, 2);
   GemmConfig cluster = forced(true, 64, 1);
@@ -761,54 +763,64 @@ TEST(GemmL2Prefetch, SameBytesAsWithoutInGraph) {
     DeviceBuffer<uint8_t> a_src(c.d_a.count);
     DeviceBuffer<float> s_src(c.d_as.count);
     MaskedGemm plain(c.problem, c.buffers(), cfg);
-    MaskedGemmBuffers pb = c.buffers();
-    pb.l2_prefetch_expert = expert;
-    MaskedGemm prefetching(c.problem, pb, cfg);
-    prefetching.set_overlap(Overlap::kPreviousKernel);
+    MaskedGemmBuffers rb = c.buffers();
+    rb.l2_resident_expert = expert;
+    MaskedGemm resident(c.problem, rb, cfg);
+    resident.set_overlap(Overlap::kPreviousKernel);
+    const size_t expert_bytes = size_t(c.problem.n) * c.problem.k;
     cudaStream_t stream;
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    CapturedGraph graph(stream, [&] {
-      copy_inputs_kernel<<<264, 256, 0, stream>>>(a_src.ptr, c.d_a.ptr, c.d_a.count, s_src.ptr, c.d_as.ptr,
-                                                  c.d_as.count, nullptr, c.d_m.ptr, 0);
-      MOEKIT_CUDA_CHECK_LAUNCH();
-      prefetching.run(stream);
-    });
-    const std::string what = "prefetch expert " + std::to_string(expert) + ", " + prefetching.config().to_string();
-    for (int replay = 0; replay < 3; ++replay) {
-      c.a = random_fp8(c.d_a.count, rng);
-      c.a_scales = random_scales(c.d_as.count, rng);
-      a_src.upload(c.a);
-      s_src.upload(c.a_scales);
-      c.poison();
-      graph.launch(stream);
-      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<uint16_t> got = c.d_out.download();
-      expect_good(c.check(masked_m), 3e-3, what + ", replay " + std::to_string(replay));
-      c.poison();
-      plain.run(stream);
-      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      EXPECT_EQ(got, c.d_out.download()) << what << ", replay " << replay;
+    {
+      CapturedGraph graph(stream, [&] {
+        copy_inputs_kernel<<<264, 256, 0, stream>>>(a_src.ptr, c.d_a.ptr, c.d_a.count, s_src.ptr, c.d_as.ptr,
+                                                    c.d_as.count, nullptr, c.d_m.ptr, 0);
+        MOEKIT_CUDA_CHECK_LAUNCH();
+        gpu::launch_l2_prefetch(c.d_w.ptr + expert * expert_bytes, expert_bytes, stream, {true, nullptr});
+        resident.run(stream);
+      });
+      const std::string what = "resident expert " + std::to_string(expert) + ", " + resident.config().to_string();
+      for (int replay = 0; replay < 3; ++replay) {
+        c.a = random_fp8(c.d_a.count, rng);
+        c.a_scales = random_scales(c.d_as.count, rng);
+        a_src.upload(c.a);
+        s_src.upload(c.a_scales);
+        c.poison();
+        graph.launch(stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const std::vector<uint16_t> got = c.d_out.download();
+        expect_good(c.check(masked_m), 3e-3, what + ", replay " + std::to_string(replay));
+        c.poison();
+        plain.run(stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        EXPECT_EQ(got, c.d_out.download()) << what << ", replay " << replay;
+      }
     }
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
 
-TEST(GemmL2Prefetch, BadExpertNamed) {
+TEST(GemmL2Prefetch, BadArgumentsNamed) {
   std::mt19937 rng(10);
   MaskedCase c({2, 256, 256, 16, 8}, rng);
+  auto message = [&](auto&& make) -> std::string {
+    try {
+      make();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
   for (int bad : {2, -2}) {
     MaskedGemmBuffers b = c.buffers();
-    b.l2_prefetch_expert = bad;
-    try {
-      MaskedGemm g(c.problem, b);
-      ADD_FAILURE() << "l2_prefetch_expert = " << bad << " accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("l2_prefetch_expert = " + std::to_string(bad) + "; expected -1 (none) or an "
-                                           "expert 0..1"),
-                std::string::npos)
-          << e.what();
-    }
+    b.l2_resident_expert = bad;
+    EXPECT_NE(message([&] { MaskedGemm g(c.problem, b); })
+                  .find("l2_resident_expert = " + std::to_string(bad) + "; expected -1 (none) or an expert 0..1"),
+              std::string::npos);
   }
+  EXPECT_NE(message([&] { gpu::launch_l2_prefetch(c.d_w.ptr + 8, 256, nullptr); }).find("16-byte aligned (offset 8)"),
+            std::string::npos);
+  EXPECT_NE(message([&] { gpu::launch_l2_prefetch(c.d_w.ptr, 100, nullptr); }).find("bytes = 100 must be a multiple"),
+            std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------

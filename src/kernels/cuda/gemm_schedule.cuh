@@ -34,11 +34,7 @@ struct KernelArgs {
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
   int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
   int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
-  // Masked, FP8: one expert's weights (l2_bytes at l2_weights, expert l2_expert) pulled into L2
-  // before the PDL wait (l2_prefetch_slice), and loaded without demoting them (evict_unchanged).
-  const uint8_t* l2_weights = nullptr;
-  unsigned long long l2_bytes = 0;
-  int l2_expert = -1;
+  int l2_expert = -1;  // masked, FP8: the expert whose weights load without demoting their L2 lines
 };
 
 // Programmatic dependent launch: this kernel may start while the previous kernel on the stream
@@ -248,26 +244,12 @@ __device__ __forceinline__ TileWalk tile_walk() {
   return {int(blockIdx.x) / kCluster, int(gridDim.x) / kCluster};
 }
 
-// An expert known to have rows before the previous kernel has finished (the MoE layer's shared
-// expert, merged into the routed GEMM1): every CTA asks L2 for its share of that expert's weights
-// before it waits, so HBM streams them while the dispatch still runs, where it would otherwise sit
-// idle. A hint (nothing waits for it, nothing is ordered by it): the tiles load the same bytes
-// either way. The routed weights stream in as evict-first, so these normal-priority lines stay.
-__device__ __forceinline__ void l2_prefetch_slice(const KernelArgs& args) {
-  constexpr unsigned long long kPiece = 32 << 10;  // bytes per bulk prefetch
-  const unsigned long long share = (args.l2_bytes / gridDim.x + 255) / 256 * 256;
-  const unsigned long long begin = share * blockIdx.x, end = min(args.l2_bytes, begin + share);
-  for (unsigned long long off = begin; off < end; off += kPiece)
-    ptx::prefetch_l2_bulk(args.l2_weights + off, uint32_t(min(kPiece, end - off)));
-}
-
 // The start of a grouped GEMM kernel, before the tile count: the PDL wait and trigger (unless the
 // producer takes them after its early weight loads), and in thread 0 the stage clock and the
 // ring's barriers (full[s]: the producer's arrive plus the stage's TMA bytes; empty[s]:
 // empty_arrivals, one per math warp of every CTA that loads into the stage), made visible to TMA.
 __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_weights, uint64_t* full, uint64_t* empty,
                                            int empty_arrivals) {
-  if (args.l2_bytes && threadIdx.x == 0) l2_prefetch_slice(args);
   if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
     ptx::grid_dependency_wait();
     ptx::launch_dependents();
