@@ -17,8 +17,6 @@
 // grid instead of for each expert's rows), the baseline of that lever.
 // --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
 // (GpuLayerConfig::merge_shared off) instead of as expert E_loc of the routed GEMMs.
-// --prefetch-shared 0: fused layers without the L2 prefetch of the shared expert's W1 at the
-// start of the step (GpuLayerConfig::prefetch_shared off), the baseline of that lever.
 // --timeline: for the uniform case, one more replay of a graph captured with the layers' stage
 // clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
 // the middle layer of the first segment, and the share of rank 0's step during which a GEMM
@@ -102,7 +100,6 @@ constexpr const char* kUsage =
     "bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--ranks 8] [--batch 8,64,256,1024,2048] [--layers N]\n"
     "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
     "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
-    "           [--prefetch-shared 0|1]"
     "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
@@ -343,7 +340,6 @@ struct Options {
   bool timeline = false;
   bool expert_ready = true;  // GpuLayerConfig::expert_ready (--expert-ready 0: GEMM2 waits for GEMM1's grid)
   bool merge_shared = true;  // GpuLayerConfig::merge_shared (--merge-shared 0: the shared expert's own GEMMs)
-  bool prefetch_shared = true;  // GpuLayerConfig::prefetch_shared (--prefetch-shared 0: no L2 prefetch)
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -525,7 +521,6 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.pipeline = pipeline;
   cfg.expert_ready = opt.expert_ready;
   cfg.merge_shared = opt.merge_shared;
-  cfg.prefetch_shared = opt.prefetch_shared;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -716,9 +711,7 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
      << ", \"rank\": 0, \"copy_bw\": " << copy_bw << ", \"fp8_flops\": " << kFp8Flops
      << ", \"fp8_flops_source\": \"docs/results.md §Reference rates of the H200 (FP8 GEMM measured on an "
         "H200), not measured in this run\""
-     << ", \"iters\": " << opt.iters << ", \"expert_ready\": " << (opt.expert_ready ? "true" : "false")
-     << ", \"merge_shared\": " << (opt.merge_shared ? "true" : "false")
-     << ", \"prefetch_shared\": " << (opt.prefetch_shared ? "true" : "false")
+     << ", \"iters\": " << opt.iters
      << ", \"timing\": \"rank 0's kernels only: event-record nodes inside one CUDA Graph per segment of layers, "
         "rank 0's two intervals per layer (dispatch + compute, combine) added; step = median over replays of the "
         "sum over layers, layer = median over layers and replays\""
@@ -955,8 +948,6 @@ int main(int argc, char** argv) try {
       }
     } else if (a == "--merge-shared") {
       opt.merge_shared = next_int(0) != 0;
-    } else if (a == "--prefetch-shared") {
-      opt.prefetch_shared = next_int(0) != 0;
     } else if (a == "--expert-ready") {
       opt.expert_ready = next_int(0) != 0;
     } else if (a == "--timeline") {

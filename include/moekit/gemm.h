@@ -69,12 +69,6 @@
 // the counters for the next run, so the pair must run together in every step (a GEMM with
 // ready_in also resets when it runs without the overlap).
 //
-// L2-resident expert (MaskedGemmBuffers::l2_resident_expert, FP8): every expert's weights stream
-// through L2 as evict-first (read once), except this one's, which load without changing their
-// lines' priority. For an expert the caller has asked L2 for ahead of the GEMM (the MoE layer
-// prefetches its shared expert's W1 while the dispatch runs): its lines stay while the other
-// experts stream past, so its tiles read L2 instead of HBM. Results are the same either way.
-//
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
 // that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
 // only steers the choice; correctness never depends on it.
@@ -147,9 +141,6 @@ struct MaskedGemmBuffers {
   const float* bias = nullptr;      // kMxfp4, optional
   int32_t* ready_out = nullptr;     // optional: per-expert readiness this GEMM signals (FP8)
   int32_t* ready_in = nullptr;      // kPreviousGemmPerExpert: the readiness it waits for (FP8)
-  // FP8, -1 (none) or 0..E_loc-1: an expert whose weights the caller has put in L2 (see
-  // "L2-resident expert" above).
-  int l2_resident_expert = -1;
 };
 
 struct ContiguousGemmBuffers {

@@ -110,10 +110,6 @@ struct GpuLayerConfig {
   // Fused, with the SiLU·up epilogue: GEMM2 waits for each expert's rows (GEMM1 signals them), not
   // for GEMM1's whole grid (gemm.h kPreviousGemmPerExpert). False: the grid, as before.
   bool expert_ready = true;
-  // Fused, shared expert merged: the step's first kernel asks L2 for the shared expert's W1 (where
-  // it fits in 3/4 of L2), which then streams while the gate and the dispatch run, and GEMM1 reads
-  // it from L2 (gemm.h "L2-resident expert"). Same results; false: no prefetch.
-  bool prefetch_shared = true;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;

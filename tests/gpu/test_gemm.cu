@@ -15,7 +15,6 @@
 #include "device_buffer.h"
 #include "gemm_operands.h"
 #include "kernels/cuda/activation.cuh"
-#include "kernels/cuda/l2_prefetch.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 #include "moekit/cuda_graph.h"
@@ -739,87 +738,6 @@ TEST(GemmExpertReady, BadArgumentsRejected) {
   MaskedGemmBuffers same = c.buffers();
   same.ready_in = same.ready_out = ready.ptr;
   EXPECT_NE(message([&] { MaskedGemm g(c.problem, same); }).find("ready_in and ready_out are the same"),
-            std::string::npos);
-}
-
-// ---------------------------------------------------------------------------------------------
-// An L2-resident expert (MaskedGemmBuffers::l2_resident_expert) and the prefetch kernel
-
-// A cache hint may change the timing, never the result: in a replayed graph with new data, the
-// kernel that writes the GEMM's inputs, the L2 prefetch of one expert's weights and the GEMM that
-// keeps that expert resident (both programmatic dependent launches) give the same bytes as a plain
-// plan run afterwards on the same inputs; for an expert with rows, one without, and the split-K
-// and cluster tile paths.
-TEST(GemmL2Prefetch, SameBytesAsWithoutInGraph) {
-  GemmConfig split = forced(true, 16, 2);
-  GemmConfig cluster = forced(true, 64, 1);
-  cluster.cluster = 2;
-  for (auto [expert, cfg] : {std::pair{2, (const GemmConfig*)nullptr}, std::pair{1, (const GemmConfig*)nullptr},
-                             std::pair{2, (const GemmConfig*)&split}, std::pair{0, (const GemmConfig*)&cluster}}) {
-    std::mt19937 rng(31 + expert);
-    MaskedCase c({4, 256, 2048, 32, 16}, rng);
-    std::vector<int32_t> masked_m = {16, 0, 32, 3};
-    c.d_m.upload(masked_m);
-    DeviceBuffer<uint8_t> a_src(c.d_a.count);
-    DeviceBuffer<float> s_src(c.d_as.count);
-    MaskedGemm plain(c.problem, c.buffers(), cfg);
-    MaskedGemmBuffers rb = c.buffers();
-    rb.l2_resident_expert = expert;
-    MaskedGemm resident(c.problem, rb, cfg);
-    resident.set_overlap(Overlap::kPreviousKernel);
-    const size_t expert_bytes = size_t(c.problem.n) * c.problem.k;
-    cudaStream_t stream;
-    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    {
-      CapturedGraph graph(stream, [&] {
-        copy_inputs_kernel<<<264, 256, 0, stream>>>(a_src.ptr, c.d_a.ptr, c.d_a.count, s_src.ptr, c.d_as.ptr,
-                                                    c.d_as.count, nullptr, c.d_m.ptr, 0);
-        MOEKIT_CUDA_CHECK_LAUNCH();
-        gpu::launch_l2_prefetch(c.d_w.ptr + expert * expert_bytes, expert_bytes, stream, {true, nullptr});
-        resident.run(stream);
-      });
-      const std::string what = "resident expert " + std::to_string(expert) + ", " + resident.config().to_string();
-      for (int replay = 0; replay < 3; ++replay) {
-        c.a = random_fp8(c.d_a.count, rng);
-        c.a_scales = random_scales(c.d_as.count, rng);
-        a_src.upload(c.a);
-        s_src.upload(c.a_scales);
-        c.poison();
-        graph.launch(stream);
-        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        const std::vector<uint16_t> got = c.d_out.download();
-        expect_good(c.check(masked_m), 3e-3, what + ", replay " + std::to_string(replay));
-        c.poison();
-        plain.run(stream);
-        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        EXPECT_EQ(got, c.d_out.download()) << what << ", replay " << replay;
-      }
-    }
-    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
-  }
-}
-
-TEST(GemmL2Prefetch, BadArgumentsNamed) {
-  std::mt19937 rng(10);
-  MaskedCase c({2, 256, 256, 16, 8}, rng);
-  auto message = [&](auto&& make) -> std::string {
-    try {
-      make();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
-  for (int bad : {2, -2}) {
-    MaskedGemmBuffers b = c.buffers();
-    b.l2_resident_expert = bad;
-    EXPECT_NE(message([&] { MaskedGemm g(c.problem, b); })
-                  .find("l2_resident_expert = " + std::to_string(bad) + "; expected -1 (none) or an expert 0..1"),
-              std::string::npos);
-  }
-  EXPECT_NE(message([&] { gpu::launch_l2_prefetch(c.d_w.ptr + 8, 256, nullptr); }).find("16-byte aligned (offset 8)"),
-            std::string::npos);
-  EXPECT_NE(message([&] { gpu::launch_l2_prefetch(c.d_w.ptr, 100, nullptr); }).find("bytes = 100 must be a multiple"),
             std::string::npos);
 }
 

@@ -522,10 +522,8 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   GpuRig fused(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused);
   // The shared expert's own GEMMs in line instead of expert E_loc of the routed ones.
   GpuRig inline_shared(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, false);
-  // GEMM2 waiting for GEMM1's grid instead of for each expert's rows, and GEMM1 without the L2
-  // prefetch of the shared expert: the same bits.
-  GpuRig grid_wait(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, false,
-                   false);
+  // GEMM2 waiting for GEMM1's grid instead of for each expert's rows: the same bits.
+  GpuRig grid_wait(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, false);
   for (GpuRig* rig : {&staged, &fused, &inline_shared})
     for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
@@ -560,7 +558,7 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
       std::printf("[layer] %s: %.3e, %zu / %zu outputs the same bits\n", what.c_str(), err, same, got.size());
       EXPECT_LE(err, kLayerTolerance) << what;
     }
-    EXPECT_EQ(fused.gather_out(), grid_wait.gather_out()) << "per-expert readiness and the L2 prefetch against neither"
+    EXPECT_EQ(fused.gather_out(), grid_wait.gather_out()) << "per-expert readiness against the grid wait"
                                                           << (graph ? ", graph" : "");
     const std::string what = graph ? "stage clock, graph" : "stage clock";
     for (GpuRig* rig : {&staged, &fused, &inline_shared}) {

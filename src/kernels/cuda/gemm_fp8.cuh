@@ -130,12 +130,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     // ---------------- producer ----------------
     if constexpr (kMathWGs == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (warp != 0) return end_cluster<kCluster>();
-    const uint64_t policy_first = ptx::policy_evict_first(), policy_kept = ptx::policy_evict_unchanged();
+    const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
     // A stage's weight rows: one box of kBlockW rows, or (gated) the gate box and the up box
     // inter rows further down.
     auto load_w = [&](int stage, int kb, const TileInfo& t) {
-      const uint64_t policy_w = t.e == args.l2_expert ? policy_kept : policy_first;
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
         ptx::tma_load_2d(w_tiles + stage * Layout::kWTile + sl * kBlockW * kBlockK, &tma_w, &full[stage],

@@ -128,18 +128,7 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
                "masked GEMM: ready_in and ready_out are the same counters; a GEMM waits for the previous one's");
   im.args.ready_out = b.ready_out;
   im.args.ready_in = b.ready_in;
-  if (b.l2_resident_expert != -1) {
-    MOEKIT_CHECK(b.l2_resident_expert >= 0 && b.l2_resident_expert < p.num_experts,
-                 "masked GEMM: l2_resident_expert = " + std::to_string(b.l2_resident_expert) +
-                     "; expected -1 (none) or an expert 0.." + std::to_string(p.num_experts - 1));
-    MOEKIT_CHECK(!mxfp4, "masked GEMM: l2_resident_expert = " + std::to_string(b.l2_resident_expert) +
-                             " needs FP8 weights; the MXFP4 kernel streams every expert alike");
-    im.args.l2_expert = b.l2_resident_expert;
-  }
-  maybe_print_config("masked",
-                     describe(p) + (b.l2_resident_expert >= 0
-                                        ? " l2_resident_expert=" + std::to_string(b.l2_resident_expert) : ""),
-                     im.cfg);
+  maybe_print_config("masked", describe(p), im.cfg);
 }
 
 MaskedGemm::~MaskedGemm() = default;

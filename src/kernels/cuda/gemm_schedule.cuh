@@ -34,7 +34,6 @@ struct KernelArgs {
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
   int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
   int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
-  int l2_expert = -1;  // masked, FP8: the expert whose weights load without demoting their L2 lines
 };
 
 // Programmatic dependent launch: this kernel may start while the previous kernel on the stream

@@ -107,19 +107,6 @@ __device__ __forceinline__ uint64_t policy_evict_last() {
   return p;
 }
 
-// Loads that keep a line's L2 priority as it is (an L2-prefetched expert stays resident while
-// the evict-first stream passes; a miss is cached at normal priority).
-__device__ __forceinline__ uint64_t policy_evict_unchanged() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-// Asks L2 for [p, p + bytes) (16-byte aligned, a multiple of 16 bytes); returns at once.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<uint64_t>(p)), "r"(bytes)
-               : "memory");
-}
-
 // 2D tiled load of the box at (x = innermost coordinate, y) into shared memory; completes
 // as transaction bytes on `bar`. Out-of-bounds elements are filled with zeros.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y,

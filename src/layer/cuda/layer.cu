@@ -6,7 +6,6 @@
 #include "ep/cuda/ep_format.h"
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gating.cuh"
-#include "kernels/cuda/l2_prefetch.cuh"
 #include "layer/cuda/expert_mover.h"
 #include "layer/cuda/layer_impl.cuh"
 #include "moekit/check.h"
@@ -268,18 +267,8 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   const WeightFormat format = s.mxfp4 ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
   const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1, format};
   const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max), GemmEpilogue::kBf16, format};
-  MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
-                       s.act_scales, s.w1_mx, s.b1, s.expert_ready, nullptr};
-  // Merged, the shared expert's rows are this rank's own tokens, sure to come: its W1 is asked of
-  // L2 at the start of the step, while the gate and the dispatch leave HBM idle, and GEMM1 loads
-  // it without demoting the lines (gemm.h "L2-resident expert"). Only while it leaves most of L2
-  // to the stream (DeepSeek-V3: 29 MB of the H200's 50 MB).
-  const size_t shared_w1_bytes = size_t(2) * s.inter * s.d;
-  if (s.merged && config.prefetch_shared && !s.mxfp4 &&
-      shared_w1_bytes <= size_t(query_device().l2_bytes) * 3 / 4) {
-    b1.l2_resident_expert = s.e_loc;
-    s.prefetch_bytes = shared_w1_bytes;
-  }
+  const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
+                             s.act_scales, s.w1_mx, s.b1, s.expert_ready, nullptr};
   const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
                              nullptr, nullptr,      s.w2_mx, s.b2,  nullptr,         s.expert_ready};
   if (s.decode) {
@@ -409,7 +398,6 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
   }
   const ReplicaMap map{s.replicas, s.rank, first_token, s.cfg.replica_seed, s.topk_slot, s.counts};
   const LaunchOptions gate = s.launch(GpuStage::kGate);
-  if (s.prefetch_bytes && num_tokens > 0) launch_l2_prefetch(s.sw1, s.prefetch_bytes, stream, gate);
   if (!routing_idx) {
     launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream, gate, s.router_logit_bias);
     // Fused: the replica choice happens in the selection kernel itself.

@@ -40,7 +40,6 @@ struct GpuMoeLayer::Impl {
   // Fused: GEMM1 with the SiLU·up + FP8 epilogue (else GEMM1 to BF16 and the activation kernel).
   bool gated = false;
   int32_t* expert_ready = nullptr;  // fused + gated: GEMM1 -> GEMM2 per-expert readiness [slabs + 1]
-  size_t prefetch_bytes = 0;        // fused + merged: the shared expert's W1 bytes the step asks L2 for
   // MXFP4 experts (gpt-oss): d and inter are the weights' padded sizes (weights.h), model_d the
   // model's hidden size; x and out are padded through x_pad and out_pad when they differ.
   bool mxfp4 = false;
