@@ -1,6 +1,6 @@
 // bench_stream: how fast the grouped GEMM's weight loads can stream from HBM with nothing else in
-// the kernel, against the device copy, in one run. It separates what
-// the memory system gives the GEMM's access pattern from what the GEMM's own pipeline costs.
+// the kernel, against the device copy, in one run. It separates what the memory system gives the
+// GEMM's access pattern from what the GEMM's own pipeline costs.
 //
 // One persistent CTA per SM: one thread issues the loads into a ring of shared-memory stages
 // (full/empty mbarriers, as in gemm_fp8.cuh), one thread frees each stage as soon as it has

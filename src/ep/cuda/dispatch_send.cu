@@ -95,9 +95,10 @@ __device__ __forceinline__ BatchEntry load_batch_entry(const EpArgs& a, const in
 
 // All threads: the plans of tokens [b0, b0 + n) of the batch into plans[0, n), positions in token
 // order, from this lane's entry `in` (load_batch_entry). Inside a warp, an entry's place among the
-// warp's entries of its slot (or, for a message, of its rank) is a match_any rank; across warps, the warps take turns at the
-// shared counters in warp order. Valid entries of a token have distinct slots and the first entry
-// per rank is unique, so each counter grows by the warp's count of that key. Records bad entries.
+// warp's entries of its slot (or, for a message, of its rank) is a match_any rank; across warps,
+// the warps take turns at the shared counters in warp order. Valid entries of a token have
+// distinct slots and the first entry per rank is unique, so each counter grows by the warp's count
+// of that key. Records bad entries.
 __device__ void plan_batch(const EpArgs& a, BatchEntry in, int b0, int n, int parity, unsigned step, int* cnt_slot,
                            int* cnt_rank, TokenPlan* plans) {
   const int k = a.topk, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
