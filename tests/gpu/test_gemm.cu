@@ -186,6 +186,27 @@ TEST(GemmMasked, EveryTilePath) {
   }
 }
 
+// Tiles of 1 to 5 K blocks: the loop that keeps two partial sums in flight has a head, a body
+// unrolled by two and an odd or even tail; each is checked on every orientation that pipelines
+// (normal BM64/BM128, swap-AB 16/32/64) and on swap-AB 128, which does not. Split-K 2 at K = 640
+// gives tiles of 2 and 3 blocks in one launch.
+TEST(GemmMasked, FewKBlocksPerTile) {
+  std::mt19937 rng(4321);
+  for (int k : {128, 256, 384, 512, 640}) {
+    MaskedCase c({3, 256, k, 132, 0}, rng);
+    const std::vector<int32_t> masked_m = {1, 132, 70};
+    for (auto [swap, block_m, splits] : {std::tuple{true, 16, 1}, std::tuple{true, 32, 1}, std::tuple{true, 64, 1},
+                                         std::tuple{true, 128, 1}, std::tuple{false, 64, 1}, std::tuple{false, 128, 1},
+                                         std::tuple{false, 128, k == 640 ? 2 : 1}}) {
+      GemmConfig cfg = forced(swap, block_m, splits);
+      ErrorStats st = run_masked(c, masked_m, &cfg);
+      expect_good(st, 3e-3, cfg.to_string() + " K=" + std::to_string(k));
+      EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string() << " K=" << k;
+      c.new_activations(rng);
+    }
+  }
+}
+
 // Clusters of 2 (the token tile multicast to two CTAs with neighbouring weight blocks): every
 // compiled cluster path, ragged experts around the token block (0, 1, 127, 128, 129 rows), a
 // shallow ring that wraps often, and the heuristic's pick for big batches.
