@@ -186,10 +186,10 @@ TEST(GemmMasked, EveryTilePath) {
   }
 }
 
-// Tiles of 1 to 5 K blocks: the loop that keeps two partial sums in flight has a head, a body
-// unrolled by two and an odd or even tail; each is checked on every orientation that pipelines
-// (normal BM64/BM128, swap-AB 16/32/64) and on swap-AB 128, which does not. Split-K 2 at K = 640
-// gives tiles of 2 and 3 blocks in one launch.
+// Tiles of 1 to 5 K blocks on every orientation (normal BM64/BM128, swap-AB 16/32/64/128): a tile
+// shorter than the ring, a ring position carried from one short tile to the next, and split-K 2 at
+// K = 640 (tiles of 2 and 3 blocks in one launch). Added with a k-block loop that kept two partial
+// sums in flight (docs/gemm.md run 16), whose head and odd/even tails these shapes reach.
 TEST(GemmMasked, FewKBlocksPerTile) {
   std::mt19937 rng(4321);
   for (int k : {128, 256, 384, 512, 640}) {

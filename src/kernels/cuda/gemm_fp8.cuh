@@ -185,14 +185,6 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       ws.hi[sl] = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
     }
   };
-  // The combined scales of one K block's registers: per token column pair (swap-AB) or per row.
-  struct BlockScales {
-    float v[kSlabs][kSwapAB ? kBlockT / 8 : 2][2];
-  };
-  // Two K blocks in flight need a second partial: 3 x kAccRegs accumulator registers, which fit
-  // under the consumers' 232 up to 64 per partial with few scales (not swap-AB 128 tokens, whose
-  // 64 registers come with 32 scales, nor gated 64 tokens).
-  constexpr bool kPipelined = 3 * kAccRegs + int(sizeof(BlockScales) / 4) <= 200;
   // The first tile at or after `tile` with work; rows: `tile`'s, fetched earlier.
   auto next_tile_from = [&](int tile, TileInfo& t, BlockRows<kBlockT> rows) {
     for (; tile < num_tiles; tile += walk.stride) {
@@ -225,12 +217,9 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     float acc[kAccRegs];
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+    float part[kAccRegs];
     int ws_base = t.kb_begin;
-    // One K block at the ring position: wait for its stage, compute its registers' combined
-    // scales (a_scale of the register's token times the block's w_scale) and issue its wgmmas into
-    // `part` (committed, not waited for). Returns the stage, which stays the consumers' until
-    // `promote` hands it back.
-    auto issue = [&](int kb, float* part, BlockScales& sc) {
+    for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
       if (kb - ws_base == 64) {
         ws_base = kb;
         load_ws(t, ws_base, ws);
@@ -241,18 +230,20 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       for (int sl = 0; sl < kSlabs; ++sl) wsc[sl] = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws.lo[sl] : ws.hi[sl], j & 31);
       ptx::mbar_wait(&full[s], phase);
       const float* sa = sa_tiles + s * Layout::kSaFloats;
+      // Per-register combined scale: a_scale of the register's token times the block's w_scale.
+      float scale_a[kSlabs][kSwapAB ? kBlockT / 8 : 2][2];
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl) {
         if constexpr (kSwapAB) {
 #pragma unroll
           for (int j = 0; j < kBlockT / 8; ++j) {
             float2 v = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
-            sc.v[sl][j][0] = v.x * wsc[sl];
-            sc.v[sl][j][1] = v.y * wsc[sl];
+            scale_a[sl][j][0] = v.x * wsc[sl];
+            scale_a[sl][j][1] = v.y * wsc[sl];
           }
         } else {
-          sc.v[sl][0][0] = sa[frag_row] * wsc[sl];
-          sc.v[sl][1][0] = sa[frag_row + 8] * wsc[sl];
+          scale_a[sl][0][0] = sa[frag_row] * wsc[sl];
+          scale_a[sl][1][0] = sa[frag_row + 8] * wsc[sl];
         }
       }
       const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
@@ -270,67 +261,23 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part + sl * kRegs, desc_m + 2 * k, desc_n + 2 * k, k > 0);
       }
       ptx::wgmma_commit();
-#pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
-      const int stage = s;
-      if (++s == stages) s = 0, phase ^= 1;
-      return stage;
-    };
-    // A block whose wgmmas are complete (the caller has waited for them): its stage goes back to
-    // the producer(s), then its partial is scaled into acc.
-    auto promote = [&](int stage, float* part, const BlockScales& sc) {
+      ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
       if constexpr (kCluster == 1) {
-        if (lane == 0) ptx::mbar_arrive(&empty[stage]);
+        if (lane == 0) ptx::mbar_arrive(&empty[s]);
       } else if (lane < kCluster) {
-        ptx::mbar_arrive_cluster(&empty[stage], lane);  // lane r frees the stage in CTA r
+        ptx::mbar_arrive_cluster(&empty[s], lane);  // lane r frees the stage in CTA r
       }
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl) {
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) {
-          const float f = kSwapAB ? sc.v[sl][i / 4][i % 2] : sc.v[sl][(i / 2) % 2][0];
-          acc[sl * kRegs + i] = fmaf(part[sl * kRegs + i], f, acc[sl * kRegs + i]);
+          const float sc = kSwapAB ? scale_a[sl][i / 4][i % 2] : scale_a[sl][(i / 2) % 2][0];
+          acc[sl * kRegs + i] = fmaf(part[sl * kRegs + i], sc, acc[sl * kRegs + i]);
         }
       }
-    };
-    if constexpr (kPipelined) {
-      // Two partials in flight: block kb's wgmmas run while block kb - 1 is promoted, so the
-      // tensor cores do not wait for the CUDA cores' scaling (a wait for all groups after every
-      // block left them idle for it, docs/gemm.md "Issue targets"). The partials are two named
-      // arrays and the loop is unrolled by two, so that ptxas sees which registers each
-      // in-flight group owns and does not serialise the wgmmas.
-      float part0[kAccRegs], part1[kAccRegs];
-      BlockScales sc0, sc1;
-      int st0 = issue(t.kb_begin, part0, sc0);
-      int kb = t.kb_begin + 1;
-      for (; kb + 1 < t.kb_end; kb += 2) {
-        const int st1 = issue(kb, part1, sc1);
-        ptx::wgmma_wait<1>();
-        promote(st0, part0, sc0);
-        st0 = issue(kb + 1, part0, sc0);
-        ptx::wgmma_wait<1>();
-        promote(st1, part1, sc1);
-      }
-      if (kb < t.kb_end) {  // an even number of blocks: the last one into part1
-        const int st1 = issue(kb, part1, sc1);
-        ptx::wgmma_wait<1>();
-        promote(st0, part0, sc0);
-        ptx::wgmma_wait<0>();
-        promote(st1, part1, sc1);
-      } else {
-        ptx::wgmma_wait<0>();
-        promote(st0, part0, sc0);
-      }
-    } else {
-      float part[kAccRegs];
-      BlockScales sc;
-      for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
-        const int st = issue(kb, part, sc);
-        ptx::wgmma_wait<0>();
-        promote(st, part, sc);
-      }
+      if (++s == stages) s = 0, phase ^= 1;
     }
 
     if constexpr (!kMasked) {
