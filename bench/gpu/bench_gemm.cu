@@ -15,7 +15,7 @@
 // Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
 //   problem 4: the A/B driver for kernel changes: problem 3's two shapes at 2048 rows per expert on
 //             constant data (random data moves the tensor-core rate by up to ~15% run to run),
-//             single CTAs and clusters of 2. Not in the default run.
+//             single CTAs of 128 and 256 weight rows and clusters of 2. Not in the default run.
 // whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 1234]
 #include <algorithm>
 #include <cmath>
@@ -126,6 +126,7 @@ Ceilings measure_ceilings(json& out, bool quick) {
   }
   {  // the same tile in clusters of 2 (token tile multicast), for comparison
     GemmConfig f = choose_contiguous_config({1, N, K, M}, 132);
+    f.block_n = 128;  // clusters have 128-column tiles only
     f.cluster = 2;
     f.num_ctas = 0;
     ContiguousGemm g({1, N, K, M}, {a, as, re, w, ws, o}, &f);
@@ -435,6 +436,17 @@ int main(int argc, char** argv) {
                   r["TFLOPs"].get<double>(), 100 * r["fraction_of_dense_fp8"].get<double>(),
                   r["config"].get<std::string>().c_str());
       out["problem3"].push_back(r);
+      // Each tile width the heuristic weighs, forced: what its choice costs or saves.
+      for (int bn : {128, 256}) {
+        GemmConfig w;
+        w.block_m = 128;
+        w.block_n = bn;
+        json rw = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10, &w);
+        std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s (forced)\n", rows,
+                    rw["us"].get<double>(), rw["TFLOPs"].get<double>(), 100 * rw["fraction_of_dense_fp8"].get<double>(),
+                    rw["config"].get<std::string>().c_str());
+        out["problem3_widths"].push_back(rw);
+      }
       // The same tile in clusters of 2: what the multicast of the token tile buys.
       GemmConfig f;
       f.block_m = 128;
@@ -452,10 +464,10 @@ int main(int argc, char** argv) {
     if (only.find('4') != std::string::npos) {
     std::printf("\nproblem 4: contiguous, 8 experts x 2048 rows, constant data (kernel A/B)\n");
     for (auto [N, K] : {std::pair{7168, 2048}, std::pair{4096, 7168}}) {
-      for (int cluster : {1, 2}) {
+      for (auto [cluster, block_n] : {std::pair{1, 128}, std::pair{1, 256}, std::pair{2, 128}}) {
         GemmConfig f;
         f.block_m = 128;
-        f.block_n = 128;
+        f.block_n = block_n;
         f.cluster = cluster;
         json r = run_contiguous(8, 2048, N, K, ceil, 10, &f, true);
         std::printf("N=%d K=%d  %9.1f us  %7.1f TFLOP/s  %s\n", N, K, r["us"].get<double>(), r["TFLOPs"].get<double>(),

@@ -45,14 +45,6 @@ struct StreamArgs {
   int* queue;           // dynamic: [0] next tile, [1] CTAs done (both reset by the last CTA)
 };
 
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          ptx::smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(ptx::smem_addr(bar)), "l"(policy)
-      : "memory");
-}
-
 template <bool kBulk, bool kDynamic>
 __global__ void __launch_bounds__(64, 1) stream_kernel(const __grid_constant__ CUtensorMap map, StreamArgs a) {
   extern __shared__ uint8_t smem_raw[];
@@ -82,7 +74,7 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const __grid_constant__ C
           ptx::mbar_arrive_expect_tx(&full[s], stage_bytes);
           uint8_t* dst = ring + s * stage_bytes;
           if constexpr (kBulk) {
-            bulk_load(dst, a.flat + (size_t(tile) * a.k_blocks + kb) * stage_bytes, stage_bytes, &full[s], policy);
+            ptx::bulk_load(dst, a.flat + (size_t(tile) * a.k_blocks + kb) * stage_bytes, stage_bytes, &full[s], policy);
           } else {
             // Gated: tile -> (expert, 128-row block of its gate half); the up box is inter rows down.
             const int blocks = a.boxes == 2 ? a.second_rows / 128 : 1;

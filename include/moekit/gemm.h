@@ -88,7 +88,8 @@ constexpr int kContiguousAlign = 128;  // rows per padded expert segment in the 
 struct GemmConfig {
   bool swap_ab = false;  // weights on the MMA's M side, tokens on its N side (small M_e)
   int block_m = 0;       // tokens per tile (MMA N when swap_ab, else 64 · math warpgroups)
-  int block_n = 0;       // weight rows (output columns) per tile
+  int block_n = 0;       // weight rows (output columns) per tile: 128; 64 (masked swap-AB, 16 tokens);
+                         // 256 (contiguous, block_m 128, one CTA, no split-K: fewer stage bytes per FLOP)
   int num_stages = 0;    // shared-memory pipeline depth
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
   int num_ctas = 0;      // persistent grid size (a multiple of cluster)

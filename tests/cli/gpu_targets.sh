@@ -64,7 +64,7 @@ expect_stop "scripts/bench on a build without CUDA" "holds no CUDA build" "$tmp/
 # The build folder holds stubs that log their arguments.
 mkdir -p "$tmp/fake-build"
 touch "$tmp/fake-build/libmoekit_cuda.a"
-for b in bench_gemm bench_gemm_mxfp4 bench_stream bench_ep bench_ep_multi bench_layer bench_layer_multi bench_rank; do
+for b in bench_gemm bench_gemm_mxfp4 bench_stream bench_wgmma bench_ep bench_ep_multi bench_layer bench_layer_multi bench_rank; do
   printf '#!/bin/sh\necho "%s $*" >> "%s"\n' "$b" "$tmp/bench-calls" > "$tmp/fake-build/$b"
   chmod +x "$tmp/fake-build/$b"
 done
@@ -72,7 +72,7 @@ rm -f "$tmp/bench-calls"
 if (cd "$src" && NVIDIA_SMI="$tmp/smi-h200" bash scripts/bench "$tmp/fake-build" "$tmp/bench-out") > "$tmp/bench-stdout" 2>&1 &&
   grep -qx "bench_rank --json $tmp/bench-out/bench_rank.json" "$tmp/bench-calls" &&
   grep -qx "bench_rank --model gpt-oss-120b --ranks 1 --batch 1,8,64,256,1024 --uniform --pipeline staged --json $tmp/bench-out/bench_rank_gpt_oss.json" "$tmp/bench-calls" &&
-  [ "$(wc -l < "$tmp/bench-calls")" -eq 9 ] && grep -q '"benchmark": "bench_rank_gpt_oss", "exit": 0' "$tmp/bench-out/summary.json"; then
+  [ "$(wc -l < "$tmp/bench-calls")" -eq 10 ] && grep -q '"benchmark": "bench_rank_gpt_oss", "exit": 0' "$tmp/bench-out/summary.json"; then
   pass "scripts/bench runs every benchmark, bench_rank a second time for gpt-oss-120b"
 else
   fail "scripts/bench's runs"; cat "$tmp/bench-calls" "$tmp/bench-stdout"

@@ -853,6 +853,40 @@ TEST(GemmContiguous, SegmentsWithPadding) {
   check_contiguous_segments(384, {forced(false, 64, 1), forced(false, 128, 1)}, rng);
 }
 
+// 256-column tiles: two 128-column halves promoted one after the other with their own scale
+// blocks; where N is an odd multiple of 128 (384, 640) the last tile of each expert has its
+// second half entirely past N, which must be neither stored nor scaled from past the expert's
+// scales. Also a 2-stage ring, and the configs that are refused.
+TEST(GemmContiguous, WideColumnTiles) {
+  std::mt19937 rng(44);
+  GemmConfig wide = forced(false, 128, 1);
+  wide.block_n = 256;
+  GemmConfig shallow = wide;
+  shallow.num_stages = 2;
+  check_contiguous_segments(384, {wide}, rng);
+  check_contiguous_segments(512, {wide, shallow}, rng);
+  check_contiguous_segments(640, {wide}, rng);
+  // Only BM 128 in single CTAs without split-K has wide tiles; the rest is refused, naming it.
+  GemmConfig bm64 = wide;
+  bm64.block_m = 64;
+  GemmConfig clustered = wide;
+  clustered.cluster = 2;
+  GemmConfig split = wide;
+  split.num_splits = 2;
+  DeviceBuffer<uint8_t> a(size_t(256) * 256), w(size_t(256) * 256);
+  DeviceBuffer<float> as(2 * 256), ws(2 * 2);
+  DeviceBuffer<int32_t> re(256);
+  DeviceBuffer<uint16_t> out(size_t(256) * 256);
+  for (const GemmConfig& bad : {bm64, clustered, split}) {
+    try {
+      ContiguousGemm g({1, 256, 256, 256}, {a.ptr, as.ptr, re.ptr, w.ptr, ws.ptr, out.ptr}, &bad);
+      ADD_FAILURE() << bad.to_string() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("with block_n = 256"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // The token tile multicast to clusters of 2; a two-stage ring wraps every other block.
 TEST(GemmContiguous, ClusterSegmentsWithPadding) {
   std::mt19937 rng(43);

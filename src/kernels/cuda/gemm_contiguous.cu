@@ -16,7 +16,13 @@ namespace {
 template <class F>
 void with_contiguous_instance(const GemmConfig& cfg, F&& f) {
   const std::string bad = "contiguous GEMM config " + cfg.to_string() + " is not compiled; expected ";
-  MOEKIT_CHECK(!cfg.swap_ab && cfg.block_n == 128, bad + "the normal orientation with block_n = 128");
+  MOEKIT_CHECK(!cfg.swap_ab && (cfg.block_n == 128 || cfg.block_n == 256),
+               bad + "the normal orientation with block_n in {128, 256}");
+  if (cfg.block_n == 256) {
+    MOEKIT_CHECK(cfg.block_m == 128 && cfg.cluster == 1 && cfg.num_splits == 1,
+                 bad + "block_m = 128, cluster = 1, num_splits = 1 with block_n = 256");
+    return f(Instance<false, false, 2, 128, 256>{});
+  }
   if (cfg.cluster == 2) {
     MOEKIT_CHECK(cfg.block_m == 128, bad + "block_m = 128 with cluster = 2");
     return f(Instance<false, false, 2, 128, 128, false, 2>{});
@@ -70,7 +76,7 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, false);
 
-  im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * (p.n / bn));
+  im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
   im.args.row_expert = b.row_expert;
   maybe_print_config("contiguous", describe(p), im.cfg);
 }

@@ -148,18 +148,21 @@ constexpr int epilogue_smem_bytes(bool swap_ab, bool gated, int math_wgs, int bl
 template <bool kMasked, int kRegs>
 __device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInfo& t, const float* acc,
                                            const Fragment& f, uint8_t* warp_rows) {
-  static_assert(kRegs == 64, "a 64 x 128 accumulator per warpgroup");
+  static_assert(kRegs == 64 || kRegs == 128, "a 64 x 128 or 64 x 256 accumulator per warpgroup");
   const int lane = f.mtid % 32, q = lane % 4;
   const int warp_row0 = f.row - lane / 4;  // the warp's first tile row
   uint32_t* buf = reinterpret_cast<uint32_t*>(warp_rows);
   const size_t row_base = kMasked ? size_t(t.e) * args.rows + t.t0 : size_t(t.t0);
   uint16_t* out = args.out + (row_base + warp_row0) * args.n + t.w0;
+  // 64 columns at a time; a 256-column tile that reaches past N stores only its columns below N
+  // (N and w0 are multiples of 128).
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int part = 0; part < kRegs / 32; ++part) {
+    if (t.w0 + part * 64 >= args.n) break;
     // Register pair i holds row lane/4 + 8·((i/2) % 2), columns (i/4)·8 + 2q, +1.
 #pragma unroll
-    for (int ii = 0; ii < kRegs / 2; ii += 2) {
-      const int i = half * kRegs / 2 + ii;
+    for (int ii = 0; ii < 32; ii += 2) {
+      const int i = part * 32 + ii;
       const int r = lane / 4 + ((i / 2) % 2) * 8, j = ii / 4;
       buf[r * kEpiRowWords + j * 4 + q] = ptx::pack_bf16x2(acc[i], acc[i + 1]);
     }
@@ -169,9 +172,9 @@ __device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInf
       const int r = lane / 8 + s * 4, chunk = lane % 8;
       const uint4 v = *reinterpret_cast<const uint4*>(buf + r * kEpiRowWords + chunk * 4);
       const bool real = kMasked ? t.t0 + warp_row0 + r < t.m_valid : is_real_row(t, warp_row0 + r);
-      if (real) *reinterpret_cast<uint4*>(out + size_t(r) * args.n + half * 64 + chunk * 8) = v;
+      if (real) *reinterpret_cast<uint4*>(out + size_t(r) * args.n + part * 64 + chunk * 8) = v;
     }
-    __syncwarp();  // the staging rows are free for the next half
+    __syncwarp();  // the staging rows are free for the next 64 columns
   }
 }
 

@@ -61,17 +61,27 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                         const __grid_constant__ CUtensorMap tma_sa, const KernelArgs args) {
   static_assert(kSwapAB ? kBlockW == 64 * kMathWGs : kBlockT == 64 * kMathWGs, "one 64-row MMA slab per warpgroup");
-  static_assert(kBlockW % 64 == 0 && kBlockW <= 128, "a tile's weight rows share one 128-row scale block");
+  static_assert((kBlockW % 64 == 0 && kBlockW <= 128) || (kBlockW == 256 && !kSwapAB && !kGated && kCluster == 1),
+                "weight rows per tile: 64 or 128 (one 128-row scale block), or 256 in the normal orientation");
   static_assert(!kGated || (kSwapAB && kMasked && kBlockW == 128 && kBlockT <= 64),
                 "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
   static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
                 "clusters of 2 multicast halves of the token tile (8-row swizzle atoms); not for gated tiles");
   constexpr int kSlabs = kGated ? 2 : 1;  // weight slabs per warpgroup: gate (and up)
+  // 128-row weight-scale blocks a tile's columns fall in (a 256-column tile: one per half).
+  constexpr int kScaleBlocks = kBlockW > 128 ? 2 : 1;
+  constexpr int kWs = kSlabs * kScaleBlocks;  // weight-scale rows a tile reads per K block
   constexpr int kMathThreads = kMathWGs * 128;
-  constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW;
+  // A 256-column tile is two 128-column halves, each multiplied into one partial and promoted
+  // before the other: 128 accumulator registers and 64 of partial fit a consumer thread, a
+  // 256-column partial beside its accumulator would not.
+  constexpr int kColSlabs = kBlockW == 256 ? 2 : 1;
+  constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW / kColSlabs;
   using Mma = ptx::Wgmma<kMmaN>;
   constexpr int kRegs = Mma::kRegs;
-  constexpr int kAccRegs = kSlabs * kRegs;  // slab sl's registers at [sl * kRegs, (sl + 1) * kRegs)
+  // Slab sl's (or column half c's) accumulators at [sl * kRegs, (sl + 1) * kRegs).
+  constexpr int kAccRegs = kSlabs * kColSlabs * kRegs;
+  constexpr int kPartRegs = kColSlabs == 2 ? kRegs : kAccRegs;
   // The normal orientation's epilogue stages each math warp's rows in shared memory.
   constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs, kBlockT);
   constexpr int kEpiWarp = kEpiBytes / (kMathWGs * 4);  // one math warp's staging rows
@@ -91,7 +101,9 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int num_w_blocks = (kGated ? args.n / 2 : args.n) / kBlockW;
+  // (256-column tiles: where N is an odd multiple of 128 the last one of an expert reaches past N;
+  // its second half is computed on whatever rows the TMA box holds and never stored.)
+  const int num_w_blocks = ((kGated ? args.n / 2 : args.n) + kBlockW - 1) / kBlockW;
   const int k_blocks = args.k / kBlockK;
 
   // PDL: wait for the previous kernel, then let the next kernel's CTAs take SMs as ours leave
@@ -172,17 +184,19 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // The weight scales of a tile, one K block per lane in two registers (64 blocks, K = 8192, per
   // load), read by shuffle. A per-stage load was the consumers' main stall (ncu, run 3); the
   // next tile's scales are loaded while the current tile runs, so no tile waits for them.
-  // Slab sl of a gated tile is the up block, inter rows further down.
+  // Row j of a gated tile is the up block, inter rows further down; of a 256-column tile, the
+  // second half's scale block (clamped to the expert's last block for a tile that reaches past N).
   struct WScales {
-    float lo[kSlabs], hi[kSlabs];
+    float lo[kWs], hi[kWs];
   };
   auto load_ws = [&](const TileInfo& t, int base, WScales& ws) {
 #pragma unroll
-    for (int sl = 0; sl < kSlabs; ++sl) {
-      const int w_block = (t.w0 + sl * (args.n / 2)) / kBlockK;
+    for (int j = 0; j < kWs; ++j) {
+      const int first = (t.w0 + (kGated ? j * (args.n / 2) : 0)) / kBlockK;
+      const int w_block = kGated ? first : min(first + j, args.n / kBlockK - 1);
       const float* row = args.w_scales + (size_t(t.e) * (args.n / kBlockK) + w_block) * k_blocks;
-      ws.lo[sl] = base + lane < t.kb_end ? __ldg(row + base + lane) : 0.0f;
-      ws.hi[sl] = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
+      ws.lo[j] = base + lane < t.kb_end ? __ldg(row + base + lane) : 0.0f;
+      ws.hi[j] = base + 32 + lane < t.kb_end ? __ldg(row + base + 32 + lane) : 0.0f;
     }
   };
   // The first tile at or after `tile` with work; rows: `tile`'s, fetched earlier.
@@ -217,7 +231,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     float acc[kAccRegs];
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
-    float part[kAccRegs];
+    float part[kPartRegs];
     int ws_base = t.kb_begin;
     for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
       if (kb - ws_base == 64) {
@@ -225,12 +239,13 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         load_ws(t, ws_base, ws);
       }
       const int j = kb - ws_base;
-      float wsc[kSlabs];
+      float wsc[kWs];
 #pragma unroll
-      for (int sl = 0; sl < kSlabs; ++sl) wsc[sl] = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws.lo[sl] : ws.hi[sl], j & 31);
+      for (int w = 0; w < kWs; ++w) wsc[w] = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws.lo[w] : ws.hi[w], j & 31);
       ptx::mbar_wait(&full[s], phase);
       const float* sa = sa_tiles + s * Layout::kSaFloats;
       // Per-register combined scale: a_scale of the register's token times the block's w_scale.
+      // Normal orientation: [slab][row][scale block: the column half of a 256-column tile].
       float scale_a[kSlabs][kSwapAB ? kBlockT / 8 : 2][2];
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl) {
@@ -242,39 +257,68 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
             scale_a[sl][j][1] = v.y * wsc[sl];
           }
         } else {
-          scale_a[sl][0][0] = sa[frag_row] * wsc[sl];
-          scale_a[sl][1][0] = sa[frag_row + 8] * wsc[sl];
+          const float sa0 = sa[frag_row], sa1 = sa[frag_row + 8];
+          scale_a[sl][0][0] = sa0 * wsc[sl * kScaleBlocks];
+          scale_a[sl][1][0] = sa1 * wsc[sl * kScaleBlocks];
+          if constexpr (kScaleBlocks == 2) {
+            scale_a[sl][0][1] = sa0 * wsc[sl * kScaleBlocks + 1];
+            scale_a[sl][1][1] = sa1 * wsc[sl * kScaleBlocks + 1];
+          }
         }
       }
       const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
       const uint8_t* a_stage = a_tiles + s * Layout::kATile;
+      if constexpr (kColSlabs == 2) {
+        // Column half c: its four wgmmas into the partial, wait, promote with scale block c; the
+        // other warpgroup's wgmmas keep the tensor cores busy meanwhile (bench_wgmma: two
+        // warpgroups that each wait and promote run at the full tensor rate).
+        const uint64_t desc_m = ptx::make_smem_desc_sw128(a_stage + wg * 64 * kBlockK);
 #pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
-      ptx::wgmma_fence();
+        for (int c = 0; c < 2; ++c) {
+          const uint64_t desc_n = ptx::make_smem_desc_sw128(w_stage + c * 128 * kBlockK);
 #pragma unroll
-      for (int sl = 0; sl < kSlabs; ++sl) {
-        const uint8_t* m_side = kSwapAB ? w_stage + (sl * kBlockW + wg * 64) * kBlockK : a_stage + wg * 64 * kBlockK;
-        const uint8_t* n_side = kSwapAB ? a_stage : w_stage;
-        const uint64_t desc_m = ptx::make_smem_desc_sw128(m_side);
-        const uint64_t desc_n = ptx::make_smem_desc_sw128(n_side);
+          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          ptx::wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part + sl * kRegs, desc_m + 2 * k, desc_n + 2 * k, k > 0);
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
+          for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part, desc_m + 2 * k, desc_n + 2 * k, k > 0);
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
-      if constexpr (kCluster == 1) {
-        if (lane == 0) ptx::mbar_arrive(&empty[s]);
-      } else if (lane < kCluster) {
-        ptx::mbar_arrive_cluster(&empty[s], lane);  // lane r frees the stage in CTA r
-      }
+          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          if (c == 1 && lane == 0) ptx::mbar_arrive(&empty[s]);
 #pragma unroll
-      for (int sl = 0; sl < kSlabs; ++sl) {
+          for (int i = 0; i < kRegs; ++i)
+            acc[c * kRegs + i] = fmaf(part[i], scale_a[0][(i / 2) % 2][c], acc[c * kRegs + i]);
+        }
+      } else {
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) {
-          const float sc = kSwapAB ? scale_a[sl][i / 4][i % 2] : scale_a[sl][(i / 2) % 2][0];
-          acc[sl * kRegs + i] = fmaf(part[sl * kRegs + i], sc, acc[sl * kRegs + i]);
+        for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+          const uint8_t* m_side = kSwapAB ? w_stage + (sl * kBlockW + wg * 64) * kBlockK : a_stage + wg * 64 * kBlockK;
+          const uint8_t* n_side = kSwapAB ? a_stage : w_stage;
+          const uint64_t desc_m = ptx::make_smem_desc_sw128(m_side);
+          const uint64_t desc_n = ptx::make_smem_desc_sw128(n_side);
+#pragma unroll
+          for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part + sl * kRegs, desc_m + 2 * k, desc_n + 2 * k, k > 0);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
+        if constexpr (kCluster == 1) {
+          if (lane == 0) ptx::mbar_arrive(&empty[s]);
+        } else if (lane < kCluster) {
+          ptx::mbar_arrive_cluster(&empty[s], lane);  // lane r frees the stage in CTA r
+        }
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) {
+            const float sc = kSwapAB ? scale_a[sl][i / 4][i % 2] : scale_a[sl][(i / 2) % 2][0];
+            acc[sl * kRegs + i] = fmaf(part[sl * kRegs + i], sc, acc[sl * kRegs + i]);
+          }
         }
       }
       if (++s == stages) s = 0, phase ^= 1;
@@ -286,7 +330,12 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     }
 
     // ---------------- split-K reduction ----------------
-    const bool store = args.num_splits == 1 || reduce_splits<kAccRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
+    // (256-column tiles have no split-K: its reduction of 128 accumulators per thread made ptxas
+    // spill around every tile, and the plan refuses the config.)
+    bool store = true;
+    if constexpr (kColSlabs == 1) {
+      store = args.num_splits == 1 || reduce_splits<kAccRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
+    }
 
     // ---------------- epilogue, straight from the registers ----------------
     const Fragment f{frag_row, frag_col, mtid, warp - 4};
@@ -300,7 +349,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
       }
     } else {
-      store_bf16<kMasked, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
+      store_bf16<kMasked, kAccRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
     }
     if constexpr (kMasked) {
       if (store && args.ready_out) expert_ready_add<kMathThreads, kBlockW, kBlockT>(args, t, mtid);

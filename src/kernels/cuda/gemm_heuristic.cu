@@ -8,7 +8,8 @@
 // Above 128, tokens on the M side in blocks of 64 or 128, whichever pads less.
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
 // (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
-// Contiguous: BM 128 unless that leaves SMs idle, then BM 64.
+// Contiguous: BM 128 unless that leaves SMs idle, then BM 64; with BM 128, 256 weight rows per
+// tile where the rounds of tiles cost less than with 128 (the stage bytes per FLOP, below).
 // Clusters (cluster = 2, the token tile multicast to two CTAs) are never chosen: on the H200 they
 // measured 6-7% slower than single CTAs once the epilogue stopped stalling, and equal before
 // (docs/gemm.md, runs 9-11); they stay available as a forced config.
@@ -59,6 +60,12 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   return cfg;
 }
 
+namespace {
+// The contiguous kernel's share of the tensor rate per tile width, measured on the H200
+// (docs/gemm.md run 17): what the tile-width choice below weighs.
+constexpr double kEff128 = 0.62, kEff256 = 0.70;
+}  // namespace
+
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms) {
   GemmConfig cfg;
   cfg.block_n = 128;
@@ -72,6 +79,19 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
   cfg.swap_ab = false;
   long tiles128 = long(p.total_m / 128) * (p.n / 128);
   cfg.block_m = tiles128 >= num_sms ? 128 : 64;
+  if (cfg.block_m == 128) {
+    // 256-column tiles take in fewer stage bytes per FLOP (48 KB per 128-deep block against
+    // 2 x 32 KB for two 128 x 128 tiles), and an SM takes in only ~40 B of stages per cycle
+    // (bench_wgmma, docs/gemm.md run 17): ~62% of the tensor rate for 128 x 128, ~83% for
+    // 128 x 256 with nothing else in the kernel, 0.62 and 0.70 measured in the GEMM. Where N is an
+    // odd multiple of 128 the last tile of an expert is half empty, and the wider tiles fill the
+    // last round of SMs differently: compare rounds x tile time, 256 where it is 5% faster.
+    const auto rounds = [&](long tiles) { return double((tiles + num_sms - 1) / num_sms); };
+    const auto cost = [&](int bn, double efficiency) {
+      return rounds(long(p.total_m / 128) * ((p.n + bn - 1) / bn)) * bn / efficiency;
+    };
+    if (cost(256, kEff256) < 0.95 * cost(128, kEff128)) cfg.block_n = 256;
+  }
   return cfg;
 }
 
