@@ -431,32 +431,24 @@ int main(int argc, char** argv) {
     for (auto [N, K] : {std::pair{4096, 7168}, std::pair{7168, 2048}}) {
     std::printf("\nproblem 3: contiguous prefill, 8 experts, N=%d K=%d\n", N, K);
     for (int rows : {512, 2048, 8192}) {
-      json r = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10);
-      std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s\n", rows, r["us"].get<double>(),
-                  r["TFLOPs"].get<double>(), 100 * r["fraction_of_dense_fp8"].get<double>(),
-                  r["config"].get<std::string>().c_str());
-      out["problem3"].push_back(r);
-      // Each tile width the heuristic weighs, forced: what its choice costs or saves.
-      for (int bn : {128, 256}) {
-        GemmConfig w;
-        w.block_m = 128;
-        w.block_n = bn;
-        json rw = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10, &w);
-        std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s (forced)\n", rows,
-                    rw["us"].get<double>(), rw["TFLOPs"].get<double>(), 100 * rw["fraction_of_dense_fp8"].get<double>(),
-                    rw["config"].get<std::string>().c_str());
-        out["problem3_widths"].push_back(rw);
+      // One row of the table: the heuristic's config (force null) or a forced one, into out[key].
+      auto row = [&](const GemmConfig* force, const char* key) {
+        json r = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10, force);
+        std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s%s\n", rows, r["us"].get<double>(),
+                    r["TFLOPs"].get<double>(), 100 * r["fraction_of_dense_fp8"].get<double>(),
+                    r["config"].get<std::string>().c_str(), force ? " (forced)" : "");
+        out[key].push_back(r);
+      };
+      row(nullptr, "problem3");
+      // Each tile width the heuristic weighs, forced (what its choice costs or saves), then the
+      // 128-column tile in clusters of 2 (what the multicast of the token tile buys).
+      for (auto [block_n, cluster] : {std::pair{128, 1}, std::pair{256, 1}, std::pair{128, 2}}) {
+        GemmConfig f;
+        f.block_m = 128;
+        f.block_n = block_n;
+        f.cluster = cluster;
+        row(&f, cluster == 1 ? "problem3_widths" : "problem3_cluster2");
       }
-      // The same tile in clusters of 2: what the multicast of the token tile buys.
-      GemmConfig f;
-      f.block_m = 128;
-      f.block_n = 128;
-      f.cluster = 2;
-      json r1 = run_contiguous(8, rows, N, K, ceil, quick ? 5 : 10, &f);
-      std::printf("rows/expert %5d  %9.1f us  %7.1f TFLOP/s  %5.1f%% of dense  %s (forced)\n", rows,
-                  r1["us"].get<double>(), r1["TFLOPs"].get<double>(), 100 * r1["fraction_of_dense_fp8"].get<double>(),
-                  r1["config"].get<std::string>().c_str());
-      out["problem3_cluster2"].push_back(r1);
     }
     }
     }

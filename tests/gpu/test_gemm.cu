@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "device_buffer.h"
+#include "expect_error.h"
 #include "gemm_operands.h"
 #include "kernels/cuda/activation.cuh"
 #include "moekit/bf16.h"
@@ -839,12 +840,9 @@ void check_contiguous_segments(int N, std::vector<GemmConfig> configs, std::mt19
   if (N % 256 != 0) {  // an odd number of weight blocks cannot pair up in clusters
     GemmConfig cl = forced(false, 128, 1);
     cl.cluster = 2;
-    try {
-      ContiguousGemm g({E, N, K, total}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}, &cl);
-      ADD_FAILURE() << "N = " << N << " with cluster = 2 was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(std::to_string(N) + " output columns"), std::string::npos) << e.what();
-    }
+    SCOPED_TRACE("N = " + std::to_string(N) + " with cluster = 2");
+    expect_error([&] { ContiguousGemm g({E, N, K, total}, {d_a.ptr, d_as.ptr, d_re.ptr, d_w.ptr, d_ws.ptr, d_out.ptr}, &cl); },
+                 {std::to_string(N) + " output columns"});
   }
 }
 
@@ -878,12 +876,9 @@ TEST(GemmContiguous, WideColumnTiles) {
   DeviceBuffer<int32_t> re(256);
   DeviceBuffer<uint16_t> out(size_t(256) * 256);
   for (const GemmConfig& bad : {bm64, clustered, split}) {
-    try {
-      ContiguousGemm g({1, 256, 256, 256}, {a.ptr, as.ptr, re.ptr, w.ptr, ws.ptr, out.ptr}, &bad);
-      ADD_FAILURE() << bad.to_string() << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("with block_n = 256"), std::string::npos) << e.what();
-    }
+    SCOPED_TRACE(bad.to_string());
+    expect_error([&] { ContiguousGemm g({1, 256, 256, 256}, {a.ptr, as.ptr, re.ptr, w.ptr, ws.ptr, out.ptr}, &bad); },
+                 {"with block_n = 256"});
   }
 }
 

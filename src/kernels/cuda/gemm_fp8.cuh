@@ -70,14 +70,13 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
                 "clusters of 2 multicast halves of the token tile (8-row swizzle atoms); not for gated tiles");
   constexpr int kSlabs = kGated ? 2 : 1;  // weight slabs per warpgroup: gate (and up)
-  // 128-row weight-scale blocks a tile's columns fall in (a 256-column tile: one per half).
-  constexpr int kScaleBlocks = kBlockW > 128 ? 2 : 1;
-  constexpr int kWs = kSlabs * kScaleBlocks;  // weight-scale rows a tile reads per K block
-  constexpr int kMathThreads = kMathWGs * 128;
   // A 256-column tile is two 128-column halves, each multiplied into one partial and promoted
   // before the other: 128 accumulator registers and 64 of partial fit a consumer thread, a
-  // 256-column partial beside its accumulator would not.
+  // 256-column partial beside its accumulator would not. Each half is one 128-row weight-scale
+  // block.
   constexpr int kColSlabs = kBlockW == 256 ? 2 : 1;
+  constexpr int kWs = kSlabs * kColSlabs;  // weight-scale rows a tile reads per K block
+  constexpr int kMathThreads = kMathWGs * 128;
   constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW / kColSlabs;
   using Mma = ptx::Wgmma<kMmaN>;
   constexpr int kRegs = Mma::kRegs;
@@ -260,11 +259,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
           }
         } else {
           const float sa0 = sa[frag_row], sa1 = sa[frag_row + 8];
-          scale_a[sl][0][0] = sa0 * wsc[sl * kScaleBlocks];
-          scale_a[sl][1][0] = sa1 * wsc[sl * kScaleBlocks];
-          if constexpr (kScaleBlocks == 2) {
-            scale_a[sl][0][1] = sa0 * wsc[sl * kScaleBlocks + 1];
-            scale_a[sl][1][1] = sa1 * wsc[sl * kScaleBlocks + 1];
+          scale_a[sl][0][0] = sa0 * wsc[sl * kColSlabs];
+          scale_a[sl][1][0] = sa1 * wsc[sl * kColSlabs];
+          if constexpr (kColSlabs == 2) {
+            scale_a[sl][0][1] = sa0 * wsc[sl * kColSlabs + 1];
+            scale_a[sl][1][1] = sa1 * wsc[sl * kColSlabs + 1];
           }
         }
       }
