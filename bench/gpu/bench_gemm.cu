@@ -12,11 +12,14 @@
 //             FLOPs / FP8 rate).
 //   problem 3: contiguous prefill, 8 experts of the GEMM1 shape (N 4096 K 7168) and of the GEMM2
 //             shape (N 7168 K 2048), 512/2048/8192 rows each: TFLOP/s, also in clusters of 2.
-// Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
 //   problem 4: the A/B driver for kernel changes: problem 3's two shapes at 2048 rows per expert on
 //             constant data (random data moves the tensor-core rate by up to ~15% run to run),
 //             single CTAs of 128 and 256 weight rows and clusters of 2. Not in the default run.
-// whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 1234]
+//   problem 5: problem 2 at batch 4096 with each masked tile config forced on both GEMMs. Not in
+//             the default run.
+// Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
+// whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 12345]
+// [--model NAME] (problems 2 and 5: that model only).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -300,12 +303,14 @@ int main(int argc, char** argv) {
   std::string json_path;
   bool quick = false;
   std::string only = "123";  // problems to run
+  std::string model_only;    // problems 2 and 5: only this model
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_gemm [--json PATH] [--quick] [--only 1234]\n");
+      std::fprintf(stderr, "usage: bench_gemm [--json PATH] [--quick] [--only 12345] [--model NAME]\n");
       return 2;
     }
   }
@@ -405,6 +410,7 @@ int main(int argc, char** argv) {
     const MoeShape models[] = {{"deepseek-v3", 32, 7168, 2048}, {"qwen3.5-397b-a17b", 64, 4096, 1024}};
     const int topk[] = {8, 10}, total_experts[] = {256, 512};
     for (int mi = 0; mi < 2; ++mi) {
+      if (!model_only.empty() && model_only != models[mi].name) continue;
       for (int batch : {64, 256, 1024, 4096}) {
         if (quick && batch > 1024) continue;
         std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
@@ -465,6 +471,42 @@ int main(int argc, char** argv) {
         std::printf("N=%d K=%d  %9.1f us  %7.1f TFLOP/s  %s\n", N, K, r["us"].get<double>(), r["TFLOPs"].get<double>(),
                     r["config"].get<std::string>().c_str());
         out["problem4"].push_back(r);
+      }
+    }
+    }
+    // ---- problem 5: problem 2's largest batch with every masked tile config forced on both GEMMs
+    // (what the heuristic's choice costs against the others). Not in the default run.
+    if (only.find('5') != std::string::npos) {
+    std::printf("\nproblem 5: one EP8 rank, batch 4096, forced masked configs\n");
+    const MoeShape models[] = {{"deepseek-v3", 32, 7168, 2048}, {"qwen3.5-397b-a17b", 64, 4096, 1024}};
+    const int topk[] = {8, 10}, total_experts[] = {256, 512};
+    for (int mi = 0; mi < 2; ++mi) {
+      if (!model_only.empty() && model_only != models[mi].name) continue;
+      const int batch = 4096;
+      std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
+      double mean = double(batch) * topk[mi] / total_experts[mi];
+      int expected = int(std::ceil(mean + 2 * std::sqrt(mean)));
+      std::vector<GemmConfig> forced;
+      for (auto [swap, bm, cluster] : {std::tuple{true, 64, 1}, std::tuple{true, 128, 1}, std::tuple{true, 128, 2},
+                                       std::tuple{true, 160, 1}, std::tuple{true, 192, 1}, std::tuple{false, 64, 1}, std::tuple{false, 128, 1}}) {
+        GemmConfig f;
+        f.swap_ab = swap;
+        f.block_m = bm;
+        f.block_n = 128;
+        f.cluster = cluster;
+        forced.push_back(f);
+      }
+      for (int c = -1; c < int(forced.size()); ++c) {
+        const GemmConfig* f = c < 0 ? nullptr : &forced[c];
+        json r = run_masked_pair(models[mi], batch, mm, expected, ceil, 2, iters, f, f, Overlap::kPreviousKernel,
+                                 Overlap::kPreviousKernelStaticWeights);
+        r["batch"] = batch;
+        r["forced"] = c >= 0;
+        std::printf("%-20s %5d rows  g1 %7.1f  g2 %7.1f  both %7.1f  floor %7.1f  x %5.2f  %s%s\n", models[mi].name,
+                    r["rows"].get<int>(), r["us_gemm1"].get<double>(), r["us_gemm2"].get<double>(),
+                    r["us_both"].get<double>(), r["floor_us"].get<double>(), r["time_over_floor"].get<double>(),
+                    r["config_gemm1"].get<std::string>().c_str(), f ? " (forced)" : "");
+        out["problem5"].push_back(r);
       }
     }
     }

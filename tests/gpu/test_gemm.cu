@@ -227,6 +227,64 @@ TEST(GemmMasked, ClusterPaths) {
   }
 }
 
+// One plan captured in a CUDA Graph and replayed `replays` times: after the first, each replay
+// gets new masked_m (0..M_max, expert `replay` without tokens) and new activations, and must
+// write exactly the new rows.
+void expect_graph_replays(MaskedCase& c, const GemmConfig* cfg, std::vector<int32_t> masked_m, int replays,
+                          std::mt19937& rng, const std::string& what) {
+  c.d_m.upload(masked_m);
+  MaskedGemm gemm(c.problem, c.buffers(), cfg);
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  gemm.run(stream);
+  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::uniform_int_distribution<int> d(0, c.problem.max_m);
+  for (int replay = 0; replay < replays; ++replay) {
+    if (replay > 0) {
+      for (auto& m : masked_m) m = d(rng);
+      masked_m[replay % masked_m.size()] = 0;
+      c.new_activations(rng);
+      c.d_m.upload(masked_m);
+    }
+    c.poison();
+    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_good(c.check(masked_m), 3e-3, what + " " + std::to_string(replay) + " " + gemm.config().to_string());
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Swap-AB tiles of 160 and 192 tokens (two token halves, each promoted before the other): ragged
+// experts around both block sizes and the 128 they replace (0, 1, 127, 129, 159..161, 191..193 and
+// M_max rows), split-K, a 2-stage ring, tiles of 1 and 3 K blocks; then in a graph replayed with
+// new masked_m and data.
+TEST(GemmMasked, WideTokenTiles) {
+  std::mt19937 rng(160);
+  const std::vector<int32_t> masked_m = {0, 1, 127, 129, 159, 160, 161, 191, 192, 193, 392};
+  for (int k : {1024, 128, 384}) {
+    MaskedCase c({11, 256, k, 392, 0}, rng);
+    for (auto [block_m, splits, stages] : {std::tuple{160, 1, 0}, std::tuple{192, 1, 0}, std::tuple{160, 3, 0},
+                                           std::tuple{192, 2, 2}, std::tuple{160, 1, 2}}) {
+      if (splits > k / 128) continue;
+      GemmConfig cfg = forced(true, block_m, splits);
+      cfg.num_stages = stages;
+      ErrorStats st = run_masked(c, masked_m, &cfg);
+      expect_good(st, 3e-3, cfg.to_string() + " K=" + std::to_string(k));
+      EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string() << " K=" << k;
+      c.new_activations(rng);
+    }
+  }
+  MaskedCase c({5, 256, 1024, 200, 150}, rng);
+  const GemmConfig wide = forced(true, 160, 1);
+  expect_graph_replays(c, &wide, {150, 0, 200, 131, 7}, 3, rng, "wide token tiles, graph replay");
+}
+
 TEST(GemmMasked, HeuristicConfigsAndStages) {
   std::mt19937 rng(99);
   MaskedCase c({8, 512, 2048, 64, 8}, rng);
@@ -297,33 +355,7 @@ TEST(GemmMasked, AccuracyPositiveK16384) {
 TEST(GemmMasked, GraphReplayWithNewMaskedMAndData) {
   std::mt19937 rng(5);
   MaskedCase c({6, 256, 1024, 48, 8}, rng);
-  std::vector<int32_t> masked_m = {4, 0, 48, 7, 1, 30};
-  c.d_m.upload(masked_m);
-  MaskedGemm gemm(c.problem, c.buffers());
-  cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  gemm.run(stream);
-  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  std::uniform_int_distribution<int> d(0, 48);
-  for (int replay = 0; replay < 4; ++replay) {
-    if (replay > 0) {
-      for (auto& m : masked_m) m = d(rng);
-      masked_m[replay] = 0;
-      c.new_activations(rng);
-      c.d_m.upload(masked_m);
-    }
-    c.poison();
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    expect_good(c.check(masked_m), 3e-3, "graph replay " + std::to_string(replay));
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  expect_graph_replays(c, nullptr, {4, 0, 48, 7, 1, 30}, 4, rng, "graph replay");
 }
 
 // The previous kernel writes the GEMM's inputs and lets dependents launch at once; the GEMM,
