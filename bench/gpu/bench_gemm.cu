@@ -15,8 +15,8 @@
 //   problem 4: the A/B driver for kernel changes: problem 3's two shapes at 2048 rows per expert on
 //             constant data (random data moves the tensor-core rate by up to ~15% run to run),
 //             single CTAs of 128 and 256 weight rows and clusters of 2. Not in the default run.
-//   problem 5: problem 2 at batch 4096 with each masked tile config forced on both GEMMs. Not in
-//             the default run.
+//   problem 5: problem 2 at batches 2048 and 4096 with each masked tile config forced on both
+//             GEMMs. Not in the default run.
 // Times are medians of per-iteration CUDA events; input sets rotate so the L2 never holds a
 // whole problem from the previous iteration. Usage: bench_gemm [--json PATH] [--quick] [--only 12345]
 // [--model NAME] (problems 2 and 5: that model only).
@@ -411,7 +411,7 @@ int main(int argc, char** argv) {
     const int topk[] = {8, 10}, total_experts[] = {256, 512};
     for (int mi = 0; mi < 2; ++mi) {
       if (!model_only.empty() && model_only != models[mi].name) continue;
-      for (int batch : {64, 256, 1024, 4096}) {
+      for (int batch : {64, 256, 1024, 2048, 4096}) {
         if (quick && batch > 1024) continue;
         std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
         // expected_m: the mean rows per expert plus two standard deviations (Poisson), so that
@@ -474,39 +474,41 @@ int main(int argc, char** argv) {
       }
     }
     }
-    // ---- problem 5: problem 2's largest batch with every masked tile config forced on both GEMMs
+    // ---- problem 5: problem 2's largest batches with every masked tile config forced on both GEMMs
     // (what the heuristic's choice costs against the others). Not in the default run.
     if (only.find('5') != std::string::npos) {
-    std::printf("\nproblem 5: one EP8 rank, batch 4096, forced masked configs\n");
+    std::printf("\nproblem 5: one EP8 rank, batches 2048 and 4096, forced masked configs\n");
     const MoeShape models[] = {{"deepseek-v3", 32, 7168, 2048}, {"qwen3.5-397b-a17b", 64, 4096, 1024}};
     const int topk[] = {8, 10}, total_experts[] = {256, 512};
+    std::vector<GemmConfig> forced;
+    for (auto [swap, bm, cluster] : {std::tuple{true, 64, 1}, std::tuple{true, 128, 1}, std::tuple{true, 128, 2},
+                                     std::tuple{false, 64, 1}, std::tuple{false, 128, 1}}) {
+      GemmConfig f;
+      f.swap_ab = swap;
+      f.block_m = bm;
+      f.block_n = 128;
+      f.cluster = cluster;
+      forced.push_back(f);
+    }
     for (int mi = 0; mi < 2; ++mi) {
       if (!model_only.empty() && model_only != models[mi].name) continue;
-      const int batch = 4096;
-      std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
-      double mean = double(batch) * topk[mi] / total_experts[mi];
-      int expected = int(std::ceil(mean + 2 * std::sqrt(mean)));
-      std::vector<GemmConfig> forced;
-      for (auto [swap, bm, cluster] : {std::tuple{true, 64, 1}, std::tuple{true, 128, 1}, std::tuple{true, 128, 2},
-                                       std::tuple{true, 160, 1}, std::tuple{true, 192, 1}, std::tuple{false, 64, 1}, std::tuple{false, 128, 1}}) {
-        GemmConfig f;
-        f.swap_ab = swap;
-        f.block_m = bm;
-        f.block_n = 128;
-        f.cluster = cluster;
-        forced.push_back(f);
-      }
-      for (int c = -1; c < int(forced.size()); ++c) {
-        const GemmConfig* f = c < 0 ? nullptr : &forced[c];
-        json r = run_masked_pair(models[mi], batch, mm, expected, ceil, 2, iters, f, f, Overlap::kPreviousKernel,
-                                 Overlap::kPreviousKernelStaticWeights);
-        r["batch"] = batch;
-        r["forced"] = c >= 0;
-        std::printf("%-20s %5d rows  g1 %7.1f  g2 %7.1f  both %7.1f  floor %7.1f  x %5.2f  %s%s\n", models[mi].name,
-                    r["rows"].get<int>(), r["us_gemm1"].get<double>(), r["us_gemm2"].get<double>(),
-                    r["us_both"].get<double>(), r["floor_us"].get<double>(), r["time_over_floor"].get<double>(),
-                    r["config_gemm1"].get<std::string>().c_str(), f ? " (forced)" : "");
-        out["problem5"].push_back(r);
+      for (int batch : {2048, 4096}) {
+        std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
+        double mean = double(batch) * topk[mi] / total_experts[mi];
+        int expected = int(std::ceil(mean + 2 * std::sqrt(mean)));
+        for (int c = -1; c < int(forced.size()); ++c) {  // -1: the heuristic's config
+          const GemmConfig* f = c < 0 ? nullptr : &forced[c];
+          json r = run_masked_pair(models[mi], batch, mm, expected, ceil, 2, iters, f, f, Overlap::kPreviousKernel,
+                                   Overlap::kPreviousKernelStaticWeights);
+          r["batch"] = batch;
+          r["forced"] = c >= 0;
+          std::printf("%-20s %5d %5d rows  g1 %7.1f  g2 %7.1f  both %7.1f  floor %7.1f  x %5.2f  %s%s\n",
+                      models[mi].name, batch, r["rows"].get<int>(), r["us_gemm1"].get<double>(),
+                      r["us_gemm2"].get<double>(), r["us_both"].get<double>(), r["floor_us"].get<double>(),
+                      r["time_over_floor"].get<double>(), r["config_gemm1"].get<std::string>().c_str(),
+                      f ? " (forced)" : "");
+          out["problem5"].push_back(r);
+        }
       }
     }
     }

@@ -87,8 +87,7 @@ constexpr int kContiguousAlign = 128;  // rows per padded expert segment in the 
 // The tile shape and schedule of one launch.
 struct GemmConfig {
   bool swap_ab = false;  // weights on the MMA's M side, tokens on its N side (small M_e)
-  int block_m = 0;       // tokens per tile (MMA N when swap_ab, else 64 · math warpgroups); swap-AB
-                         // 16/32/64/128, or 160/192 (masked: two token halves of 80/96)
+  int block_m = 0;       // tokens per tile (MMA N when swap_ab, else 64 · math warpgroups)
   int block_n = 0;       // weight rows (output columns) per tile: 128; 64 (masked swap-AB, 16 tokens);
                          // 256 (contiguous, block_m 128, one CTA, no split-K: fewer stage bytes per FLOP)
   int num_stages = 0;    // shared-memory pipeline depth

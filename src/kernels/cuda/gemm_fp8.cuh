@@ -9,9 +9,6 @@
 //   swap-AB (small M_e): the weight rows are the MMA's M side (64 per math warpgroup) and the
 //     tokens its N side (kBlockT = 16..128), so a handful of tokens does not pay for a 64-row
 //     tile; the output tile is the transpose of the accumulator and is written as such.
-//     kBlockT = 160 or 192 (masked, experts of ~130-190 rows) is two token halves, each
-//     multiplied into one partial and promoted before the other, as the 256-column tile below:
-//     one token block per expert where 128-token blocks would take two and twice the tensor work.
 //   normal (large M_e, contiguous prefill): the tokens are the M side (BM = 64 per math
 //     warpgroup), the weight rows the N side (kBlockW = 128, or 256 as two 128-column halves:
 //     an SM takes in ~40 B of stages per cycle, so the wider tile's fewer bytes per FLOP are
@@ -68,9 +65,6 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   static_assert(kSwapAB ? kBlockW == 64 * kMathWGs : kBlockT == 64 * kMathWGs, "one 64-row MMA slab per warpgroup");
   static_assert((kBlockW % 64 == 0 && kBlockW <= 128) || (kBlockW == 256 && !kSwapAB && !kGated && kCluster == 1),
                 "weight rows per tile: 64 or 128 (one 128-row scale block), or 256 in the normal orientation");
-  static_assert(kBlockT <= 128 || (kSwapAB && kMasked && !kGated && kCluster == 1 && kMathWGs == 2 &&
-                                   (kBlockT == 160 || kBlockT == 192)),
-                "more than 128 tokens per tile: masked swap-AB halves of 80 or 96 tokens");
   static_assert(!kGated || (kSwapAB && kMasked && kBlockW == 128 && kBlockT <= 64),
                 "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
   static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
@@ -81,19 +75,14 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // 256-column partial beside its accumulator would not. Each half is one 128-row weight-scale
   // block.
   constexpr int kColSlabs = kBlockW == 256 ? 2 : 1;
-  // The token halves of a 160- or 192-token swap-AB tile: the same split, on the MMA's N side.
-  constexpr int kTokSlabs = kBlockT > 128 ? 2 : 1;
-  constexpr int kHalves = kColSlabs * kTokSlabs;  // 1, or 2 multiplied and promoted one after the other
   constexpr int kWs = kSlabs * kColSlabs;  // weight-scale rows a tile reads per K block
   constexpr int kMathThreads = kMathWGs * 128;
-  constexpr int kMmaN = kSwapAB ? kBlockT / kTokSlabs : kBlockW / kColSlabs;
+  constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW / kColSlabs;
   using Mma = ptx::Wgmma<kMmaN>;
   constexpr int kRegs = Mma::kRegs;
-  // Slab sl's (or half c's) accumulators at [sl * kRegs, (sl + 1) * kRegs). Token halves so laid
-  // out are the fragment of one m64 x kBlockT accumulator (kRegs is a multiple of 4), which is
-  // what the epilogue is given.
-  constexpr int kAccRegs = kSlabs * kHalves * kRegs;
-  constexpr int kPartRegs = kHalves == 2 ? kRegs : kAccRegs;
+  // Slab sl's (or column half c's) accumulators at [sl * kRegs, (sl + 1) * kRegs).
+  constexpr int kAccRegs = kSlabs * kColSlabs * kRegs;
+  constexpr int kPartRegs = kColSlabs == 2 ? kRegs : kAccRegs;
   // The normal orientation's epilogue stages each math warp's rows in shared memory.
   constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs, kBlockT);
   constexpr int kEpiWarp = kEpiBytes / (kMathWGs * 4);  // one math warp's staging rows
@@ -258,12 +247,10 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       const float* sa = sa_tiles + s * Layout::kSaFloats;
       // Per-register combined scale: a_scale of the register's token times the block's w_scale.
       // Normal orientation: [slab][row][scale block: the column half of a 256-column tile].
-      float scale_a[kSlabs][kSwapAB && kTokSlabs == 1 ? kBlockT / 8 : 2][2];
+      float scale_a[kSlabs][kSwapAB ? kBlockT / 8 : 2][2];
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl) {
-        if constexpr (kTokSlabs == 2) {
-          // token halves: each half's scales are read where it is promoted (fewer live registers)
-        } else if constexpr (kSwapAB) {
+        if constexpr (kSwapAB) {
 #pragma unroll
           for (int j = 0; j < kBlockT / 8; ++j) {
             float2 v = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
@@ -282,17 +269,14 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       }
       const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
       const uint8_t* a_stage = a_tiles + s * Layout::kATile;
-      if constexpr (kHalves == 2) {
-        // Half c (of the weight columns, or of the tokens): its four wgmmas into the partial, wait,
-        // promote with half c's scales; the other warpgroup's wgmmas keep the tensor cores busy
-        // meanwhile (bench_wgmma: two warpgroups that each wait and promote run at the full
-        // tensor rate).
-        constexpr int kHalfT = kBlockT / kTokSlabs;
-        const uint64_t desc_m = ptx::make_smem_desc_sw128(kSwapAB ? w_stage + wg * 64 * kBlockK : a_stage + wg * 64 * kBlockK);
+      if constexpr (kColSlabs == 2) {
+        // Column half c: its four wgmmas into the partial, wait, promote with scale block c; the
+        // other warpgroup's wgmmas keep the tensor cores busy meanwhile (bench_wgmma: two
+        // warpgroups that each wait and promote run at the full tensor rate).
+        const uint64_t desc_m = ptx::make_smem_desc_sw128(a_stage + wg * 64 * kBlockK);
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const uint64_t desc_n = ptx::make_smem_desc_sw128(kSwapAB ? a_stage + c * kHalfT * kBlockK
-                                                                    : w_stage + c * 128 * kBlockK);
+          const uint64_t desc_n = ptx::make_smem_desc_sw128(w_stage + c * 128 * kBlockK);
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
           ptx::wgmma_fence();
@@ -302,26 +286,10 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
           ptx::wgmma_wait<0>();
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-          if constexpr (kTokSlabs == 2) {
-            // Register i's token: c·kHalfT + (i/4)·8 + frag_col + i%2; its scale is read from the
-            // stage before the stage is handed back.
-            float sc[kRegs / 2];
+          if (c == 1 && lane == 0) ptx::mbar_arrive(&empty[s]);
 #pragma unroll
-            for (int j = 0; j < kRegs / 4; ++j) {
-              const float2 v = *reinterpret_cast<const float2*>(sa + c * kHalfT + j * 8 + frag_col);
-              sc[2 * j] = v.x * wsc[0];
-              sc[2 * j + 1] = v.y * wsc[0];
-            }
-            if (c == 1 && lane == 0) ptx::mbar_arrive(&empty[s]);
-#pragma unroll
-            for (int i = 0; i < kRegs; ++i)
-              acc[c * kRegs + i] = fmaf(part[i], sc[(i / 4) * 2 + i % 2], acc[c * kRegs + i]);
-          } else {
-            if (c == 1 && lane == 0) ptx::mbar_arrive(&empty[s]);
-#pragma unroll
-            for (int i = 0; i < kRegs; ++i)
-              acc[c * kRegs + i] = fmaf(part[i], scale_a[0][(i / 2) % 2][c], acc[c * kRegs + i]);
-          }
+          for (int i = 0; i < kRegs; ++i)
+            acc[c * kRegs + i] = fmaf(part[i], scale_a[0][(i / 2) % 2][c], acc[c * kRegs + i]);
         }
       } else {
 #pragma unroll
@@ -379,7 +347,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       if constexpr (stages_transposed(kSwapAB, kGated, kBlockT)) {
         store_bf16_transposed_staged<kMasked, kBlockT, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
       } else {
-        store_bf16_transposed<kMasked, kBlockT, kAccRegs>(args, t, acc, f);
+        store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
       }
     } else {
       store_bf16<kMasked, kAccRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);

@@ -1,11 +1,12 @@
 // The GEMM config heuristic: problem descriptor -> GemmConfig (gemm.h). Pure functions.
 //
-// Masked: up to 128 expected rows per expert the weights go on the MMA's M side (swap-AB) and
-// the tokens on its N side, in the smallest of 16/32/64/128 that holds expected_m: the decode
+// Masked: up to 64 expected rows per expert the weights go on the MMA's M side (swap-AB) and
+// the tokens on its N side, in the smallest of 16/32/64 that holds expected_m: the decode
 // GEMM is a weight stream (docs/theory.md §Padding), so a token block only has to be wide enough that each
 // weight tile is streamed once. Callers should pass an upper-typical count (the bench passes
 // mean + 2·sqrt(mean) for uniform routing): an expert above it costs a second token block.
-// Above 128, tokens on the M side in blocks of 64 or 128, whichever pads less.
+// From 65 to 192, tokens on the M side in blocks of 128 (measured, run 18); above, in blocks of
+// 64 or 128, whichever pads less.
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
 // (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64; with BM 128, 256 weight rows per
@@ -43,9 +44,16 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   } else if (p.weights == WeightFormat::kMxfp4) {
     cfg.swap_ab = true;  // the only MXFP4 orientation; more tokens take more 128-token blocks
     cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
-  } else if (m <= 128) {
+  } else if (m <= 64) {
     cfg.swap_ab = true;
-    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
+    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : 64;
+  } else if (m <= 192) {
+    // 65..192 rows: tokens on the M side in blocks of 128, even where two blocks hold ~130-190
+    // rows. Measured faster than swap-AB 128-token tiles at ~100 rows per expert and than
+    // blocks of 64 (one math warpgroup) or swap-AB 160/192-token tiles at ~150 (docs/gemm.md
+    // run 18).
+    cfg.swap_ab = false;
+    cfg.block_m = 128;
   } else {
     // Big batches: tokens on the M side; the block that wastes fewer padded rows.
     cfg.swap_ab = false;

@@ -51,10 +51,8 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
       case 32: return f(Instance<true, true, 2, 32, 128>{});
       case 64: return f(Instance<true, true, 2, 64, 128>{});
       case 128: return f(Instance<true, true, 2, 128, 128>{});
-      case 160: return f(Instance<true, true, 2, 160, 128>{});
-      case 192: return f(Instance<true, true, 2, 192, 128>{});
     }
-    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64, 128, 160, 192} for swap-AB");
+    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64, 128} for swap-AB");
   }
   switch (cfg.block_m) {
     case 64: return f(Instance<false, true, 1, 64, 128>{});
