@@ -253,6 +253,30 @@ std::vector<int32_t> uniform_routing(int batch, int topk, int total_experts, int
   return m;
 }
 
+// Problems 2 and 5: rank 0 of EP8 for each model (its local experts; top-k of all of them).
+struct RankModel {
+  MoeShape shape;
+  int topk, total_experts;
+};
+const RankModel kRankModels[] = {{{"deepseek-v3", 32, 7168, 2048}, 8, 256},
+                                 {{"qwen3.5-397b-a17b", 64, 4096, 1024}, 10, 512}};
+
+// Rank 0's rows per local expert under uniform routing of `batch` tokens, with the M_max and the
+// expected_m the bench plans for: the mean rows per expert plus two standard deviations
+// (Poisson), so that few experts need a second token block.
+struct RankRouting {
+  std::vector<int32_t> masked_m;
+  int max_m, expected_m;
+};
+RankRouting rank_routing(const RankModel& model, int batch, std::mt19937& rng) {
+  RankRouting r;
+  r.masked_m = uniform_routing(batch, model.topk, model.total_experts, model.shape.num_experts, 0, rng);
+  r.max_m = std::max(4, (batch + 3) / 4 * 4);
+  const double mean = double(batch) * model.topk / model.total_experts;
+  r.expected_m = int(std::ceil(mean + 2 * std::sqrt(mean)));
+  return r;
+}
+
 // constant: every code 1.0 and every scale 1.0 instead of random data. Random operands draw more
 // power and cost the tensor cores up to ~15% of their rate run to run; constant ones isolate
 // what a kernel change does (problem 4).
@@ -407,23 +431,16 @@ int main(int argc, char** argv) {
     std::printf("\nproblem 2: one EP8 rank, uniform routing\n");
     std::printf("%-20s %6s %6s %6s %9s %9s %8s %9s  %s\n", "model", "batch", "rows", "exp>0", "us", "floor us",
                 "x floor", "us graph", "config (gemm1)");
-    const MoeShape models[] = {{"deepseek-v3", 32, 7168, 2048}, {"qwen3.5-397b-a17b", 64, 4096, 1024}};
-    const int topk[] = {8, 10}, total_experts[] = {256, 512};
-    for (int mi = 0; mi < 2; ++mi) {
-      if (!model_only.empty() && model_only != models[mi].name) continue;
+    for (const RankModel& model : kRankModels) {
+      if (!model_only.empty() && model_only != model.shape.name) continue;
       for (int batch : {64, 256, 1024, 2048, 4096}) {
         if (quick && batch > 1024) continue;
-        std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
-        // expected_m: the mean rows per expert plus two standard deviations (Poisson), so that
-        // few experts need a second token block.
-        double mean = double(batch) * topk[mi] / total_experts[mi];
-        int expected = int(std::ceil(mean + 2 * std::sqrt(mean)));
-        int max_m = std::max(4, (batch + 3) / 4 * 4);
+        const RankRouting rr = rank_routing(model, batch, rng);
         // Overlap as in a decode step: GEMM1 after the dispatch, GEMM2 after the activation.
-        json r = run_masked_pair(models[mi], max_m, mm, expected, ceil, 2, iters, nullptr, nullptr,
+        json r = run_masked_pair(model.shape, rr.max_m, rr.masked_m, rr.expected_m, ceil, 2, iters, nullptr, nullptr,
                                  Overlap::kPreviousKernel, Overlap::kPreviousKernelStaticWeights);
         r["batch"] = batch;
-        std::printf("%-20s %6d %6d %6d %9.1f %9.1f %8.2f %9.1f  %s\n", models[mi].name, batch, r["rows"].get<int>(),
+        std::printf("%-20s %6d %6d %6d %9.1f %9.1f %8.2f %9.1f  %s\n", model.shape.name, batch, r["rows"].get<int>(),
                     r["experts_with_tokens"].get<int>(), r["us_both"].get<double>(), r["floor_us"].get<double>(),
                     r["time_over_floor"].get<double>(), r["us_both_in_graph"].get<double>(),
                     r["config_gemm1"].get<std::string>().c_str());
@@ -478,8 +495,6 @@ int main(int argc, char** argv) {
     // (what the heuristic's choice costs against the others). Not in the default run.
     if (only.find('5') != std::string::npos) {
     std::printf("\nproblem 5: one EP8 rank, batches 2048 and 4096, forced masked configs\n");
-    const MoeShape models[] = {{"deepseek-v3", 32, 7168, 2048}, {"qwen3.5-397b-a17b", 64, 4096, 1024}};
-    const int topk[] = {8, 10}, total_experts[] = {256, 512};
     std::vector<GemmConfig> forced;
     for (auto [swap, bm, cluster] : {std::tuple{true, 64, 1}, std::tuple{true, 128, 1}, std::tuple{true, 128, 2},
                                      std::tuple{false, 64, 1}, std::tuple{false, 128, 1}}) {
@@ -490,20 +505,18 @@ int main(int argc, char** argv) {
       f.cluster = cluster;
       forced.push_back(f);
     }
-    for (int mi = 0; mi < 2; ++mi) {
-      if (!model_only.empty() && model_only != models[mi].name) continue;
+    for (const RankModel& model : kRankModels) {
+      if (!model_only.empty() && model_only != model.shape.name) continue;
       for (int batch : {2048, 4096}) {
-        std::vector<int32_t> mm = uniform_routing(batch, topk[mi], total_experts[mi], models[mi].num_experts, 0, rng);
-        double mean = double(batch) * topk[mi] / total_experts[mi];
-        int expected = int(std::ceil(mean + 2 * std::sqrt(mean)));
+        const RankRouting rr = rank_routing(model, batch, rng);
         for (int c = -1; c < int(forced.size()); ++c) {  // -1: the heuristic's config
           const GemmConfig* f = c < 0 ? nullptr : &forced[c];
-          json r = run_masked_pair(models[mi], batch, mm, expected, ceil, 2, iters, f, f, Overlap::kPreviousKernel,
-                                   Overlap::kPreviousKernelStaticWeights);
+          json r = run_masked_pair(model.shape, rr.max_m, rr.masked_m, rr.expected_m, ceil, 2, iters, f, f,
+                                   Overlap::kPreviousKernel, Overlap::kPreviousKernelStaticWeights);
           r["batch"] = batch;
           r["forced"] = c >= 0;
           std::printf("%-20s %5d %5d rows  g1 %7.1f  g2 %7.1f  both %7.1f  floor %7.1f  x %5.2f  %s%s\n",
-                      models[mi].name, batch, r["rows"].get<int>(), r["us_gemm1"].get<double>(),
+                      model.shape.name, batch, r["rows"].get<int>(), r["us_gemm1"].get<double>(),
                       r["us_gemm2"].get<double>(), r["us_both"].get<double>(), r["floor_us"].get<double>(),
                       r["time_over_floor"].get<double>(), r["config_gemm1"].get<std::string>().c_str(),
                       f ? " (forced)" : "");
