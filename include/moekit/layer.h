@@ -94,10 +94,12 @@ namespace moekit::gpu {
 //            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
 //            Decode steps of more than kFusedMaxTokens tokens per rank run staged even when fused
 //            is asked for: there the shared expert's rows (T per rank) take several token blocks of
-//            the routed GEMMs and the staged side stream overlaps it better (measured on an H200:
-//            at 256 tokens per rank fused was 7% slower than staged, at 128 2-4% faster).
+//            the routed GEMMs and the staged side stream overlaps it better (measured on an H200,
+//            EP8 rank, stage clock: at 128 tokens per rank fused 5% slower than staged for
+//            DeepSeek-V3 and 3% for Qwen3.5 once the activation kernel kept its bytes in flight; at
+//            64 the same for DeepSeek-V3 and 3% faster for Qwen3.5).
 enum class GpuPipeline { kStaged, kFused };
-constexpr int kFusedMaxTokens = 128;
+constexpr int kFusedMaxTokens = 64;
 const char* gpu_pipeline_name(GpuPipeline pipeline);
 
 struct GpuLayerConfig {

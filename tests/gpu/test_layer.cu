@@ -383,47 +383,55 @@ TEST(GpuLayerShared, SecondLayerUsesTheFirstsWeights) {
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past
-// masked_m untouched) on GEMM-like bf16 inputs.
+// masked_m untouched) on GEMM-like bf16 inputs: a small case, and one whose rows outnumber the
+// grid's warps times the items each loads at once (the kernel's loop turns more than once), with
+// one expert holding most of them.
 TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
-  const int E = 3, M = 40, inter = 256;
-  const MaskedLayout o{E, M, inter};
-  std::mt19937 rng(9);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::vector<uint16_t> gate_up(o.out_elems(2 * inter));
-  for (auto& v : gate_up) v = float_to_bf16(normal(rng));
-  const std::vector<int32_t> masked_m = {40, 0, 17};
-  std::vector<uint8_t> want(o.a_elems(), 0xAB);
-  std::vector<float> want_s(o.scale_elems(), -1.0f);
-  ref::silu_mul_quant_masked(o, gate_up.data(), masked_m.data(), want.data(), want_s.data());
-  DeviceArray<uint16_t> dg(gate_up.size());
-  DeviceArray<int32_t> dm(E);
-  DeviceArray<uint8_t> dq(want.size());
-  DeviceArray<float> ds(want_s.size());
-  dg.upload(gate_up.data(), gate_up.size());
-  dm.upload(masked_m.data(), E);
-  std::vector<uint8_t> pq(want.size(), 0xAB);
-  std::vector<float> ps(want_s.size(), -1.0f);
-  dq.upload(pq.data(), pq.size());
-  ds.upload(ps.data(), ps.size());
-  gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr);
-  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = dq.download(want.size());
-  const auto got_s = ds.download(want_s.size());
-  size_t diff = 0, diff_s = 0;
-  for (size_t i = 0; i < got.size(); ++i) diff += got[i] != want[i];
-  for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
-  std::printf("[layer] activation: %zu of %zu fp8 bytes and %zu of %zu scales differ from the reference\n", diff,
-              got.size(), diff_s, got_s.size());
-  // glibc's expf vs the correctly rounded fp64 exp can differ in a rare halfway case; a wrong
-  // formula or layout changes most bytes, so one in a thousand is a tight bound.
-  size_t rows = 0;
-  for (int m : masked_m) rows += size_t(m);
-  EXPECT_LE(diff, 4 + rows * inter / 1000);
-  EXPECT_LE(diff_s, 1 + rows * (inter / 128) / 1000);
-  // Rows past masked_m untouched.
-  for (int e = 0; e < E; ++e)
-    for (int m = masked_m[e]; m < M; ++m)
-      for (int c = 0; c < inter; ++c) ASSERT_EQ(got[o.a_offset(e, m) + c], 0xAB) << "expert " << e << " row " << m;
+  struct Case {
+    int E, M, inter;
+    std::vector<int32_t> masked_m;
+  };
+  for (const Case& k : {Case{3, 40, 256, {40, 0, 17}}, Case{3, 4096, 1024, {4096, 1, 2900}}}) {
+    const int E = k.E, M = k.M, inter = k.inter;
+    const std::vector<int32_t>& masked_m = k.masked_m;
+    const MaskedLayout o{E, M, inter};
+    std::mt19937 rng(9 + M);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::vector<uint16_t> gate_up(o.out_elems(2 * inter));
+    for (auto& v : gate_up) v = float_to_bf16(normal(rng));
+    std::vector<uint8_t> want(o.a_elems(), 0xAB);
+    std::vector<float> want_s(o.scale_elems(), -1.0f);
+    ref::silu_mul_quant_masked(o, gate_up.data(), masked_m.data(), want.data(), want_s.data());
+    DeviceArray<uint16_t> dg(gate_up.size());
+    DeviceArray<int32_t> dm(E);
+    DeviceArray<uint8_t> dq(want.size());
+    DeviceArray<float> ds(want_s.size());
+    dg.upload(gate_up.data(), gate_up.size());
+    dm.upload(masked_m.data(), E);
+    std::vector<uint8_t> pq(want.size(), 0xAB);
+    std::vector<float> ps(want_s.size(), -1.0f);
+    dq.upload(pq.data(), pq.size());
+    ds.upload(ps.data(), ps.size());
+    gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dq.download(want.size());
+    const auto got_s = ds.download(want_s.size());
+    size_t diff = 0, diff_s = 0;
+    for (size_t i = 0; i < got.size(); ++i) diff += got[i] != want[i];
+    for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
+    std::printf("[layer] activation E = %d, M = %d: %zu of %zu fp8 bytes and %zu of %zu scales differ from the "
+                "reference\n", E, M, diff, got.size(), diff_s, got_s.size());
+    // glibc's expf vs the correctly rounded fp64 exp can differ in a rare halfway case; a wrong
+    // formula or layout changes most bytes, so one in a thousand is a tight bound.
+    size_t rows = 0;
+    for (int m : masked_m) rows += size_t(m);
+    EXPECT_LE(diff, 4 + rows * inter / 1000);
+    EXPECT_LE(diff_s, 1 + rows * (inter / 128) / 1000);
+    // Rows past masked_m untouched (the comparison above covers them too: want keeps 0xAB there).
+    for (int e = 0; e < E; ++e)
+      for (int m = masked_m[e]; m < M; ++m)
+        for (int c = 0; c < inter; ++c) ASSERT_EQ(got[o.a_offset(e, m) + c], 0xAB) << "expert " << e << " row " << m;
+  }
 }
 
 // The gate alone on a softmax router (Qwen-style, no groups) and a grouped sigmoid router with

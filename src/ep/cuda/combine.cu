@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
     const int g = int(it / slices), slice = int(it % slices);
     if (g != cur) {
       cur = g;
-      const int s = source_of(src_start, P, g);
+      const int s = segment_of(src_start, P, g);
       const size_t item = size_t(s) * a.max_tokens + (g - src_start[s]);
       my_row = lane < k ? a.map_rows[item * k + lane] : -1;
       my_w = lane < k ? a.map_w[item * k + lane] : 0.0f;

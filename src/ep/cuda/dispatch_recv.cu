@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
     MsgLoad ld;
     int g_src = 0;
     if (first_msg < sent_msgs) {
-      g_src = source_of(src_start, P, first_msg);
+      g_src = segment_of(src_start, P, first_msg);
       load_message(a, message_at(a, parity, g_src, first_msg - src_start[g_src]), ld);
     }
 
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       const uint8_t* msg = message_at(a, parity, s, j);
       if (g != first_msg) load_message(a, msg, ld);
       const int g_next = g + msg_stride;
-      const int s_next = g_next < num_msgs ? source_of(src_start, P, g_next) : 0;
+      const int s_next = g_next < num_msgs ? segment_of(src_start, P, g_next) : 0;
       const size_t item = size_t(s) * a.max_tokens + j;
       // Lane i < k: entry i's output row (-1: not on this rank), its expert and its position.
       int row = -1, e = 0, m = 0;

@@ -9,6 +9,7 @@
 
 #include "ep_state.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/warp_prefix.cuh"
 #include "moekit/ep.h"
 
 namespace moekit::gpu {
@@ -154,37 +155,6 @@ __device__ __forceinline__ EntryInfo classify_entry(int slot, bool active, int g
   return e;
 }
 
-// Warp-wide prefix over n counts (all lanes of one warp call it): out[0] = 0, out[i + 1] =
-// count(0) + ... + count(i). One shuffle scan per 32 counts instead of one thread walking n.
-// count(i) may read out[i + 1] (the lane that reads it is the lane that overwrites it).
-template <class Count>
-__device__ __forceinline__ void warp_prefix(int* out, int n, Count count) {
-  const int lane = threadIdx.x & 31;
-  int carry = 0;
-  for (int b = 0; b < n; b += 32) {
-    const int i = b + lane;
-    int v = i < n ? count(i) : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int u = __shfl_up_sync(0xFFFFFFFFu, v, o);
-      if (lane >= o) v += u;
-    }
-    if (i < n) out[i + 1] = carry + v;
-    carry += __shfl_sync(0xFFFFFFFFu, v, 31);
-  }
-  if (lane == 0) out[0] = 0;
-}
-
-// The source s of message g, given start[s] = messages of sources < s (start[P] = all): the s
-// with start[s] <= g < start[s + 1], skipping sources that sent nothing. Binary search.
-__device__ __forceinline__ int source_of(const int* start, int num_ranks, int g) {
-  int lo = 0, hi = num_ranks - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (start[mid + 1] > g) hi = mid; else lo = mid + 1;
-  }
-  return lo;
-}
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
