@@ -262,8 +262,8 @@ const RankModel kRankModels[] = {{{"deepseek-v3", 32, 7168, 2048}, 8, 256},
                                  {{"qwen3.5-397b-a17b", 64, 4096, 1024}, 10, 512}};
 
 // Rank 0's rows per local expert under uniform routing of `batch` tokens, with the M_max and the
-// expected_m the bench plans for: the mean rows per expert plus two standard deviations
-// (Poisson), so that few experts need a second token block.
+// expected_m the bench plans for: upper_typical_rows (gemm.h), the mean rows per expert plus two
+// standard deviations, so that few experts need a second token block.
 struct RankRouting {
   std::vector<int32_t> masked_m;
   int max_m, expected_m;
@@ -272,8 +272,7 @@ RankRouting rank_routing(const RankModel& model, int batch, std::mt19937& rng) {
   RankRouting r;
   r.masked_m = uniform_routing(batch, model.topk, model.total_experts, model.shape.num_experts, 0, rng);
   r.max_m = std::max(4, (batch + 3) / 4 * 4);
-  const double mean = double(batch) * model.topk / model.total_experts;
-  r.expected_m = int(std::ceil(mean + 2 * std::sqrt(mean)));
+  r.expected_m = upper_typical_rows(int64_t(batch) * model.topk, model.total_experts);
   return r;
 }
 

@@ -129,6 +129,12 @@ struct ContiguousGemmProblem {
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms);
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms);
 
+// The expected_m to plan for when `rows` routed rows fall uniformly on `experts` experts: the mean
+// plus two standard deviations (Poisson), at least 1, so that few experts need a second token
+// block. Planning for the mean itself gives about half of them one (their weights read twice).
+// Throws moekit::Error naming the value when rows < 0 or experts < 1.
+int upper_typical_rows(int64_t rows, int experts);
+
 struct MaskedGemmBuffers {
   const uint8_t* a = nullptr;
   const float* a_scales = nullptr;

@@ -105,7 +105,8 @@ const char* gpu_pipeline_name(GpuPipeline pipeline);
 struct GpuLayerConfig {
   int max_tokens = 0;          // T_max per rank; must equal the EpBuffer's
   uint64_t replica_seed = 0;   // choose_replicas' hash seed (the CPU layer's replica_seed)
-  int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: a guess
+  int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: upper_typical_rows
+                               // (gemm.h) of P T_max k rows over the slots
   bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
   GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
   bool merge_shared = true;    // fused: the shared expert as expert E_loc of the routed GEMMs where it fits

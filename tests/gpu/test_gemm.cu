@@ -237,6 +237,18 @@ TEST(GemmMasked, HeuristicConfigsAndStages) {
     EXPECT_EQ(cfg.swap_ab, swap) << "expected_m " << expected << ": " << cfg.to_string();
     EXPECT_EQ(cfg.block_m, block_m) << "expected_m " << expected << ": " << cfg.to_string();
   }
+  // The expected_m a caller that knows only the batch passes: mean + 2 sqrt(mean), at least 1
+  // (DeepSeek-V3 at EP8: 256 slots, top-8; B = 2048 is a mean of 64 rows, B = 1024 of 32).
+  EXPECT_EQ(upper_typical_rows(2048 * 8, 256), 80);
+  EXPECT_EQ(upper_typical_rows(1024 * 8, 256), 44);
+  EXPECT_EQ(upper_typical_rows(8 * 8, 256), 2);
+  EXPECT_EQ(upper_typical_rows(0, 5), 1);
+  try {
+    upper_typical_rows(16, 0);
+    ADD_FAILURE() << "upper_typical_rows accepted 0 experts";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("experts = 0"), std::string::npos) << e.what();
+  }
   std::mt19937 rng(99);
   MaskedCase c({8, 512, 2048, 64, 8}, rng);
   std::vector<int32_t> masked_m = {3, 0, 8, 64, 1, 5, 0, 16};

@@ -3,8 +3,9 @@
 // Masked: up to 64 expected rows per expert the weights go on the MMA's M side (swap-AB) and
 // the tokens on its N side, in the smallest of 16/32/64 that holds expected_m: the decode
 // GEMM is a weight stream (docs/theory.md §Padding), so a token block only has to be wide enough that each
-// weight tile is streamed once. Callers should pass an upper-typical count (the bench passes
-// mean + 2·sqrt(mean) for uniform routing): an expert above it costs a second token block.
+// weight tile is streamed once. Callers should pass an upper-typical count (upper_typical_rows:
+// mean + 2·sqrt(mean) for uniform routing, what the layer and the benches pass): an expert above
+// it costs a second token block.
 // From 65 to 192, tokens on the M side in blocks of 128 (measured, run 18); above, in blocks of
 // 64 or 128, whichever pads less.
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
@@ -17,6 +18,7 @@
 // MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above up to 128 tokens per block,
 // contiguous with blocks of 128 tokens.
 #include <algorithm>
+#include <cmath>
 
 #include "kernels/cuda/gemm_host.cuh"
 
@@ -66,6 +68,13 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   cfg.num_splits = gemm_detail::choose_splits(tiles, num_sms, p.k / 128);
   cfg.num_ctas = num_sms;
   return cfg;
+}
+
+int upper_typical_rows(int64_t rows, int experts) {
+  MOEKIT_CHECK(rows >= 0 && experts >= 1, "upper_typical_rows: rows = " + std::to_string(rows) + " and experts = " +
+                                               std::to_string(experts) + ", expected rows >= 0 and experts >= 1");
+  const double mean = double(rows) / experts;
+  return int(std::max(1.0, std::ceil(mean + 2 * std::sqrt(mean))));
 }
 
 namespace {

@@ -209,9 +209,11 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
                     "with self_slab (layer_ep_config(..., GpuPipeline::kFused) makes one)", s.rank));
   const int slabs = s.e_loc + (s.merged ? 1 : 0);  // experts of the routed GEMMs
   const size_t total_rows = s.decode ? size_t(slabs) * s.m_max : size_t(s.rows);
-  const int expected_m = config.expected_m > 0 ? config.expected_m
-                                               : std::max(1, int((int64_t(s.ec.num_ranks) * s.t_max * s.k +
-                                                                  s.ec.num_slots - 1) / s.ec.num_slots));
+  // Unset: every rank's T_max tokens routed uniformly over the slots (the mean alone gave about
+  // half of the experts a second token block: docs/layer-gpu.md item 12).
+  const int expected_m = config.expected_m > 0
+                             ? config.expected_m
+                             : upper_typical_rows(int64_t(s.ec.num_ranks) * s.t_max * s.k, s.ec.num_slots);
   // The gated epilogue only where its tiles hold at most 32 tokens: at 64 (DeepSeek-V3 at 2048
   // tokens, EP8) its GEMM1 took 456 us against 365 + 63 for GEMM1 and the activation kernel
   // (stage clock, 2026-11-30), at 32 it saved 30-40 us per layer.
