@@ -94,10 +94,11 @@ namespace moekit::gpu {
 //            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
 //            Decode steps of more than kFusedMaxTokens tokens per rank run staged even when fused
 //            is asked for: there the shared expert's rows (T per rank) take several token blocks of
-//            the routed GEMMs and the staged side stream overlaps it better (measured on an H200,
-//            EP8 rank, stage clock: at 128 tokens per rank fused 5% slower than staged for
-//            DeepSeek-V3 and 3% for Qwen3.5 once the activation kernel kept its bytes in flight; at
-//            64 the same for DeepSeek-V3 and 3% faster for Qwen3.5).
+//            the routed GEMMs and the staged side stream overlaps it better under the dispatch
+//            (measured on an H200, EP8 rank, stage clock: at 128 tokens per rank fused even with
+//            staged for DeepSeek-V3 and 3% slower for Qwen3.5, at 256 3% and 2% slower; at 64, with
+//            the blocks of before upper_typical_rows, even for DeepSeek-V3 and 3% faster for Qwen3.5:
+//            docs/layer-gpu.md items 11, 12).
 enum class GpuPipeline { kStaged, kFused };
 constexpr int kFusedMaxTokens = 64;
 const char* gpu_pipeline_name(GpuPipeline pipeline);

@@ -155,7 +155,6 @@ __device__ __forceinline__ EntryInfo classify_entry(int slot, bool active, int g
   return e;
 }
 
-
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
