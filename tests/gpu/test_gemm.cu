@@ -4,6 +4,7 @@
 // every real row was written and every padding row left alone.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -243,6 +244,7 @@ TEST(GemmMasked, HeuristicConfigsAndStages) {
   EXPECT_EQ(upper_typical_rows(1024 * 8, 256), 44);
   EXPECT_EQ(upper_typical_rows(8 * 8, 256), 2);
   EXPECT_EQ(upper_typical_rows(0, 5), 1);
+  EXPECT_EQ(upper_typical_rows(int64_t(1) << 62, 1), INT_MAX);  // saturates instead of wrapping
   try {
     upper_typical_rows(16, 0);
     ADD_FAILURE() << "upper_typical_rows accepted 0 experts";

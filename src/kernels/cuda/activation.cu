@@ -303,6 +303,10 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
                                   const LaunchOptions& opt, const GpuActivation& act) {
   if (num_experts == 0 || max_m == 0) return;
+  // The kernel counts rows (every expert's, added up) in 32-bit integers.
+  MOEKIT_CHECK(num_experts > 0 && max_m > 0 && int64_t(num_experts) * max_m < (int64_t(1) << 31),
+               fmtr("silu_mul_quant_masked: {} experts x M_max = {} rows, expected 1 .. 2^31 - 1 rows", num_experts,
+                    max_m));
   const int64_t items = int64_t(num_experts) * max_m * (inter / kQuantBlock);
   const int64_t per_cta = int64_t(kRowsPerBlock) * kActItems;
   const int ctas = int(std::min<int64_t>(kActMaxCtas, (items + per_cta - 1) / per_cta));

@@ -18,6 +18,7 @@
 // MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above up to 128 tokens per block,
 // contiguous with blocks of 128 tokens.
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "kernels/cuda/gemm_host.cuh"
@@ -74,7 +75,7 @@ int upper_typical_rows(int64_t rows, int experts) {
   MOEKIT_CHECK(rows >= 0 && experts >= 1, "upper_typical_rows: rows = " + std::to_string(rows) + " and experts = " +
                                                std::to_string(experts) + ", expected rows >= 0 and experts >= 1");
   const double mean = double(rows) / experts;
-  return int(std::max(1.0, std::ceil(mean + 2 * std::sqrt(mean))));
+  return int(std::min(double(INT_MAX), std::max(1.0, std::ceil(mean + 2 * std::sqrt(mean)))));
 }
 
 namespace {
