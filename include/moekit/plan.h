@@ -127,6 +127,9 @@ struct PaddingRow {
   double waste_m5 = 0;                    // the same at M_e = 5
   std::optional<double> waste_pad_to_m_max;  // ⌈M_max/BM⌉·BM/M_e, M_max = 64 (null when M_e > M_max or 0)
   double waste_pad_to_m_max_m5 = 0;       // the same at M_e = 5
+  // E[⌈X/BM⌉ | X ≥ 1], X ~ Poisson(M_e): token blocks of a hit expert, i.e. how many times a
+  // masked GEMM streams its weights when BM = M_e is planned for (null when M_e = 0).
+  std::optional<double> weight_reads_expected;
 };
 
 struct PlanResult {
@@ -177,6 +180,13 @@ double coverage_closed_form(int num_experts, int topk, double batch);  // 1 − 
 double dedup_targets_closed_form(int num_ranks, int topk);             // P·[1 − (1 − 1/P)^k]
 double cv_expert_closed_form(int num_experts, int topk, double batch); // sqrt((1 − k/E)/(B·k/E))
 double imbalance_closed_form(int num_experts, int topk, int num_ranks, double batch);  // 1 + sqrt(2 ln P)·CV_e/sqrt(E/P)
+
+// docs/theory.md §Padding: E[⌈X/BM⌉ | X ≥ 1] for X ~ Poisson(mean), the token blocks of BM rows an
+// expert that gets rows needs when its rows are Poisson around `mean` (uniform routing). BM in
+// [1, kMaxTokenBlock] (which bounds the sum to a few million terms), mean finite and > 0; throws
+// moekit::Error naming the value otherwise.
+inline constexpr int kMaxTokenBlock = 1 << 16;
+double expected_token_blocks(int bm, double mean);
 
 // The result as JSON (keys as in the issue: rows[], knee_batch, batch_mem, ...).
 std::string plan_to_json(const PlanResult& result);

@@ -186,14 +186,17 @@ void print_table(const PlanResult& r) {
   if (r.is_moe) {
     double me = r.padding.empty() ? 0 : r.padding.front().expected_m;
     fmt::print("padding waste ceil(M_e/BM) x BM / M_e at the expected M_e = {:.2f} rows (B = {}{}) and at M_e = 5;\n"
-               "padding every expert to M_max = {} rows:\n",
+               "padding every expert to M_max = {} rows; weight reads per hit expert, E[ceil(X/BM) | X >= 1] for\n"
+               "Poisson rows X around M_e (a masked GEMM streams an expert's weights once per token block):\n",
                me, r.operating_point,
                in.mtp > 0 ? fmt::format(", {} tokens", r.operating_point * (in.mtp + 1)) : std::string(), kPaddingMMax);
-    fmt::print("{:>6} {:>12} {:>10} {:>18} {:>18}\n", "BM", "tile, at M_e", "tile, at 5", "pad to M_max, M_e", "pad to M_max, 5");
+    fmt::print("{:>6} {:>12} {:>10} {:>18} {:>18} {:>13}\n", "BM", "tile, at M_e", "tile, at 5", "pad to M_max, M_e",
+               "pad to M_max, 5", "weight reads");
     auto times = [](const std::optional<double>& v) { return v ? fmt::format("{:.2f}x", *v) : std::string("—"); };
+    auto reads = [](const std::optional<double>& v) { return v ? fmt::format("{:.3f}", *v) : std::string("—"); };
     for (const PaddingRow& p : r.padding)
-      fmt::print("{:>6} {:>12} {:>10} {:>18} {:>18}\n", p.bm, times(p.waste_expected), times(p.waste_m5),
-                 times(p.waste_pad_to_m_max), times(p.waste_pad_to_m_max_m5));
+      fmt::print("{:>6} {:>12} {:>10} {:>18} {:>18} {:>13}\n", p.bm, times(p.waste_expected), times(p.waste_m5),
+                 times(p.waste_pad_to_m_max), times(p.waste_pad_to_m_max_m5), reads(p.weight_reads_expected));
     if (!r.padding.empty() && !r.padding.front().waste_pad_to_m_max)
       fmt::print("  (— : M_e is above M_max = {} or zero, so padding to M_max does not apply)\n", kPaddingMMax);
     print_format_table(r);

@@ -65,6 +65,37 @@ ComputeDtype parse_dtype(std::string_view s) {
 
 const char* to_string(ComputeDtype d) { return d == ComputeDtype::fp8 ? "fp8" : "bf16"; }
 
+// docs/theory.md §Padding: E[⌈X/BM⌉ | X ≥ 1], X ~ Poisson(mean). Summed over the pmf outward from
+// its mode, where every term is representable (e^−mean alone underflows from mean ≈ 745 on), until
+// the terms no longer change the sum.
+double expected_token_blocks(int bm, double mean) {
+  MOEKIT_CHECK(bm >= 1 && bm <= kMaxTokenBlock && mean > 0 && std::isfinite(mean),
+               fmt::format("expected_token_blocks: BM = {} and mean = {}, expected BM in [1, {}] and a finite mean > 0",
+                           bm, mean, kMaxTokenBlock));
+  // Rows spread over many blocks: X mod BM is uniform, so the round-up averages (BM − 1)/(2 BM)
+  // (agrees with the sum to 1e-11 at mean = 1e5), and the sum would take ~18·√mean terms.
+  if (mean > 1e5 && 4.0 * bm <= std::sqrt(mean)) return mean / bm + (bm - 1) / (2.0 * bm);
+  const double mode = std::floor(mean);
+  const double p_mode = std::exp(-mean + mode * std::log(mean) - std::lgamma(mode + 1));
+  auto blocks = [bm](double x) { return std::ceil(x / bm); };
+  double sum = mode >= 1 ? p_mode * blocks(mode) : 0;  // Σ ⌈x/BM⌉·p(x) over x ≥ 1
+  double p = p_mode;
+  for (double x = mode; p > 0; ++x) {  // upward: p(x + 1) = p(x)·mean/(x + 1)
+    p *= mean / (x + 1);
+    const double term = p * blocks(x + 1);
+    if (sum + term == sum && x + 1 > mean) break;
+    sum += term;
+  }
+  p = p_mode;
+  for (double x = mode; x > 1 && p > 0; --x) {  // downward to x = 1: p(x − 1) = p(x)·x/mean
+    p *= x / mean;
+    const double term = p * blocks(x - 1);
+    if (sum + term == sum) break;
+    sum += term;
+  }
+  return sum / -std::expm1(-mean);  // P(X ≥ 1) = 1 − e^−mean
+}
+
 namespace {
 
 std::string_view trim(std::string_view s) {
@@ -232,6 +263,7 @@ PaddingRow padding_row(int bm, double expected_m) {
   r.waste_m5 = waste(kPaddingSmallM, kPaddingSmallM);
   if (expected_m > 0 && expected_m <= kPaddingMMax) r.waste_pad_to_m_max = waste(kPaddingMMax, expected_m);
   r.waste_pad_to_m_max_m5 = waste(kPaddingMMax, kPaddingSmallM);
+  if (expected_m > 0) r.weight_reads_expected = expected_token_blocks(bm, expected_m);
   return r;
 }
 

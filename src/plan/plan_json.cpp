@@ -93,7 +93,8 @@ std::string plan_to_json(const PlanResult& res) {
                           {"waste_m5", p.waste_m5},
                           {"m_max", kPaddingMMax},
                           {"waste_pad_to_m_max", opt(p.waste_pad_to_m_max)},
-                          {"waste_pad_to_m_max_m5", p.waste_pad_to_m_max_m5}});
+                          {"waste_pad_to_m_max_m5", p.waste_pad_to_m_max_m5},
+                          {"weight_reads_expected", opt(p.weight_reads_expected)}});
     j["padding"] = pad;
   } else {
     j["padding"] = nullptr;  // no experts, no per-expert padding

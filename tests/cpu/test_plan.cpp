@@ -96,6 +96,33 @@ TEST(PlanTheory, PaddingWasteAtFiveRows) {
   for (int b : {8, 16, 32, 64}) EXPECT_NEAR(bm(b).waste_pad_to_m_max_m5, 12.8, 1e-12);
 }
 
+TEST(PlanTheory, ExpectedTokenBlocks) {
+  // docs/theory.md §Padding. BM = 1: E[X | X >= 1] = mean / (1 - e^-mean).
+  for (double mean : {0.25, 1.0, 7.5, 64.0, 1000.0})
+    expect_rel(expected_token_blocks(1, mean), mean / -std::expm1(-mean), 1e-12);
+  // BM = 2: ceil(X/2) = (X + [X odd]) / 2 and P(X odd) = (1 - e^-2 mean) / 2; at mean 1:
+  // (1 + (1 - e^-2)/2) / 2 / (1 - e^-1) = 1.1329...
+  expect_rel(expected_token_blocks(2, 1.0), (1 + (1 - std::exp(-2.0)) / 2) / 2 / -std::expm1(-1.0), 1e-12);
+  // A block far above the rows: one read. At a block equal to the mean, about half the experts
+  // need a second block (the layer's old guess, docs/layer-gpu.md item 12); at mean + 2 sqrt(mean)
+  // a few percent.
+  EXPECT_NEAR(expected_token_blocks(128, 2.0), 1.0, 1e-12);
+  const double at_mean = expected_token_blocks(32, 32.0), above = expected_token_blocks(64, 32.0);
+  EXPECT_GT(at_mean, 1.4);
+  EXPECT_LT(at_mean, 1.5);
+  EXPECT_LT(above, 1.0001);
+  // Past e^-mean's underflow (mean ~ 745) the sum still has its mass: about mean/BM plus the
+  // average round-up (BM - 1)/(2 BM) (39.5588 by direct summation).
+  expect_rel(expected_token_blocks(128, 5000.0), 5000.0 / 128 + 127.0 / 256, 1e-4);
+  // Far out (up to the planner's 2^53-token batches), the closed limit instead of the sum.
+  expect_rel(expected_token_blocks(64, 1e15), 1e15 / 64 + 63.0 / 128, 1e-12);
+  expect_rel(expected_token_blocks(kMaxTokenBlock, 1e9), 1e9 / kMaxTokenBlock + 0.5, 1e-3);  // summed: 4.7e6 terms at most
+  expect_error([] { expected_token_blocks(0, 4.0); }, {"BM = 0"});
+  expect_error([] { expected_token_blocks(kMaxTokenBlock + 1, 4.0); }, {"BM = 65537"});
+  expect_error([] { expected_token_blocks(8, std::nan("")); }, {"mean = nan"});
+  expect_error([] { expected_token_blocks(16, 0.0); }, {"mean = 0"});
+}
+
 TEST(PlanTheory, StatisticalFloorThirteenPercent) {
   // docs/theory.md §Statistical skew: B/P = 48, P = 32, k = 8, E = 256 → S₀ ≈ 1.13. By hand:
   // CV_e = sqrt((1 − 8/256)/(1536·8/256)) = sqrt(0.96875/48) = 0.1420644; CV_gpu = CV_e/sqrt(8)
@@ -168,6 +195,10 @@ TEST(PlanDeepSeek, DeploymentByHand) {
   expect_rel(*r.padding[3].waste_expected, 2.05005005005005, 1e-12);
   expect_rel(*r.padding[4].waste_expected, 4.1001001001001, 1e-12);
   expect_rel(*r.padding[0].waste_pad_to_m_max, 2.05005005005005, 1e-12);
+  // Weight reads per hit expert at M_e = 31.2: BM 8 about ceil(31.2/8) = 4 blocks; BM 64 one.
+  EXPECT_GT(*r.padding[0].weight_reads_expected, 3.9);
+  EXPECT_LT(*r.padding[0].weight_reads_expected, 4.6);
+  EXPECT_NEAR(*r.padding[3].weight_reads_expected, 1.0, 1e-3);
   // Rows come back in input order, one per batch.
   ASSERT_EQ(r.rows.size(), 3u);
   EXPECT_EQ(r.rows[0].batch, 1);
