@@ -80,10 +80,10 @@ double expected_token_blocks(int bm, double mean) {
   auto blocks = [bm](double x) { return std::ceil(x / bm); };
   double sum = mode >= 1 ? p_mode * blocks(mode) : 0;  // Σ ⌈x/BM⌉·p(x) over x ≥ 1
   double p = p_mode;
-  for (double x = mode; p > 0; ++x) {  // upward: p(x + 1) = p(x)·mean/(x + 1)
+  for (double x = mode; p > 0; ++x) {  // upward (past the mode the terms only shrink): p(x + 1) = p(x)·mean/(x + 1)
     p *= mean / (x + 1);
     const double term = p * blocks(x + 1);
-    if (sum + term == sum && x + 1 > mean) break;
+    if (sum + term == sum) break;
     sum += term;
   }
   p = p_mode;
