@@ -115,6 +115,68 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// Decode at small batches: a few experts hit with one row each (and the shared expert, the last
+// slab, with one), so the GEMMs' tiles fill less than about one round of SMs. Both GEMMs with
+// 16-token tiles and forced split-K, on the two EP8 shapes: what split-K buys when the hit
+// experts, not E_loc, set the tile count (B = 8 on EP8 hits ~7 of DeepSeek-V3's 32 local experts
+// and ~9 of Qwen3.5's 64).
+template <class Time, class Report>
+void decode_splits(uint8_t* const* w, Time&& time, Report&& report) {
+  struct Shape {
+    const char* name;
+    int e, n1, k1, n2, k2;
+  };
+  const int m_max = 16;
+  for (const Shape& s : {Shape{"DeepSeek-V3", 33, 4096, 7168, 7168, 2048}, Shape{"Qwen3.5", 65, 2048, 4096, 4096, 1024}}) {
+    const int E = s.e;
+    uint8_t *a1, *act;
+    float *as1, *ws1, *acts, *ws2;
+    uint16_t* out;
+    int32_t* m;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&a1, size_t(E) * m_max * s.k1));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&as1, sizeof(float) * E * (s.k1 / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&ws1, sizeof(float) * E * (s.n1 / 128) * (s.k1 / 128)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&act, size_t(E) * m_max * s.k2));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&acts, sizeof(float) * E * (s.k2 / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&ws2, sizeof(float) * E * (s.n2 / 128) * (s.k2 / 128)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * E * m_max * s.n2));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&m, sizeof(int32_t) * E));
+    MOEKIT_CUDA_CHECK(cudaMemset(a1, 0x11, size_t(E) * m_max * s.k1));
+    MOEKIT_CUDA_CHECK(cudaMemset(as1, 0, sizeof(float) * E * (s.k1 / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMemset(ws1, 0, sizeof(float) * E * (s.n1 / 128) * (s.k1 / 128)));
+    MOEKIT_CUDA_CHECK(cudaMemset(ws2, 0, sizeof(float) * E * (s.n2 / 128) * (s.k2 / 128)));
+    const MaskedGemmProblem p1{E, s.n1, s.k1, m_max, 1, GemmEpilogue::kSiluMulFp8};
+    const MaskedGemmProblem p2{E, s.n2, s.k2, m_max, 1};
+    std::printf("decode, %s shapes (E = %d), experts hit with one row each, the shared one included:\n", s.name, E);
+    for (int hit : {6, 9, 12}) {
+      std::vector<int32_t> mm(E, 0);
+      for (int i = 0; i + 1 < hit; ++i) mm[i * (E - 1) / (hit - 1)] = 1;  // spread over the routed slabs
+      mm[E - 1] = 1;
+      MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+      const double mb1 = double(hit) * s.n1 * s.k1 / 1e6, mb2 = double(hit) * s.n2 * s.k2 / 1e6;
+      for (int gemm = 1; gemm <= 2; ++gemm) {
+        const int k_blocks = (gemm == 1 ? s.k1 : s.k2) / 128;
+        for (int splits : {1, 2, 3, 4, 6, 8}) {
+          if (splits > k_blocks / 2) continue;
+          GemmConfig c{};
+          c.swap_ab = true, c.block_m = 16, c.block_n = 128, c.num_splits = splits;
+          const std::string name = std::string(s.name) + (gemm == 1 ? " GEMM1 gated" : " GEMM2") + ", " +
+                                   std::to_string(hit) + " hit, split " + std::to_string(splits);
+          if (gemm == 1) {
+            MaskedGemm g0(p1, {a1, as1, w[0], ws1, m, nullptr, act, acts}, &c), g1(p1, {a1, as1, w[1], ws1, m, nullptr, act, acts}, &c);
+            report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb1, g0.config().to_string());
+          } else {
+            MaskedGemm g0(p2, {act, acts, w[0], ws2, m, out}, &c), g1(p2, {act, acts, w[1], ws2, m, out}, &c);
+            report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb2, g0.config().to_string());
+          }
+        }
+      }
+    }
+    for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
+      cudaFree(q);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -274,6 +336,7 @@ int main(int argc, char** argv) {
     for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
       cudaFree(q);
   }
+  decode_splits(w, time, report);
   js += "]}\n";
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
