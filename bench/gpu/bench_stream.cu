@@ -108,6 +108,7 @@ struct Pattern {
   std::string name;
   bool bulk, dynamic;
   int boxes, stages, k;
+  int tiles = 0;  // 0: every tile of the 33 experts; else the first `tiles` (one round or less)
 };
 
 float median(std::vector<float> v) {
@@ -116,8 +117,8 @@ float median(std::vector<float> v) {
 }
 
 // Decode at small batches: a few experts hit with one row each (and the shared expert, the last
-// slab, with one), so the GEMMs' tiles fill less than about one round of SMs. Both GEMMs with
-// 16-token tiles and forced split-K, on the two EP8 shapes: what split-K buys when the hit
+// slab, with one), so the GEMMs' tiles fill about one round of SMs. Both GEMMs with 16-token
+// tiles, whole or split-K 2, on the two EP8 shapes: what splitting buys when the hit
 // experts, not E_loc, set the tile count (B = 8 on EP8 hits ~7 of DeepSeek-V3's 32 local experts
 // and ~9 of Qwen3.5's 64).
 template <class Time, class Report>
@@ -148,16 +149,16 @@ void decode_splits(uint8_t* const* w, Time&& time, Report&& report) {
     const MaskedGemmProblem p1{E, s.n1, s.k1, m_max, 1, GemmEpilogue::kSiluMulFp8};
     const MaskedGemmProblem p2{E, s.n2, s.k2, m_max, 1};
     std::printf("decode, %s shapes (E = %d), experts hit with one row each, the shared one included:\n", s.name, E);
-    for (int hit : {6, 9, 12}) {
+    for (int hit : {6, 8, 9, 10, 12}) {
       std::vector<int32_t> mm(E, 0);
       for (int i = 0; i + 1 < hit; ++i) mm[i * (E - 1) / (hit - 1)] = 1;  // spread over the routed slabs
       mm[E - 1] = 1;
       MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
       const double mb1 = double(hit) * s.n1 * s.k1 / 1e6, mb2 = double(hit) * s.n2 * s.k2 / 1e6;
       for (int gemm = 1; gemm <= 2; ++gemm) {
-        const int k_blocks = (gemm == 1 ? s.k1 : s.k2) / 128;
-        for (int splits : {1, 2, 3, 4, 6, 8}) {
-          if (splits > k_blocks / 2) continue;
+        // Whole tiles and split-K 2 (3..8 lost more, docs/layer-gpu.md item 13; a split tail, gemm.md
+        // run 19).
+        for (int splits : {1, 2}) {
           GemmConfig c{};
           c.swap_ab = true, c.block_m = 16, c.block_n = 128, c.num_splits = splits;
           const std::string name = std::string(s.name) + (gemm == 1 ? " GEMM1 gated" : " GEMM2") + ", " +
@@ -224,7 +225,7 @@ int main(int argc, char** argv) {
   const double copy_tbs = double(bytes) / (copy_ms * 1e-3) / 1e12;
   std::printf("device: %d SMs; copy %.3f TB/s (read + write of %.0f MB)\n", num_sms, copy_tbs, bytes / 2 / 1e6);
 
-  const std::vector<Pattern> patterns = {
+  std::vector<Pattern> patterns = {
       {"box K 7168, static, 12 stages", false, false, 1, 12, k1},
       {"box K 7168, static, 6 stages", false, false, 1, 6, k1},
       {"box K 7168, dynamic, 12 stages", false, true, 1, 12, k1},
@@ -236,6 +237,13 @@ int main(int argc, char** argv) {
       {"bulk 16 KB, dynamic, 12 stages", true, true, 1, 12, k1},
       {"bulk 32 KB, static, 6 stages", true, false, 2, 6, k1},
   };
+  // Decode sizes: at most one gated tile (1.8 MB) per SM, as GEMM1 of 3-8 hit experts (48-128
+  // tiles), with 3 or 6 stages in the ring: whether an SM's share of the stream is bound by the
+  // bytes it keeps in flight, and what a round that leaves SMs idle streams.
+  for (int tiles : {48, 96, 132})
+    for (int stages : {3, 6})
+      patterns.push_back({"gated " + std::to_string(tiles) + " tiles, " + std::to_string(stages) + " stages", false,
+                          false, 2, stages, k1, tiles});
   // One line per measurement, and one JSON object in "runs" (config: the GEMM's, or empty).
   std::string js = "{\"copy_tbs\": " + std::to_string(copy_tbs) + ", \"runs\": [";
   bool first_run = true;
@@ -259,6 +267,7 @@ int main(int argc, char** argv) {
     // Gated: a tile is 128 gate rows and the matching 128 up rows, n / 2 rows further down.
     a.second_rows = p.boxes == 2 ? n / 2 : 0;
     a.tiles = int(pat_bytes / (size_t(a.k_blocks) * p.boxes * kBoxBytes));  // 128 (gated: 2 x 128) rows each
+    if (p.tiles) a.tiles = std::min(a.tiles, p.tiles);
     const size_t smem = 1024 + size_t(p.stages) * p.boxes * kBoxBytes + p.stages * 20;
     auto kernel = p.bulk ? (p.dynamic ? stream_kernel<true, true> : stream_kernel<true, false>)
                          : (p.dynamic ? stream_kernel<false, true> : stream_kernel<false, false>);
