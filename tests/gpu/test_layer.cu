@@ -15,8 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "device_buffer.h"
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gating.cuh"
+#include "kernels/cuda/silu_fp8.cuh"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
@@ -380,6 +382,58 @@ TEST(GpuLayerShared, SecondLayerUsesTheFirstsWeights) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("shares its weights"), std::string::npos) << e.what();
   }
+}
+
+// div_rn (silu_fp8.cuh), the activation's division, against CUDA's IEEE division: the same bits
+// for random fp32 pairs over the whole exponent range, divisors as SiLU's (1 + e, up to infinity),
+// general positive ones (subnormal to the largest, and infinity), and FP8 scales (amax / 448).
+__global__ void div_pair_kernel(const float* a, const float* b, float* ours, float* ieee, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    ours[i] = div_rn(a[i], b[i]);
+    ieee[i] = __fdiv_rn(a[i], b[i]);
+  }
+}
+
+TEST(GpuActivation, DivisionIsIeee) {
+  std::mt19937 rng(2026);
+  std::uniform_int_distribution<uint32_t> bits;
+  auto from_bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  const int per = 1 << 22;
+  std::vector<float> a, b;
+  for (int kind = 0; kind < 3; ++kind) {
+    for (int i = 0; i < per; ++i) {
+      a.push_back(from_bits(bits(rng)));
+      const float pos = from_bits(bits(rng) & 0x7FFFFFFFu);  // any non-negative fp32, NaN and inf too
+      const float d = kind == 0 ? 1.0f + pos : kind == 1 ? pos : std::fmax(pos, 1e-4f) / 448.0f;
+      b.push_back(std::isnan(d) || d == 0.0f ? 1.0f : d);  // the contract: b > 0
+    }
+  }
+  for (float x : {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f, -3e38f})
+    for (float y : {1.0f, INFINITY, 1e-45f, 3e38f, 448.0f, 2.2e-7f}) a.push_back(x), b.push_back(y);
+  const int n = int(a.size());
+  DeviceBuffer<float> d_a(n), d_b(n), d_ours(n), d_ieee(n);
+  d_a.upload(a);
+  d_b.upload(b);
+  div_pair_kernel<<<(n + 255) / 256, 256>>>(d_a.ptr, d_b.ptr, d_ours.ptr, d_ieee.ptr, n);
+  MOEKIT_CUDA_CHECK(cudaGetLastError());
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> ours = d_ours.download(), ieee = d_ieee.download();
+  size_t differ = 0;
+  for (int i = 0; i < n; ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &ours[i], 4);
+    std::memcpy(&y, &ieee[i], 4);
+    const bool same = x == y || (std::isnan(ours[i]) && std::isnan(ieee[i]));
+    if (!same && differ++ < 5)
+      std::printf("  %a / %a: %a, IEEE %a\n", double(a[i]), double(b[i]), double(ours[i]), double(ieee[i]));
+  }
+  std::printf("[layer] div_rn over %d pairs: %zu differ from IEEE division\n", n, differ);
+  EXPECT_EQ(differ, 0u);
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past
