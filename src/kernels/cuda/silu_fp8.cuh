@@ -15,10 +15,11 @@ namespace moekit {
 // subroutine CUDA's correctly rounded division calls: that call, one per value, kept the 8
 // activations of a GEMM1 thread from overlapping and made the gated epilogue's SiLU phase ~4 900
 // SM cycles per tile instead of ~1 600 (docs/gemm.md run 19). The quotient is formed in fp64 from a
-// reciprocal refined to about an ulp and rounded once. That is exact: a quotient of two fp32 values
-// is never within 2^-50 (relative) of a point halfway between two fp32 values, and the fp64
-// product is within 1.5 * 2^-52 of the quotient, so both round the same way (subnormal results
-// included; a / inf = ±0 and inf / inf = NaN as IEEE; a NaN stays NaN).
+// reciprocal refined to about an ulp and rounded once. That is exact: unless b is a power of two
+// (then the reciprocal and the product are exact), a quotient of two fp32 values is never within
+// 2^-50 (relative) of a point halfway between two fp32 values, and the fp64 product is within
+// 1.5 * 2^-52 of the quotient, so both round the same way (subnormal results included; a / inf =
+// ±0 and inf / inf = NaN as IEEE; a NaN stays NaN).
 __device__ __forceinline__ float div_rn(float a, float b) {
   const double bd = b;
   double y;
