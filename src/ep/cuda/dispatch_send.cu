@@ -21,6 +21,7 @@
 
 #include "ep_device.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/silu_fp8.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
 #include "moekit/quant.h"
@@ -197,7 +198,8 @@ __device__ __forceinline__ uint32_t cvt_e4m3x4(float q0, float q1, float q2, flo
 }
 
 // All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
-// scale) in fp32) of the chunks in b, then one pass per target with a 16-byte store per 16
+// scale) in fp32, both divisions IEEE-rounded through silu_fp8.cuh's div_rn, which costs no
+// subroutine call per value as `/` does) of the chunks in b, then one pass per target with a 16-byte store per 16
 // elements (the target's message address read from the plan once per block, not once per chunk).
 // Eight lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or
 // an infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
@@ -234,10 +236,10 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
     if (c >= num_chunks) continue;
     if (!finite) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, c * 16, 1);
-    scale[i] = fmaxf(amax, kMinAmax) / kFp8Max;
+    scale[i] = fp8_group_scale(amax);
     float q[16];
 #pragma unroll
-    for (int h = 0; h < 16; ++h) q[h] = v[h] / scale[i];
+    for (int h = 0; h < 16; ++h) q[h] = div_rn(v[h], scale[i]);
     uint32_t packed[4];
     if (finite && isfinite(scale[i])) {
 #pragma unroll

@@ -231,13 +231,13 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_kernel(const T*
   __syncthreads();
   amax = warp_amax[0];
   for (int i = 1; i < kBlockThreads / kWarp; ++i) amax = fmaxf(amax, warp_amax[i]);
-  const float scale = __fdiv_rn(fmaxf(amax, kMinAmax), kFp8Max);
+  const float scale = fp8_group_scale(amax);
   for (int i = 0; i < kQuantBlock / 2; i += 4) {
     float v[4];
     load4(w + base + i, v);
     uint32_t packed = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) packed |= uint32_t(float_to_fp8_e4m3(__fdiv_rn(v[j], scale))) << (8 * j);
+    for (int j = 0; j < 4; ++j) packed |= uint32_t(fp8_quantize(v[j], scale)) << (8 * j);
     *reinterpret_cast<uint32_t*>(q + base + i) = packed;
   }
   if (threadIdx.x == 0) scales[(b * (n / kQuantBlock) + rb) * (k / kQuantBlock) + cb] = scale;
