@@ -199,8 +199,9 @@ __device__ __forceinline__ uint32_t cvt_e4m3x4(float q0, float q1, float q2, flo
 
 // All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
 // scale) in fp32, both divisions IEEE-rounded through silu_fp8.cuh's div_rn, which costs no
-// subroutine call per value as `/` does) of the chunks in b, then one pass per target with a 16-byte store per 16
-// elements (the target's message address read from the plan once per block, not once per chunk).
+// subroutine call per value as `/` does) of the chunks in b, then one pass per target with a
+// 16-byte store per 16 elements (the target's message address read from the plan once per block,
+// not once per chunk).
 // Eight lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or
 // an infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
 __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, Team team, unsigned step,
