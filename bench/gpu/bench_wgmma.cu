@@ -18,6 +18,7 @@
 //   ring      as stages, but the wgmmas read the stage that has just landed (descriptors built
 //             per block from the ring position): the GEMM's k-block loop without its scales
 //   copies    the stages alone, no wgmma: the rate at which an SM takes in stage bytes
+// and, printed after them, the decode kernels' small-N blocks (small_n_kernel below).
 // The source of the stage copies is a few MB that stay in L2. The ideal block is the tensor
 // cores' time: 2 warpgroups x 4 wgmmas x N/2 cycles per sub-partition (FP8 dense: 2048 FLOP per
 // cycle per sub-partition), 512 cycles at N = 128 and 1024 at N = 256.
@@ -162,6 +163,113 @@ __global__ void __launch_bounds__(384, 1)
   if (v == 12345.678f) sink[blockIdx.x] = v;  // keeps the results alive
 }
 
+// The decode kernels' block (docs/gemm-mxfp4.md run 13): four m64nNk32 wgmmas per warpgroup for
+// N = 8..32 tokens (and 128, the prefill tile), with A from shared memory (the FP8 kernel) or
+// from registers (the MXFP4 kernel), then commit, wait for them and promote the partial. Nothing
+// is loaded per block: what is left is the tensor core's latency and each block's fence, arrive,
+// commit and wait. The decode kernels keep two blocks in flight; a timing loop written that way
+// here makes ptxas serialise every wgmma (even without its C7511 warning), so only the waited
+// block is timed: an upper bound of what a block costs the decode kernels.
+template <int N>
+struct RsMma;
+template <>
+struct RsMma<8> {
+  __device__ __forceinline__ static void mma(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
+  }
+};
+template <>
+struct RsMma<16> : ptx::WgmmaRS<16> {};
+template <>
+struct RsMma<32> : ptx::WgmmaRS<32> {};
+template <>
+struct RsMma<128> : ptx::WgmmaRS<128> {};
+
+template <int N, bool kRegsA>
+__global__ void __launch_bounds__(384, 1) small_n_kernel(int blocks, long long* cycles, float* sink) {
+  constexpr int kRegs = N / 2;  // accumulator registers of m64nN per thread
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = ptx::align_smem_1024(smem_raw);
+  uint8_t* a_tile = smem;
+  uint8_t* b_tile = a_tile + kATile;
+  for (int i = threadIdx.x; i < (kATile + N * kBlockK) / 4; i += blockDim.x) {
+    uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 40503u);
+    reinterpret_cast<uint32_t*>(a_tile)[i] = h & 0x3E3E3E3Eu;
+  }
+  ptx::fence_proxy_async_smem();
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int wg = warp / 4 - 1;
+  const uint64_t desc_a = ptx::make_smem_desc_sw128(a_tile + wg * 64 * kBlockK);
+  const uint64_t desc_b = ptx::make_smem_desc_sw128(b_tile);
+  uint32_t a[4][4];
+#pragma unroll
+  for (int g = 0; g < 4; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = (threadIdx.x * 0x01010101u + g * 4 + j) & 0x3E3E3E3Eu;
+  constexpr int kParts = N >= 128 ? 1 : 2;  // two partials as in the decode kernels; one at 128 (registers)
+  float part[kParts][kRegs], acc[kRegs];
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
+  auto issue = [&](float* d) {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(d[i]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 32; ++k) {
+      if constexpr (kRegsA) {
+        RsMma<N>::mma(d, a[k], desc_b + 2 * k, k > 0);
+      } else {
+        ptx::Wgmma<N>::mma(d, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+      }
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(d[i]);
+  };
+  auto promote = [&](float* d) {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = fmaf(d[i], 1.001f, acc[i]);
+  };
+  // The clock is read with nothing in flight: a read between wgmmas makes ptxas serialise them.
+  const long long start = clock64();
+  for (int b = 0; b < blocks; b += 2) {
+    issue(part[0]);
+    ptx::wgmma_wait<0>();
+    promote(part[0]);
+    issue(part[kParts - 1]);
+    ptx::wgmma_wait<0>();
+    promote(part[kParts - 1]);
+  }
+  const long long end = clock64();
+  if ((threadIdx.x - 128) % 128 == 0) cycles[blockIdx.x * 2 + wg] = (end - start) / blocks;
+  if (acc[0] == 12345.678f) sink[blockIdx.x] = acc[0];
+}
+
+template <int N, bool kRegsA>
+void run_small_n(int sms, int blocks, long long* d_cycles, float* sink) {
+  auto kernel = small_n_kernel<N, kRegsA>;
+  const int smem = 1024 + kATile + N * kBlockK;
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  for (int r = 0; r < 2; ++r) kernel<<<sms, 384, smem>>>(blocks, d_cycles, sink);
+  MOEKIT_CUDA_CHECK(cudaGetLastError());
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<long long> c(2 * sms);
+  MOEKIT_CUDA_CHECK(cudaMemcpy(c.data(), d_cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  std::sort(c.begin(), c.end());
+  std::printf("small N: A from %-9s N=%3d  %6lld cycles per waited block (tensor ideal %3d)\n",
+              kRegsA ? "registers" : "shared", N, c[c.size() / 2], 2 * 4 * N / 2);
+}
+
 struct Result {
   std::string name;
   int n;
@@ -248,6 +356,13 @@ int main(int argc, char** argv) {
     rs.push_back(run<256, kConsume, false>("wgmma + consume", sms, blocks, src, d_cycles, sink));
     rs.push_back(run<256, kConsume, true>("wgmma + consume + stages", sms, blocks, src, d_cycles, sink));
     rs.push_back(run<256, kConsume, true, true>("wgmma + consume + ring", sms, blocks, src, d_cycles, sink));
+    // The decode kernels' blocks (printed only): FP8 (A from shared memory) and MXFP4 (registers).
+    run_small_n<16, false>(sms, blocks, d_cycles, sink);
+    run_small_n<8, true>(sms, blocks, d_cycles, sink);
+    run_small_n<16, true>(sms, blocks, d_cycles, sink);
+    run_small_n<32, true>(sms, blocks, d_cycles, sink);
+    run_small_n<128, false>(sms, blocks, d_cycles, sink);  // the prefill tile, for comparison
+    run_small_n<128, true>(sms, blocks, d_cycles, sink);
     if (!json_path.empty()) {
       std::string js = "{\"blocks\": " + std::to_string(blocks) + ", \"runs\": [";
       for (size_t i = 0; i < rs.size(); ++i) {

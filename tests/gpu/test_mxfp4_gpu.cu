@@ -250,9 +250,14 @@ TEST(GemmMxfp4Masked, WideScaleSpreadTakesTheRoundedPath) {
   // Scale bytes over [100, 140]: groups of one block differ by up to 2^40, so many shifts are
   // below -5 (the rounded table) and some below -8 (rounded values). The error stays far below
   // the BF16 output rounding: the rounded values are 2^-14 of their block's largest.
+  // The heuristic's pick, and tiles of 16 and 32 tokens forced (with the bias).
   std::mt19937 rng(103);
   MaskedCase c({4, 256, 2048, 32, 0}, rng, 100, 140);
   expect_good(c.run_once({32, 7, 20, 1}, nullptr, false), "scale bytes 100..140");
+  for (int bm : {16, 32}) {
+    const GemmConfig cfg = forced(true, bm, 1);
+    expect_good(c.run_once({32, 7, 20, 1}, &cfg, true), "scale bytes 100..140, block_m " + std::to_string(bm));
+  }
 }
 
 TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {

@@ -11,7 +11,8 @@
 // barrier or proxy fence stands between the widening and the tensor core. The codes are stored
 // in the order of those fragments (mxfp4_codes_for_gemm, mxfp4.h): a thread's 64 codes of one row
 // and stage are 16 consecutive bytes, one conflict-free 16-byte load. Tiles of up to 64 tokens
-// keep two partials in flight: stage kb's wgmmas run while kb - 1 is promoted and kb + 1 widened.
+// keep two partials in flight: stage kb's wgmmas run while kb - 1 is promoted and kb + 1 widened;
+// 128-token tiles have room for one, and widen kb + 1 while kb's wgmmas run.
 //
 // Weights are the MMA's M side (64 rows per math warpgroup, 128 per tile) because only the A
 // operand may come from registers; tokens (16..128 per tile) are the N side, which suits decode
@@ -323,12 +324,42 @@ __global__ void __launch_bounds__(384, 1)
         promote(prev, part[0], acc);
       }
     } else {
+      // One partial (a second does not fit beside 128 tokens' accumulators), but the next stage
+      // is widened while this one's wgmmas run: its fragments are the only extra registers.
       float part[kRegs];
-      for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
-        const int cur = s;
-        issue(part);
+      uint32_t a0[4][4], a1[4][4];
+      int cur = s;
+      widen(a0);
+      advance();
+      // Stage `cur` from fragments fa; the next one (if any) widened into fb meanwhile.
+      auto step = [&](const uint32_t (&fa)[4][4], uint32_t (&fb)[4][4], bool more) {
+        fence_part(part);
+        ptx::wgmma_fence();
+        mma_stage(part, fa, cur);
+        ptx::wgmma_commit();
+        fence_part(part);
+        const int next = s;
+        if (more) {
+          widen(fb);
+          advance();
+#pragma unroll
+          for (int g = 0; g < 4; ++g)  // pinned before the wait, so the widening runs under the wgmmas
+            for (int j = 0; j < 4; ++j) ptx::fence_operand(fb[g][j]);
+        }
         ptx::wgmma_wait<0>();
         promote(cur, part, acc);
+        cur = next;
+      };
+      int kb = t.kb_begin;
+      for (; kb + 2 < t.kb_end; kb += 2) {
+        step(a0, a1, true);
+        step(a1, a0, true);
+      }
+      if (kb + 1 < t.kb_end) {
+        step(a0, a1, true);
+        step(a1, a0, false);
+      } else {
+        step(a0, a1, false);
       }
     }
 

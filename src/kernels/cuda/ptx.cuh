@@ -206,6 +206,7 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Keeps the compiler from moving accumulator reads/writes across an in-flight wgmma.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, both FP8 e4m3 K-major in shared memory, FP32
 // accumulators. `accumulate` = false overwrites D (scale-d = 0): the first slice of every
