@@ -107,9 +107,8 @@ inline void random_router(const ModelSpec& m, int d, MoeLayerWeights& w) {
 
 // The scale bytes of random MXFP4 weights: 118 .. 122, weights of at most 6 * 2^-5 ~ 0.19. The
 // spread is that of a trained checkpoint's smooth scales, and it keeps the GEMM on its fast
-// widening path (mxfp4.h, kGemmScaleFastBit: every group within 11 of its 128-deep block's largest
-// scale): real groups are at most 4 apart, and at most 9 below the padding's 127 in the block
-// where K's padding starts (gpt-oss: 2880 = 22.5 blocks).
+// widening path (mxfp4.h, kGemmScaleFastBit: every group within 11 of its row's largest scale):
+// real groups are at most 4 apart, and the padding's all-zero groups (scale 127) do not count.
 constexpr uint8_t kRandomScaleMin = 118, kRandomScaleSpan = 5;
 
 // One MXFP4 operand [E, n_p, k_p] as the loader leaves it: rows with real_row(r) hold random codes

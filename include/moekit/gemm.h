@@ -38,13 +38,13 @@
 //   w       [E_loc, N, K/2] packed e2m1 codes (layout.h's Mxfp4WeightLayout, values in mxfp4.h),
 //           permuted within each 64-byte run by mxfp4_codes_for_gemm (mxfp4.h) into the order
 //           the tensor core's register fragments take them
-//   w_mx_scales [E_loc, K/128, N] 32-bit words: the e8m0 scales of each row's 128-deep block with
-//           the widening's shifts, made from the checkpoint's [E_loc, N, K/32] by
+//   w_mx_scales [E_loc, K/128, N] 32-bit words: each row's base scale with the widening's shifts
+//           of its 128-deep block, made from the checkpoint's codes and [E_loc, N, K/32] scales by
 //           mxfp4_scales_for_gemm (mxfp4.h); a tile's words are one run in memory
 //   bias    [E_loc, N] fp32 or null: added to the fp32 accumulator before the BF16 rounding
 //   w_scales must be null. The weights stream from HBM at 4.25 bits each and are widened to e4m3
 //   in registers; the result is reference.h's MXFP4 contract (exact widening for groups within
-//   2^14 of their 128-deep block's largest scale). Tiles are always swap-AB with block_n = 128;
+//   2^14 of their row's largest scale). Tiles are always swap-AB with block_n = 128;
 //   the SiLU·up epilogue is not available with MXFP4 weights.
 //
 // Requirements (checked when a plan is made, with the bad value in the message): N and K

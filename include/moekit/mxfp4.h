@@ -72,20 +72,23 @@ void quantize_row_mxfp4(const float* x, int k, uint8_t* packed, uint8_t* scales)
 void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, float* out);
 
 // ---- The GPU GEMM's encodings (gemm.h; the kernel's side is kernels/cuda/mxfp4_convert.cuh) ----
-// The GEMM widens each 32-value group to e4m3 as P · 2^shift_g, shift_g = s_g - max_g' s_g' + 6
-// over the four groups of a row's 128-deep block of K, and applies 2^(max s - 6 - 127) per row
-// after the tensor core. The loader rewrites a checkpoint's codes and scales once for it, with
-// the same number of bytes (4.25 bits per weight).
+// The GEMM widens each 32-value group to e4m3 as P · 2^shift_g, shift_g = s_g - s_row + 6, where
+// s_row is the row's largest scale byte over the groups that hold a non-zero value (an all-zero
+// group, such as the loader's padding, is zero whatever its scale; an all-zero row takes 127), and
+// applies 2^(s_row - 6 - 127) once per row after the K loop. The loader rewrites a checkpoint's
+// codes and scales once for it, with the same number of bytes (4.25 bits per weight).
 //
-// Scales: the checkpoint's [E, N, K/32] -> one 32-bit word per (expert, 128-deep block, row),
-// [E, K/128, N], so that a tile's words are one run of 512 bytes. Word bits: 0..7 the largest
-// scale byte of the block; then four 5-bit fields, group g's shift + kGemmShiftBias at bit
-// kGemmShiftFirstBit + 5g, the shift clamped at -kGemmShiftBias (every e2m1 value times 2^-13 or
-// less rounds to e4m3's 0, so the clamp changes no widened value); bit kGemmScaleFastBit is set
-// when every shift is >= -5 (the widening's table is then one add). Needs n, k multiples of 128
-// and every scale byte <= kMxfp4MaxScale (an Error naming the value otherwise).
+// Scales: the checkpoint's [E, N, K/32] (and its codes, to find the all-zero groups) -> one 32-bit
+// word per (expert, 128-deep block, row), [E, K/128, N], so that a tile's words are one run of 512
+// bytes. Word bits: 0..7 s_row (the same in every block of the row); then four 5-bit fields, group
+// g's shift + kGemmShiftBias at bit kGemmShiftFirstBit + 5g, the shift clamped at -kGemmShiftBias
+// (every e2m1 value times 2^-13 or less rounds to e4m3's 0, so the clamp changes no widened value;
+// an all-zero group gets shift 0); bit kGemmScaleFastBit is set when every shift is >= -5 (the
+// widening's table is then one add). Needs n, k multiples of 128 and every scale byte <=
+// kMxfp4MaxScale (an Error naming the value otherwise).
 constexpr int kGemmShiftBias = 13, kGemmShiftBits = 5, kGemmShiftFirstBit = 8, kGemmScaleFastBit = 28;
-void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* scales, uint32_t* out);
+void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* codes, const uint8_t* scales,
+                           uint32_t* out);
 
 // Codes: each row's packed codes [K/2] -> the same number of bytes, one 32-bit word per (row,
 // 32-value group g, lane q of a tensor-core quad) holding the 8 values of K g·32 + 4q + {0..3}

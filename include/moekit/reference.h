@@ -51,7 +51,8 @@
 //   out        = float_to_bf16(acc + bias[e, n])           fp32 add, then round to nearest even
 //                                                          (without a bias: float_to_bf16(acc)).
 // A GPU kernel that converts the e2m1 values to e4m3 and shifts each 32-value group by its scale's
-// offset from the block's largest one computes the same block partial exactly (within e4m3's range).
+// offset from a base (the GEMM: its row's largest) computes the same block partial exactly, times
+// a power of two, for groups within e4m3's range of that base.
 // Checks as for FP8, plus: a scale byte above kMxfp4MaxScale is an Error.
 //
 // ---- Shared expert ----------------------------------------------------------------------

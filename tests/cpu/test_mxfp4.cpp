@@ -134,29 +134,58 @@ TEST(Mxfp4, QuantisationFollowsTheRule) {
 namespace moekit {
 namespace {
 
-// The GEMM's scale words, field by field from the definition in mxfp4.h.
+// The GEMM's scale words, field by field from the definition in mxfp4.h: the row's base is its
+// largest scale over the groups holding a non-zero value.
 TEST(Mxfp4, ScalesForGemmEncodeEachBlock) {
   const Mxfp4WeightLayout l{3, 256, 384};
-  std::vector<uint8_t> scales(l.scale_elems());
+  std::vector<uint8_t> scales(l.scale_elems()), codes(l.w_bytes());
   std::mt19937 rng(5);
-  std::uniform_int_distribution<int> d(90, 140);
+  std::uniform_int_distribution<int> d(90, 140), byte(0, 255);
   for (auto& x : scales) x = uint8_t(d(rng));
-  scales[0] = 0;  // a group far below its block's largest: the shift is clamped at -13
+  for (auto& c : codes) c = uint8_t(byte(rng));
+  scales[0] = 0;  // a group far below its row's largest: the shift is clamped at -13
+  // Row 1 of expert 0: every group zero (+0 and -0 codes) but two; the zero groups get the largest
+  // scale bytes and must not set the base.
+  const int groups = int(l.row_scales());
+  uint8_t* c1 = &codes[l.w_offset(0, 1)];
+  uint8_t* s1 = &scales[l.scale_offset(0, 1)];
+  for (int i = 0; i < int(l.row_bytes()); ++i) c1[i] = (i % 3) ? 0x00 : 0x88;
+  for (int g = 0; g < groups; ++g) s1[g] = 200;
+  c1[3 * 16 + 5] = 0x12, s1[3] = 101;    // group 3: base 101
+  c1[10 * 16 + 0] = 0x70, s1[10] = 95;   // group 10: shift 95 - 101 + 6 = 0
+  // Row 2 of expert 1: all zero: base 127, every shift 0, fast.
+  std::fill_n(&codes[l.w_offset(1, 2)], l.row_bytes(), uint8_t(0));
   std::vector<uint32_t> out(l.scale_elems() / 4, 0xEEEEEEEEu);
-  mxfp4_scales_for_gemm(l, scales.data(), out.data());
+  mxfp4_scales_for_gemm(l, codes.data(), scales.data(), out.data());
   int clamped = 0, slow = 0;
   for (int e = 0; e < l.num_experts; ++e)
-    for (int n = 0; n < l.n; ++n)
+    for (int n = 0; n < l.n; ++n) {
+      const uint8_t* s = &scales[l.scale_offset(e, n)];
+      const uint8_t* c = &codes[l.w_offset(e, n)];
+      auto nonzero = [&](int g) {
+        for (int i = 0; i < 32; ++i)
+          if (((c[(g * 32 + i) / 2] >> (4 * (i % 2))) & 7) != 0) return true;
+        return false;
+      };
+      int smax = -1;
+      for (int g = 0; g < groups; ++g)
+        if (nonzero(g)) smax = std::max(smax, int(s[g]));
+      if (smax < 0) smax = 127;
+      if (e == 0 && n == 1) {
+        ASSERT_EQ(smax, 101);
+      }
+      if (e == 1 && n == 2) {
+        ASSERT_EQ(smax, 127);
+      }
       for (int kb = 0; kb < l.k / 128; ++kb) {
-        const uint8_t* s = &scales[l.scale_offset(e, n) + kb * 4];
-        const int smax = *std::max_element(s, s + 4);
         const uint32_t w = out[(size_t(e) * (l.k / 128) + kb) * l.n + n];
         ASSERT_EQ(int(w & 0xFF), smax) << "e " << e << " n " << n << " kb " << kb;
         bool fast = true;
         for (int g = 0; g < 4; ++g) {
-          const int shift = int(s[g]) - smax + 6;
+          const int gg = kb * 4 + g;
+          const int shift = nonzero(gg) ? int(s[gg]) - smax + 6 : 0;
           const int field = int((w >> (kGemmShiftFirstBit + 5 * g)) & 31);
-          EXPECT_EQ(field - kGemmShiftBias, std::max(shift, -13)) << "group " << g;
+          EXPECT_EQ(field - kGemmShiftBias, std::max(shift, -13)) << "e " << e << " n " << n << " group " << gg;
           clamped += shift < -13;
           fast = fast && shift >= -5;
         }
@@ -164,11 +193,16 @@ TEST(Mxfp4, ScalesForGemmEncodeEachBlock) {
         EXPECT_EQ(w >> (kGemmScaleFastBit + 1), 0u);
         slow += !fast;
       }
+    }
   EXPECT_GT(clamped, 0) << "the draw must reach the clamp";
   EXPECT_GT(slow, 0) << "and the rounded tables";
-  expect_error([&] { mxfp4_scales_for_gemm(Mxfp4WeightLayout{1, 2880, 128}, scales.data(), out.data()); }, {"N = 2880"});
+  // The zero-group row: groups 3 (shift 6) and 10 (shift 0) and the zero groups (shift 0) all fast.
+  EXPECT_TRUE(out[(0 * (l.k / 128) + 0) * l.n + 1] >> kGemmScaleFastBit & 1);
+  EXPECT_TRUE(out[(0 * (l.k / 128) + 2) * l.n + 1] >> kGemmScaleFastBit & 1);
+  expect_error([&] { mxfp4_scales_for_gemm(Mxfp4WeightLayout{1, 2880, 128}, codes.data(), scales.data(), out.data()); },
+               {"N = 2880"});
   scales[5] = 253;
-  expect_error([&] { mxfp4_scales_for_gemm(l, scales.data(), out.data()); }, {"e8m0 byte 253"});
+  expect_error([&] { mxfp4_scales_for_gemm(l, codes.data(), scales.data(), out.data()); }, {"e8m0 byte 253"});
 }
 
 // The GEMM's code words: decoding each word by its definition gives back every code of the row.

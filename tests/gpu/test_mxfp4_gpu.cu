@@ -74,23 +74,31 @@ TEST(Mxfp4Widening, EveryCodeAndShiftAgainstTheDefinition) {
 // ---------------------------------------------------------------------------------------------
 // The GEMM
 
-// MXFP4 weights with random codes and scale bytes in [lo, hi].
+// MXFP4 weights with random codes and scale bytes in [lo, hi]; the last `zero_groups` groups of
+// every row hold only zeros (+0 and -0 codes) with scale byte 127, as the loader pads K.
 struct Weights {
   Mxfp4WeightLayout layout;
   std::vector<uint8_t> codes, scales, gemm_codes;
   std::vector<uint32_t> gemm_scales;
   std::vector<float> bias;
   std::vector<double> deq;  // [E, N, K], the exact weight values
-  Weights(int e, int n, int k, int lo, int hi, std::mt19937& rng) : layout{e, n, k} {
+  Weights(int e, int n, int k, int lo, int hi, std::mt19937& rng, int zero_groups = 0) : layout{e, n, k} {
     codes.resize(layout.w_bytes());
     scales.resize(layout.scale_elems());
     std::uniform_int_distribution<int> byte(0, 255), sc(lo, hi);
     for (auto& c : codes) c = uint8_t(byte(rng));
     for (auto& s : scales) s = uint8_t(sc(rng));
+    const int groups = k / kMxfp4Group;
+    for (int ex = 0; ex < e; ++ex)
+      for (int r = 0; r < n; ++r)
+        for (int g = groups - zero_groups; g < groups; ++g) {
+          scales[layout.scale_offset(ex, r) + g] = kMxfp4UnitScale;
+          for (int b = 0; b < kMxfp4Group / 2; ++b) codes[layout.w_offset(ex, r) + g * kMxfp4Group / 2 + b] = b % 2 ? 0x88 : 0;
+        }
     gemm_codes.resize(codes.size());
     mxfp4_codes_for_gemm(layout, codes.data(), gemm_codes.data());
     gemm_scales.resize(scales.size() / 4);
-    mxfp4_scales_for_gemm(layout, scales.data(), gemm_scales.data());
+    mxfp4_scales_for_gemm(layout, codes.data(), scales.data(), gemm_scales.data());
     std::uniform_real_distribution<float> b(-4.0f, 4.0f);
     bias.resize(size_t(e) * n);
     for (auto& x : bias) x = b(rng);
@@ -147,9 +155,9 @@ struct MaskedCase {
   DeviceBuffer<int32_t> d_m;
   DeviceBuffer<uint16_t> d_out;
 
-  MaskedCase(const MaskedGemmProblem& p, std::mt19937& rng, int s_lo = 118, int s_hi = 124)
+  MaskedCase(const MaskedGemmProblem& p, std::mt19937& rng, int s_lo = 118, int s_hi = 124, int zero_groups = 0)
       : problem(p),
-        w(p.num_experts, p.n, p.k, s_lo, s_hi, rng),
+        w(p.num_experts, p.n, p.k, s_lo, s_hi, rng, zero_groups),
         d_a(size_t(p.num_experts) * p.max_m * p.k),
         d_w(w.codes.size()),
         d_ws(w.gemm_scales.size()),
@@ -247,9 +255,9 @@ TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
 }
 
 TEST(GemmMxfp4Masked, WideScaleSpreadTakesTheRoundedPath) {
-  // Scale bytes over [100, 140]: groups of one block differ by up to 2^40, so many shifts are
-  // below -5 (the rounded table) and some below -8 (rounded values). The error stays far below
-  // the BF16 output rounding: the rounded values are 2^-14 of their block's largest.
+  // Scale bytes over [100, 140]: groups of one row differ by up to 2^40, so many shifts are
+  // below -5 (the rounded table) and many below -8 (rounded values). The error stays far below
+  // the BF16 output rounding: the rounded values are below 2^-14 of their row's largest.
   // The heuristic's pick, and tiles of 16 and 32 tokens forced (with the bias).
   std::mt19937 rng(103);
   MaskedCase c({4, 256, 2048, 32, 0}, rng, 100, 140);
@@ -257,6 +265,18 @@ TEST(GemmMxfp4Masked, WideScaleSpreadTakesTheRoundedPath) {
   for (int bm : {16, 32}) {
     const GemmConfig cfg = forced(true, bm, 1);
     expect_good(c.run_once({32, 7, 20, 1}, &cfg, true), "scale bytes 100..140, block_m " + std::to_string(bm));
+  }
+}
+
+TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
+  // Real groups at scale bytes 96..102 and the last two groups of every row all zero at 127 (the
+  // loader's K padding): the row's base must come from the real groups, else every real value
+  // would sit 2^19 and more below it and round to zero. Exact widening, fast tables only.
+  std::mt19937 rng(108);
+  MaskedCase c({3, 256, 1024, 16, 0}, rng, 96, 102, 2);
+  for (int bm : {16, 128}) {
+    const GemmConfig cfg = forced(true, bm, 1);
+    expect_good(c.run_once({16, 5, 11}, &cfg, true), "zero groups at 127, block_m " + std::to_string(bm));
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "moekit/check.h"
 
@@ -57,27 +58,36 @@ void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, f
   }
 }
 
-void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* scales, uint32_t* out) {
+void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, const uint8_t* scales, uint32_t* out) {
   MOEKIT_CHECK(l.num_experts > 0 && l.n > 0 && l.n % kQuantBlock == 0 && l.k > 0 && l.k % kQuantBlock == 0,
                fmt::format("mxfp4_scales_for_gemm: E = {}, N = {}, K = {}; expected E >= 1 and N, K positive "
                            "multiples of {}", l.num_experts, l.n, l.k, kQuantBlock));
-  const int k_blocks = l.k / kQuantBlock, per_block = kQuantBlock / kMxfp4Group;
+  const int groups = int(l.row_scales()), k_blocks = l.k / kQuantBlock, per_block = kQuantBlock / kMxfp4Group;
+  std::vector<char> nonzero(groups);
   for (int e = 0; e < l.num_experts; ++e)
     for (int n = 0; n < l.n; ++n) {
-      const uint8_t* row = scales + l.scale_offset(e, n);
+      const uint8_t* s = scales + l.scale_offset(e, n);
+      const uint8_t* c = codes + l.w_offset(e, n);
+      // The row's base: its largest scale over the groups that hold a non-zero value. An all-zero
+      // group (the loader's padding, or a checkpoint's) is zero at any scale, so it must not pull
+      // the base up and push the row's real groups into e4m3's rounded range.
+      int smax = -1;
+      for (int g = 0; g < groups; ++g) {
+        MOEKIT_CHECK(s[g] <= kMxfp4MaxScale,
+                     fmt::format("mxfp4_scales_for_gemm: expert {} row {} scale {} is the e8m0 byte {}, expected at "
+                                 "most {}", e, n, g, s[g], kMxfp4MaxScale));
+        bool any = false;
+        for (int b = 0; b < kMxfp4Group / 2; ++b) any = any || (c[g * kMxfp4Group / 2 + b] & 0x77) != 0;
+        nonzero[g] = any;
+        if (any) smax = std::max(smax, int(s[g]));
+      }
+      if (smax < 0) smax = kMxfp4UnitScale;  // an all-zero row: any base gives zeros
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const uint8_t* s = row + kb * per_block;
-        int smax = 0;
-        for (int g = 0; g < per_block; ++g) {
-          MOEKIT_CHECK(s[g] <= kMxfp4MaxScale,
-                       fmt::format("mxfp4_scales_for_gemm: expert {} row {} scale {} is the e8m0 byte {}, expected at "
-                                   "most {}", e, n, kb * per_block + g, s[g], kMxfp4MaxScale));
-          smax = std::max(smax, int(s[g]));
-        }
         uint32_t word = uint32_t(smax);
         bool fast = true;
         for (int g = 0; g < per_block; ++g) {
-          const int shift = std::max(int(s[g]) - smax + 6, -kGemmShiftBias);
+          const int gg = kb * per_block + g;
+          const int shift = nonzero[gg] ? std::max(int(s[gg]) - smax + 6, -kGemmShiftBias) : 0;
           fast = fast && shift >= -5;
           word |= uint32_t(shift + kGemmShiftBias) << (kGemmShiftFirstBit + kGemmShiftBits * g);
         }

@@ -43,6 +43,7 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
                            false);
   plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * k_blocks, n, n, 1, 128, false);
   plan.args.bias = bias;
+  plan.args.w_mx_scales = w_mx_scales;
 }
 
 }  // namespace moekit::gemm_detail

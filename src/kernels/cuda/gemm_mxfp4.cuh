@@ -16,9 +16,9 @@
 //
 // Weights are the MMA's M side (64 rows per math warpgroup, 128 per tile) because only the A
 // operand may come from registers; tokens (16..128 per tile) are the N side, which suits decode
-// and prefill alike. Promotion of a block partial: acc += part · a_scale(token) · 2^(base - 127)
-// with base the row's block exponent (mxfp4_convert.cuh), read from the same scale word the
-// widening uses.
+// and prefill alike. Promotion of a block partial: acc += part · a_scale(token); the row factor
+// 2^(base - 127) (mxfp4_convert.cuh), one per row for the whole K, multiplies the sum once after
+// the K loop, before split-K's reduction and the bias.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -62,11 +62,11 @@ __device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& c
       t_r[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r, g));
       t_r8[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r8, g));
     }
-  } else {
+  } else {  // out of line: inlined, its eight rounded tables made every loop copy twice as long
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      t_r[g] = mxfp4_detail::e4m3_table(mxfp4_detail::group_shift_field(scales_r, g));
-      t_r8[g] = mxfp4_detail::e4m3_table(mxfp4_detail::group_shift_field(scales_r8, g));
+      t_r[g] = mxfp4_detail::e4m3_table_outlined(mxfp4_detail::group_shift_field(scales_r, g));
+      t_r8[g] = mxfp4_detail::e4m3_table_outlined(mxfp4_detail::group_shift_field(scales_r8, g));
     }
   }
 #pragma unroll
@@ -217,13 +217,12 @@ __global__ void __launch_bounds__(384, 1)
     fence_part(pa);
     fence_part(pb);
   };
-  // Promotion of stage st's partial (its wgmmas complete): the scales are read before the stage
-  // is handed back to the producer.
+  // Promotion of stage st's partial (its wgmmas complete): the activation scales are read before
+  // the stage is handed back to the producer. (No weight factor here: it is the row's, applied
+  // once per tile, which saves a multiply per accumulator and stage.)
   auto promote = [&](int st, float* part, float* acc) {
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-    const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + st * Layout::kWsTile);
-    const float rf[2] = {mxfp4_detail::row_factor(ws_stage[frag_row]), mxfp4_detail::row_factor(ws_stage[frag_row + 8])};
     const float* sa = sa_tiles + st * Layout::kSaFloats;
     float2 sa_pair[kBlockT / 8];
 #pragma unroll
@@ -233,13 +232,17 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
       const float a_scale = (i % 2) ? sa_pair[i / 4].y : sa_pair[i / 4].x;
-      acc[i] = fmaf(part[i], a_scale * rf[(i / 2) % 2], acc[i]);
+      acc[i] = fmaf(part[i], a_scale, acc[i]);
     }
   };
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     if (t.e < 0) continue;
+    // The rows' scale words, loaded now so that their latency hides under the K loop (every block
+    // of a row holds the same s_row; block 0's is read).
+    const uint32_t* row_words = args.w_mx_scales + size_t(t.e) * k_blocks * args.n + t.w0;
+    const uint32_t word_r = __ldg(row_words + frag_row), word_r8 = __ldg(row_words + frag_row + 8);
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
@@ -363,6 +366,9 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
 
+    const float rf[2] = {mxfp4_detail::row_factor(word_r), mxfp4_detail::row_factor(word_r8)};
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] *= rf[(i / 2) % 2];  // exact: a power of two
     const bool store = args.num_splits == 1 || reduce_splits<kRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
     if (store) store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, Fragment{frag_row, frag_col, mtid, warp - 4});
   }

@@ -29,6 +29,7 @@ struct KernelArgs {
   int num_stages = 0;
   int flags = 0;  // kFlag* below
   const float* bias = nullptr;     // MXFP4 plans: [E, n] fp32 added before the BF16 rounding
+  const uint32_t* w_mx_scales = nullptr;  // MXFP4 plans: the scale words (mxfp4.h), for the row factor
   uint8_t* act = nullptr;          // gated: SiLU·up in FP8 [E, rows, n/2]
   float* act_scales = nullptr;     // gated: its scales [E, n/256, rows]
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null

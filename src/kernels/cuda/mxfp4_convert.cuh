@@ -3,18 +3,20 @@
 //
 // Hopper's tensor cores have no 4-bit type, so the GEMM streams the packed e2m1 codes and their
 // e8m0 scales from HBM (4.25 bits per weight) and widens them to e4m3 in the registers that feed
-// a register-sourced wgmma. The
-// scale of a 32-value group cannot go into the tensor core (a 128-deep block partial spans four
-// groups), so it is split in two powers of two:
-//   w = P · 2^(s_g - 127) = [P · 2^(s_g - base)] · 2^(base - 127),   base = max_g s_g - 6
-// over the four groups g of a row's 128-deep block. The bracket is the e4m3 value the tensor
-// core multiplies: its shift s_g - base is at most 6 (6 · 2^6 = 384 <= 448, e4m3's largest), so
-// nothing saturates, and the row factor 2^(base - 127) joins the activation's scale in the
-// block's promotion (gemm_fp8.cuh's two-level accumulation). Exactness: every e2m1 value times
-// 2^shift is exact in e4m3 for shift >= -8 (0.5 · 2^-8 = 2^-9, e4m3's smallest subnormal), i.e.
-// for groups within 2^14 of the block's largest scale; a group further below is rounded to
-// e4m3's subnormal grid (an error below 2^-10 · 2^(base-127), against values up to 448 ·
-// 2^(base-127) in the same block).
+// a register-sourced wgmma. The scale of a 32-value group cannot go into the tensor core (a
+// 128-deep block partial spans four groups), so it is split in two powers of two:
+//   w = P · 2^(s_g - 127) = [P · 2^(s_g - base)] · 2^(base - 127),   base = s_row - 6
+// with s_row the row's largest scale over its non-zero groups (mxfp4.h). The bracket is the e4m3
+// value the tensor core multiplies: its shift s_g - base is at most 6 (6 · 2^6 = 384 <= 448,
+// e4m3's largest), so nothing saturates, and the row factor 2^(base - 127), the same for the whole
+// row, is applied once after the K loop; the block's promotion multiplies by the activation's
+// scale alone (gemm_fp8.cuh's two-level accumulation). A base per 128-deep block would fit the
+// groups closer, but its factor changes every block and costs one more multiply per accumulator
+// and stage, which is what limits the 128-token kernel (docs/gemm-mxfp4.md, runs 14 and 15).
+// Exactness: every e2m1 value times 2^shift is exact in e4m3 for shift >= -8 (0.5 · 2^-8 = 2^-9,
+// e4m3's smallest subnormal), i.e. for groups within 2^14 of the row's largest scale; a group
+// further below is rounded to e4m3's subnormal grid (an error below 2^-10 · 2^(base-127), against
+// values up to 448 · 2^(base-127) in the same row).
 //
 // The widening is a table lookup: the eight e4m3 codes of the magnitudes {0, .5, 1, 1.5, 2, 3, 4,
 // 6} · 2^shift sit in two registers, and one `prmt` maps four 3-bit magnitudes to four bytes.
@@ -25,7 +27,7 @@
 // shift >= -5 every table entry is a normal e4m3 number and the table is the shift-0 table
 // with shift added to each exponent field (one multiply-add per register); below, the entries
 // are rounded one by one. The shifts come precomputed with the scales (mxfp4_scales_for_gemm):
-// one word per row and 128-deep block holds max_g s_g and the four shifts, clamped at -13 (from
+// one word per row and 128-deep block holds s_row and the block's four shifts, clamped at -13 (from
 // there on every entry rounds to 0, so the clamp changes nothing), plus a flag for "all >= -5".
 #pragma once
 
@@ -45,16 +47,16 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 }
 
 // The scale word of a row's 128-deep block (mxfp4.h's kGemmScale* layout).
-__device__ __forceinline__ int block_max_scale(uint32_t word) { return int(word & 0xFF); }
+__device__ __forceinline__ int row_max_scale(uint32_t word) { return int(word & 0xFF); }
 __device__ __forceinline__ bool block_shifts_fast(uint32_t word) { return (word >> kGemmScaleFastBit) & 1u; }
 __device__ __forceinline__ int group_shift_field(uint32_t word, int g) {  // shift + kGemmShiftBias
   return int((word >> (kGemmShiftFirstBit + kGemmShiftBits * g)) & ((1u << kGemmShiftBits) - 1));
 }
 
-// The row's factor 2^(base - 127), base = max_g s_g - 6; exact for base in [-6, 246] (base <= 0:
-// an fp32 subnormal).
+// The row's factor 2^(base - 127), base = s_row - 6; exact for base in [-6, 246] (base <= 0: an
+// fp32 subnormal).
 __device__ __forceinline__ float row_factor(uint32_t word) {
-  const int base = block_max_scale(word) - 6;
+  const int base = row_max_scale(word) - 6;
   return base >= 1 ? __int_as_float(base << 23) : __int_as_float(1 << (22 + base));
 }
 
@@ -80,6 +82,9 @@ __device__ __forceinline__ uint2 e4m3_table_rounded(int field) {
 __device__ __forceinline__ uint2 e4m3_table(int field) {
   return field >= kGemmShiftBias - 5 ? e4m3_table_fast(field) : e4m3_table_rounded(field);
 }
+// The same as a call: for the GEMM's rarely taken path, whose code would otherwise sit in every
+// copy of its hot loops (the instruction fetch is what the decode kernel waits on most).
+static __device__ __noinline__ uint2 e4m3_table_outlined(int field) { return e4m3_table(field); }
 
 // A word of eight re-encoded codes (see the header) -> eight e4m3 bytes in value order (.x: values
 // 0..3, .y: 4..7), through a table of e4m3_table.

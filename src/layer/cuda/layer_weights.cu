@@ -49,7 +49,7 @@ void gather_mxfp4(const Mxfp4ExpertWeights& all, const int32_t* phy2log, int fir
   codes.resize(raw_codes.size());
   mxfp4_codes_for_gemm(local, raw_codes.data(), codes.data());
   words.resize(raw_scales.size() / 4);
-  mxfp4_scales_for_gemm(local, raw_scales.data(), words.data());
+  mxfp4_scales_for_gemm(local, raw_codes.data(), raw_scales.data(), words.data());
 }
 
 void GpuMoeLayer::Impl::share_weights(const Impl& other, const int32_t* phy2log) {
