@@ -231,16 +231,18 @@ TEST(GemmMxfp4Masked, EveryTilePathAndSplitK) {
 }
 
 TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
-  // The pipelined loop with one, two and three k blocks per tile (K 128; K 384 whole or split
-  // 2 ways into 1 + 2): the odd and even tails.
+  // The pipelined loops (16-token tiles, and 128-token tiles in two halves) with one, two and
+  // three k blocks per tile (K 128; K 384 whole or split 2 ways into 1 + 2): the odd and even tails.
   std::mt19937 rng(107);
   for (int k : {128, 384}) {
-    MaskedCase c({3, 256, k, 16, 0}, rng);
-    for (int splits : {1, 2}) {
-      if (splits > k / 128) continue;
-      const GemmConfig cfg = forced(true, 16, splits);
-      expect_good(c.run_once({16, 3, 9}, &cfg, true), "K " + std::to_string(k) + " splits " + std::to_string(splits));
-    }
+    MaskedCase c({3, 256, k, 128, 0}, rng);
+    for (int bm : {16, 128})
+      for (int splits : {1, 2}) {
+        if (splits > k / 128) continue;
+        const GemmConfig cfg = forced(true, bm, splits);
+        expect_good(c.run_once({16, 3, 100}, &cfg, true), "K " + std::to_string(k) + " splits " +
+                                                              std::to_string(splits) + " block_m " + std::to_string(bm));
+      }
   }
 }
 
