@@ -9,6 +9,10 @@
 //   box K           the GEMM's box (128 rows x 128 bytes, 128-byte swizzle), row stride K
 //   2 boxes K       two boxes per stage, inter rows apart (the gated GEMM1's gate and up rows)
 //   bulk            one contiguous 1D copy of the stage's bytes (weights stored tile-major)
+//   MXFP4 box       the MXFP4 GEMM's code box (128 rows x 64 bytes, row stride K/2, no swizzle),
+//                   alone or with its scale words (one 512-byte box per stage), the words laid out
+//                   [E, K/128, N] (consecutive stages N·4 bytes apart) or tile-major (adjacent);
+//                   or codes and words as one 8.5 KB record per stage, one bulk copy
 // each with the tiles dealt round-robin (static, as the GEMM deals them) or taken from an atomic
 // queue (dynamic), and with 6..13 stages. Figures: the median of 10 runs of each, TB/s of weight
 // bytes; shapes are one EP8 rank of DeepSeek-V3 (33 experts with the shared one, GEMM1 N 4096
@@ -33,7 +37,6 @@ using namespace moekit;
 namespace {
 
 constexpr int kBlockK = 128;
-constexpr int kBoxBytes = 128 * kBlockK;  // 128 rows x 128 bytes
 
 struct StreamArgs {
   int tiles;         // weight tiles of 128 rows
@@ -41,15 +44,20 @@ struct StreamArgs {
   int stages;
   int boxes;         // boxes per stage (1, or 2: the second one `second_rows` rows further down)
   int second_rows;
+  int box_w;         // bytes of a box row: 128 (FP8, one 128-deep block) or 64 (MXFP4 codes)
+  int n_blocks;      // MXFP4 scales: 128-row blocks per expert (the words' x coordinate), or 0: none
+  bool scales_tile_major;  // the words [tiles · K/128, 128]: a tile's stages read adjacent 512 bytes
   const uint8_t* flat;  // bulk: tile-major weights, one stage's bytes per (tile, block)
   int* queue;           // dynamic: [0] next tile, [1] CTAs done (both reset by the last CTA)
 };
 
 template <bool kBulk, bool kDynamic>
-__global__ void __launch_bounds__(64, 1) stream_kernel(const __grid_constant__ CUtensorMap map, StreamArgs a) {
+__global__ void __launch_bounds__(64, 1) stream_kernel(const __grid_constant__ CUtensorMap map,
+                                                       const __grid_constant__ CUtensorMap map_scales, StreamArgs a) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* ring = ptx::align_smem_1024(smem_raw);
-  const int stage_bytes = a.boxes * kBoxBytes;
+  const int box_bytes = 128 * a.box_w, scale_bytes = a.n_blocks ? 512 : 0;
+  const int stage_bytes = a.boxes * box_bytes + scale_bytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + a.stages * stage_bytes);
   uint64_t* empty = full + a.stages;
   int* last = reinterpret_cast<int*>(empty + a.stages);  // [stages]: 1 when the stage ends the walk
@@ -80,7 +88,12 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const __grid_constant__ C
             const int blocks = a.boxes == 2 ? a.second_rows / 128 : 1;
             const int row = a.boxes == 2 ? (tile / blocks) * 2 * a.second_rows + (tile % blocks) * 128 : tile * 128;
             for (int b = 0; b < a.boxes; ++b)
-              ptx::tma_load_2d(dst + b * kBoxBytes, &map, &full[s], kb * kBlockK, row + b * a.second_rows, policy);
+              ptx::tma_load_2d(dst + b * box_bytes, &map, &full[s], kb * a.box_w, row + b * a.second_rows, policy);
+            if (a.n_blocks && a.scales_tile_major)
+              ptx::tma_load_2d(dst + a.boxes * box_bytes, &map_scales, &full[s], 0, tile * a.k_blocks + kb, policy);
+            else if (a.n_blocks)  // [E * K/128, N] words: x = the tile's first row, y = (expert, block)
+              ptx::tma_load_2d(dst + a.boxes * box_bytes, &map_scales, &full[s], (tile % a.n_blocks) * 128,
+                               (tile / a.n_blocks) * a.k_blocks + kb, policy);
           }
         }
         if (++s == a.stages) s = 0, phase ^= 1;
@@ -109,6 +122,8 @@ struct Pattern {
   bool bulk, dynamic;
   int boxes, stages, k;
   int tiles = 0;  // 0: every tile of the 33 experts; else the first `tiles` (one round or less)
+  int box_w = 128;  // 64: MXFP4 codes (K/2 bytes a row)
+  int mx_scales = 0;  // with the MXFP4 scale words: 1 laid out [E, K/128, N], 2 tile-major
 };
 
 float median(std::vector<float> v) {
@@ -236,6 +251,16 @@ int main(int argc, char** argv) {
       {"bulk 16 KB, static, 12 stages", true, false, 1, 12, k1},
       {"bulk 16 KB, dynamic, 12 stages", true, true, 1, 12, k1},
       {"bulk 32 KB, static, 6 stages", true, false, 2, 6, k1},
+      // MXFP4 (gpt-oss's format on DeepSeek-V3's shapes): the GEMM's 64-byte code rows, with and
+      // without the scale words, against the same stage bytes as one tile-major bulk copy.
+      {"MXFP4 box K 7168, static, 16 stages", false, false, 1, 16, k1, 0, 64},
+      {"MXFP4 box + scales K 7168, static, 16 stages", false, false, 1, 16, k1, 0, 64, 1},
+      {"MXFP4 box + scales K 2048, static, 16 stages", false, false, 1, 16, k2, 0, 64, 1},
+      {"MXFP4 box + tile-major scales K 7168, 16 st.", false, false, 1, 16, k1, 0, 64, 2},
+      {"MXFP4 box + tile-major scales K 2048, 16 st.", false, false, 1, 16, k2, 0, 64, 2},
+      {"MXFP4 bulk 8 KB, static, 16 stages", true, false, 1, 16, k1, 0, 64},
+      {"MXFP4 bulk record 8.5 KB, static, 16 stages", true, false, 1, 16, k1, 0, 64, 1},
+      {"MXFP4 2 boxes (16 KB), static, 8 stages", false, false, 2, 8, k1, 0, 64},
   };
   // Decode sizes: at most one gated tile (1.8 MB) per SM, as GEMM1 of 3-8 hit experts (48-128
   // tiles), with 3 or 6 stages in the ring: whether an SM's share of the stream is bound by the
@@ -258,29 +283,41 @@ int main(int argc, char** argv) {
   };
   for (const Pattern& p : patterns) {
     const int n = p.k == k1 ? n1 : n2;
-    const size_t pat_bytes = size_t(E) * n * p.k;
+    const int row_bytes = p.k * p.box_w / kBlockK;  // K bytes (FP8) or K/2 (MXFP4)
+    const size_t pat_bytes = size_t(E) * n * row_bytes;
+    const int box_bytes = 128 * p.box_w;
     StreamArgs a{};
     a.k_blocks = p.k / kBlockK;
     a.stages = p.stages;
     a.boxes = p.boxes;
+    a.box_w = p.box_w;
+    a.n_blocks = p.mx_scales ? n / 128 : 0;
+    a.scales_tile_major = p.mx_scales == 2;
     a.queue = queue;
     // Gated: a tile is 128 gate rows and the matching 128 up rows, n / 2 rows further down.
     a.second_rows = p.boxes == 2 ? n / 2 : 0;
-    a.tiles = int(pat_bytes / (size_t(a.k_blocks) * p.boxes * kBoxBytes));  // 128 (gated: 2 x 128) rows each
+    a.tiles = int(pat_bytes / (size_t(a.k_blocks) * p.boxes * box_bytes));  // 128 (gated: 2 x 128) rows each
     if (p.tiles) a.tiles = std::min(a.tiles, p.tiles);
-    const size_t smem = 1024 + size_t(p.stages) * p.boxes * kBoxBytes + p.stages * 20;
+    const int stage_bytes = p.boxes * box_bytes + (p.mx_scales ? 512 : 0);
+    const size_t smem = 1024 + size_t(p.stages) * stage_bytes + p.stages * 20;
     auto kernel = p.bulk ? (p.dynamic ? stream_kernel<true, true> : stream_kernel<true, false>)
                          : (p.dynamic ? stream_kernel<false, true> : stream_kernel<false, false>);
     MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    CUtensorMap maps[2];
-    for (int i = 0; i < 2; ++i)
-      maps[i] = gemm_detail::make_tma_2d(w[i], false, uint64_t(E) * n, p.k, p.k, 128, kBlockK, true);
+    CUtensorMap maps[2], scale_maps[2];
+    for (int i = 0; i < 2; ++i) {
+      maps[i] = gemm_detail::make_tma_2d(w[i], false, uint64_t(E) * n, row_bytes, row_bytes, 128, p.box_w, p.box_w == 128);
+      // The scale words [E * K/128, N] (fp32-sized), placed after the codes of the same buffer.
+      scale_maps[i] = p.mx_scales == 2
+                          ? gemm_detail::make_tma_2d(w[i] + pat_bytes, true, uint64_t(E) * (n / 128) * a.k_blocks, 128,
+                                                     128, 1, 128, false)
+                          : gemm_detail::make_tma_2d(w[i] + pat_bytes, true, uint64_t(E) * a.k_blocks, n, n, 1, 128, false);
+    }
     const float ms = time([&](int i) {
       a.flat = w[i];
-      kernel<<<num_sms, 64, smem>>>(maps[i], a);
+      kernel<<<num_sms, 64, smem>>>(maps[i], scale_maps[i], a);
       MOEKIT_CUDA_CHECK(cudaGetLastError());
     });
-    report(p.name, ms, double(a.tiles) * a.k_blocks * p.boxes * kBoxBytes / 1e6, "");
+    report(p.name, ms, double(a.tiles) * a.k_blocks * stage_bytes / 1e6, "");
   }
 
   // The GEMMs themselves on the same bytes: GEMM1 with the SiLU·up epilogue (N 4096 = gate + up,

@@ -35,12 +35,12 @@
 //   that every block of the GEMM's BM rows belongs to a single expert.
 //
 // MXFP4 weights (problem.weights = WeightFormat::kMxfp4; gpt-oss's experts), either layout:
-//   w       [E_loc, N, K/2] packed e2m1 codes (layout.h's Mxfp4WeightLayout, values in mxfp4.h),
-//           permuted within each 64-byte run by mxfp4_codes_for_gemm (mxfp4.h) into the order
-//           the tensor core's register fragments take them
-//   w_mx_scales [E_loc, K/128, N] 32-bit words: each row's base scale with the widening's shifts
-//           of its 128-deep block, made from the checkpoint's codes and [E_loc, N, K/32] scales by
-//           mxfp4_scales_for_gemm (mxfp4.h); a tile's words are one run in memory
+//   w       E_loc x N x K/2 bytes of e2m1 codes (values in mxfp4.h), rewritten from the checkpoint's
+//           [E_loc, N, K/2] by mxfp4_codes_for_gemm (mxfp4.h): tile-major, one contiguous 8 KB per
+//           128 rows x 128-deep block, each 64-byte row in the order of the tensor core's fragments
+//   w_mx_scales E_loc x N x K/128 32-bit words, tile-major as w: each row's base scale with the
+//           widening's shifts of its 128-deep block, made from the checkpoint's codes and
+//           [E_loc, N, K/32] scales by mxfp4_scales_for_gemm (mxfp4.h)
 //   bias    [E_loc, N] fp32 or null: added to the fp32 accumulator before the BF16 rounding
 //   w_scales must be null. The weights stream from HBM at 4.25 bits each and are widened to e4m3
 //   in registers; the result is reference.h's MXFP4 contract (exact widening for groups within

@@ -79,8 +79,8 @@ void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, f
 // codes and scales once for it, with the same number of bytes (4.25 bits per weight).
 //
 // Scales: the checkpoint's [E, N, K/32] (and its codes, to find the all-zero groups) -> one 32-bit
-// word per (expert, 128-deep block, row), [E, K/128, N], so that a tile's words are one run of 512
-// bytes. Word bits: 0..7 s_row (the same in every block of the row); then four 5-bit fields, group
+// word per (expert, row, 128-deep block), tile-major as the codes below: [E, N/128, K/128, 128],
+// so that a stage's words are one run of 512 bytes and a tile's stages read adjacent runs. Word bits: 0..7 s_row (the same in every block of the row); then four 5-bit fields, group
 // g's shift + kGemmShiftBias at bit kGemmShiftFirstBit + 5g, the shift clamped at -kGemmShiftBias
 // (every e2m1 value times 2^-13 or less rounds to e4m3's 0, so the clamp changes no widened value;
 // an all-zero group gets shift 0); bit kGemmScaleFastBit is set when every shift is >= -5 (the
@@ -90,13 +90,15 @@ constexpr int kGemmShiftBias = 13, kGemmShiftBits = 5, kGemmShiftFirstBit = 8, k
 void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* codes, const uint8_t* scales,
                            uint32_t* out);
 
-// Codes: each row's packed codes [K/2] -> the same number of bytes, one 32-bit word per (row,
-// 32-value group g, lane q of a tensor-core quad) holding the 8 values of K g·32 + 4q + {0..3}
-// (values 0..3) and g·32 + 16 + 4q + {0..3} (values 4..7): the thread's A fragment. Within a
-// 64-byte run (one 128-deep block) word q·4 + g is that of lane q and group g, so a thread reads
-// its 16 bytes at once. Word bits: nibble i (bits 4i..4i+3) has value i's magnitude (code & 7) in
-// bits 0..2; the sign (code & 8) of value i < 4 is bit 8i + 7, of value i >= 4 bit 8(i - 4) + 3.
-// Needs k a multiple of 128.
+// Codes: the checkpoint's [E, N, K/2] packed codes -> the same number of bytes, tile-major: the
+// 64-byte run of (expert e, row n, 128-deep block kb) goes to run ((e · N/128 + n/128) · K/128 + kb)
+// · 128 + n % 128, so that the 128 rows x 128 K a GEMM stage holds are one contiguous 8 KB (one
+// sequential read from HBM instead of 128 runs of 64 bytes, K/2 bytes apart). Within a run, one
+// 32-bit word per (32-value group g, lane q of a tensor-core quad) holds the 8 values of K g·32 +
+// 4q + {0..3} (values 0..3) and g·32 + 16 + 4q + {0..3} (values 4..7): the thread's A fragment;
+// word q·4 + g is that of lane q and group g, so a thread reads its 16 bytes at once. Word bits:
+// nibble i (bits 4i..4i+3) has value i's magnitude (code & 7) in bits 0..2; the sign (code & 8) of
+// value i < 4 is bit 8i + 7, of value i >= 4 bit 8(i - 4) + 3. Needs n and k multiples of 128.
 void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* codes, uint8_t* out);
 
 }  // namespace moekit

@@ -178,7 +178,7 @@ TEST(Mxfp4, ScalesForGemmEncodeEachBlock) {
         ASSERT_EQ(smax, 127);
       }
       for (int kb = 0; kb < l.k / 128; ++kb) {
-        const uint32_t w = out[(size_t(e) * (l.k / 128) + kb) * l.n + n];
+        const uint32_t w = out[((size_t(e) * (l.n / 128) + n / 128) * (l.k / 128) + kb) * 128 + n % 128];
         ASSERT_EQ(int(w & 0xFF), smax) << "e " << e << " n " << n << " kb " << kb;
         bool fast = true;
         for (int g = 0; g < 4; ++g) {
@@ -197,8 +197,8 @@ TEST(Mxfp4, ScalesForGemmEncodeEachBlock) {
   EXPECT_GT(clamped, 0) << "the draw must reach the clamp";
   EXPECT_GT(slow, 0) << "and the rounded tables";
   // The zero-group row: groups 3 (shift 6) and 10 (shift 0) and the zero groups (shift 0) all fast.
-  EXPECT_TRUE(out[(0 * (l.k / 128) + 0) * l.n + 1] >> kGemmScaleFastBit & 1);
-  EXPECT_TRUE(out[(0 * (l.k / 128) + 2) * l.n + 1] >> kGemmScaleFastBit & 1);
+  EXPECT_TRUE(out[0 * 128 + 1] >> kGemmScaleFastBit & 1);  // expert 0, rows 0..127, block 0; row 1
+  EXPECT_TRUE(out[2 * 128 + 1] >> kGemmScaleFastBit & 1);  // block 2
   expect_error([&] { mxfp4_scales_for_gemm(Mxfp4WeightLayout{1, 2880, 128}, codes.data(), scales.data(), out.data()); },
                {"N = 2880"});
   scales[5] = 253;
@@ -207,7 +207,7 @@ TEST(Mxfp4, ScalesForGemmEncodeEachBlock) {
 
 // The GEMM's code words: decoding each word by its definition gives back every code of the row.
 TEST(Mxfp4, CodesForGemmHoldEachFragmentWithItsSigns) {
-  const Mxfp4WeightLayout l{2, 3, 256};
+  const Mxfp4WeightLayout l{2, 256, 384};
   std::vector<uint8_t> codes(l.w_bytes()), out(l.w_bytes());
   std::mt19937 rng(7);
   for (auto& c : codes) c = uint8_t(rng());
@@ -218,7 +218,9 @@ TEST(Mxfp4, CodesForGemmHoldEachFragmentWithItsSigns) {
       for (int kb = 0; kb < l.k / 128; ++kb)
         for (int q = 0; q < 4; ++q)
           for (int g = 0; g < 4; ++g) {
-            const uint8_t* b = &out[l.w_offset(e, n) + kb * 64 + (q * 4 + g) * 4];
+            // Tile-major: the run of (e, n, kb) is run ((e · N/128 + n/128) · K/128 + kb) · 128 + n % 128.
+            const size_t run = ((size_t(e) * (l.n / 128) + n / 128) * (l.k / 128) + kb) * 128 + n % 128;
+            const uint8_t* b = &out[run * 64 + (q * 4 + g) * 4];
             const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
             for (int i = 0; i < 8; ++i) {
               const int k = kb * 128 + g * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
@@ -227,7 +229,8 @@ TEST(Mxfp4, CodesForGemmHoldEachFragmentWithItsSigns) {
               ASSERT_EQ(got, code_at(l.w_offset(e, n), k)) << "e " << e << " n " << n << " k " << k;
             }
           }
-  expect_error([&] { mxfp4_codes_for_gemm(Mxfp4WeightLayout{1, 1, 96}, codes.data(), out.data()); }, {"K = 96"});
+  expect_error([&] { mxfp4_codes_for_gemm(Mxfp4WeightLayout{1, 128, 96}, codes.data(), out.data()); }, {"K = 96"});
+  expect_error([&] { mxfp4_codes_for_gemm(Mxfp4WeightLayout{1, 3, 128}, codes.data(), out.data()); }, {"N = 3"});
 }
 
 }  // namespace

@@ -91,18 +91,23 @@ void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, con
           fast = fast && shift >= -5;
           word |= uint32_t(shift + kGemmShiftBias) << (kGemmShiftFirstBit + kGemmShiftBits * g);
         }
-        out[(size_t(e) * k_blocks + kb) * l.n + n] = word | (fast ? 1u << kGemmScaleFastBit : 0u);
+        const size_t run = (size_t(e) * (l.n / kQuantBlock) + n / kQuantBlock) * k_blocks + kb;  // tile-major
+        out[run * kQuantBlock + n % kQuantBlock] = word | (fast ? 1u << kGemmScaleFastBit : 0u);
       }
     }
 }
 
 void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, uint8_t* out) {
-  MOEKIT_CHECK(l.num_experts > 0 && l.n > 0 && l.k > 0 && l.k % kQuantBlock == 0,
-               fmt::format("mxfp4_codes_for_gemm: E = {}, N = {}, K = {}; expected E, N >= 1 and K a positive "
-                           "multiple of {}", l.num_experts, l.n, l.k, kQuantBlock));
+  MOEKIT_CHECK(l.num_experts > 0 && l.n > 0 && l.n % kQuantBlock == 0 && l.k > 0 && l.k % kQuantBlock == 0,
+               fmt::format("mxfp4_codes_for_gemm: E = {}, N = {}, K = {}; expected E >= 1 and N, K positive "
+                           "multiples of {}", l.num_experts, l.n, l.k, kQuantBlock));
   const size_t runs = l.w_bytes() / 64;  // 128 values each
+  const size_t k_blocks = size_t(l.k) / kQuantBlock;
   for (size_t r = 0; r < runs; ++r) {
     const uint8_t* in = codes + r * 64;
+    const size_t row = r / k_blocks, kb = r % k_blocks;  // row = e · N + n
+    const size_t row_block = row / kQuantBlock;        // e · N/128 + n/128 (N is a multiple of 128)
+    uint8_t* run_out = out + ((row_block * k_blocks + kb) * kQuantBlock + row % kQuantBlock) * 64;
     auto code = [&](int k) { return (in[k / 2] >> (4 * (k % 2))) & 0xF; };
     for (int q = 0; q < 4; ++q)
       for (int g = 0; g < 4; ++g) {
@@ -112,7 +117,7 @@ void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, uint
           word |= uint32_t(c & 7) << (4 * i);
           if (c & 8) word |= 1u << (i < 4 ? 8 * i + 7 : 8 * (i - 4) + 3);
         }
-        uint8_t* o = out + r * 64 + (q * 4 + g) * 4;
+        uint8_t* o = run_out + (q * 4 + g) * 4;
         for (int b = 0; b < 4; ++b) o[b] = uint8_t(word >> (8 * b));
       }
   }

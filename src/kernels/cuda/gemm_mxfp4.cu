@@ -36,12 +36,13 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
                         const uint32_t* w_mx_scales, const float* bias) {
   plan.launch = mxfp4_launch(plan.cfg, masked, masked ? num_experts : 0);
   const int k_blocks = k / kBlockK;
-  // Codes: rows of K/2 bytes, a box of 128 rows x 64 bytes (one 128-deep block), no swizzle (the
-  // consumers read them with ordinary loads). Scales: [E·K/128, N] 4-byte words, a box of one
-  // block row x 128 weight rows (TMA moves them as fp32 words; the bits are not touched).
-  plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n, uint64_t(k) / 2, uint64_t(k) / 2, 128, kBlockK / 2,
+  // Codes: tile-major (mxfp4_codes_for_gemm), seen as rows of 64 bytes, a box of 128 of them (one
+  // stage: 128 weight rows x one 128-deep block, 8 KB in one piece), no swizzle (the consumers read
+  // them with ordinary loads). Scales: tile-major too, rows of 128 4-byte words, a box of one row
+  // per stage (TMA moves them as fp32 words; the bits are not touched).
+  plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n * k_blocks, kBlockK / 2, kBlockK / 2, 128, kBlockK / 2,
                            false);
-  plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * k_blocks, n, n, 1, 128, false);
+  plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, false);
   plan.args.bias = bias;
   plan.args.w_mx_scales = w_mx_scales;
 }

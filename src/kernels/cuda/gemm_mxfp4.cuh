@@ -131,9 +131,9 @@ __global__ void __launch_bounds__(384, 1)
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
     auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
-      ptx::tma_load_2d(w_tiles + stage * Layout::kWTile, &tma_w, &full[stage], kb * (kBlockK / 2),
-                       t.e * args.n + t.w0, policy_w);
-      ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, &tma_ws, &full[stage], t.w0, t.e * k_blocks + kb, policy_w);
+      const int run = (t.e * num_w_blocks + t.w0 / kBlockW) * k_blocks + kb;  // tile-major codes and words
+      ptx::tma_load_2d(w_tiles + stage * Layout::kWTile, &tma_w, &full[stage], 0, run * kBlockW, policy_w);
+      ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, &tma_ws, &full[stage], 0, run, policy_w);
     };
     auto load_a = [&](int stage, int kb, const TileInfo& t) {
       const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(384, 1)
     if (t.e < 0) continue;
     // The rows' scale words, loaded now so that their latency hides under the K loop (every block
     // of a row holds the same s_row; block 0's is read).
-    const uint32_t* row_words = args.w_mx_scales + size_t(t.e) * k_blocks * args.n + t.w0;
+    const uint32_t* row_words = args.w_mx_scales + size_t(t.e * num_w_blocks + t.w0 / kBlockW) * k_blocks * kBlockW;
     const uint32_t word_r = __ldg(row_words + frag_row), word_r8 = __ldg(row_words + frag_row + 8);
     float acc[kRegs];
 #pragma unroll
