@@ -9,9 +9,11 @@
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9).
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
-// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick]
+// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] (N: the MXFP4 masked
+// plans' ring depth, forced; a study knob, 0 = the heuristic's)
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -76,6 +78,10 @@ struct Gemm {
   }
 };
 
+// --mx-stages: the ring depth of the MXFP4 masked plans with tiles of <= 32 tokens (0: the
+// heuristic's; larger tiles fit fewer stages and keep theirs).
+int g_mx_stages = 0;
+
 std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
   p.weights = g.mx ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
@@ -87,6 +93,12 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   b.w_mx_scales = g.w8m0;
   b.masked_m = m;
   b.out = g.out;
+  GemmConfig c = choose_masked_config(p, 132);
+  if (g.mx && g_mx_stages > 0 && c.block_m <= 32) {  // the decode tiles (larger ones fit fewer stages)
+    c.num_stages = g_mx_stages;
+    c.num_ctas = 0;
+    return std::make_unique<MaskedGemm>(p, b, &c);
+  }
   return std::make_unique<MaskedGemm>(p, b);
 }
 
@@ -172,8 +184,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--mx-stages") && i + 1 < argc) g_mx_stages = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick]\n");
+      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N]\n");
       return 2;
     }
   }
