@@ -44,7 +44,8 @@ struct Mxfp4SmemLayout {
   static constexpr int kWsTile = kWRows * 4;
   static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;
   static constexpr int kStageBytes = kATile + kWTile + kWsTile + kSaFloats * 4 + 16;
-  static constexpr uint32_t kTxBytes = kATile + kWTile + kWsTile + kBlockT * 4;
+  static constexpr uint32_t kTxWeights = kWTile + kWsTile;           // the weights' producer warp
+  static constexpr uint32_t kTxActivations = kATile + kBlockT * 4;  // the activations' producer warp
   static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
 };
 
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // PDL as in gemm_fp8.cuh: the trigger always follows this kernel's own wait.
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  begin_gemm(args, early_weights, full, empty, kMathWGs * 4);
+  begin_gemm(args, early_weights, full, empty, kMathWGs * 4, 2);  // two producer warps (below)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(384, 1)
   if (warp < 4) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (warp != 0) return;
+    if (warp > 1) return;
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
     auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
@@ -144,7 +145,15 @@ __global__ void __launch_bounds__(384, 1)
     auto decode = [&](int tile) {
       return decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     };
-    produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxBytes, early_weights, decode, load_w, load_a);
+    // Two producer warps, weights and activations: one thread issuing all four copies of a stage
+    // could not issue a stage faster than ~700 SM cycles, which bounded the decode kernel
+    // (docs/gemm-mxfp4.md, run 18).
+    if (warp == 0)
+      produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxWeights, early_weights, decode, load_w, load_a,
+              kProduceWeights);
+    else
+      produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxActivations, early_weights, decode, load_w,
+              load_a, kProduceActivations);
     return;
   }
 

@@ -246,10 +246,11 @@ __device__ __forceinline__ TileWalk tile_walk() {
 
 // The start of a grouped GEMM kernel, before the tile count: the PDL wait and trigger (unless the
 // producer takes them after its early weight loads), and in thread 0 the stage clock and the
-// ring's barriers (full[s]: the producer's arrive plus the stage's TMA bytes; empty[s]:
-// empty_arrivals, one per math warp of every CTA that loads into the stage), made visible to TMA.
+// ring's barriers (full[s]: the producer warps' arrives, one per warp (full_arrivals), plus the
+// stage's TMA bytes; empty[s]: empty_arrivals, one per math warp of every CTA that loads into the
+// stage), made visible to TMA.
 __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_weights, uint64_t* full, uint64_t* empty,
-                                           int empty_arrivals) {
+                                           int empty_arrivals, int full_arrivals = 1) {
   if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
     ptx::grid_dependency_wait();
     ptx::launch_dependents();
@@ -257,7 +258,7 @@ __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_we
   if (threadIdx.x == 0) {
     stamp_start(args.stamp);
     for (int s = 0; s < args.num_stages; ++s) {
-      ptx::mbar_init(&full[s], 1);
+      ptx::mbar_init(&full[s], full_arrivals);
       ptx::mbar_init(&empty[s], empty_arrivals);
     }
     ptx::fence_barrier_init();
@@ -269,11 +270,42 @@ __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_we
 // load_w(stage, kb, tile) (the weights) and load_a(stage, kb, tile) (activations and their
 // scales). Early weights: the first ring of stages gets its weights (and the whole stage's
 // expect-tx) before the PDL wait; their activation loads follow it.
+//
+// Split producers (role kProduceWeights in one warp, kProduceActivations in another, full
+// barriers initialised with 2 arrivals): each warp waits for the free stage itself, announces
+// only its own bytes (tx_bytes) and issues only its own copies, so the two warps issue in
+// parallel. A stage completes once both have arrived and all bytes have landed, in either order.
+// The activations' warp waits for the previous kernel (PDL) and for each expert's readiness; the
+// weights' warp takes the early weights and the PDL trigger.
+constexpr int kProduceBoth = 0, kProduceWeights = 1, kProduceActivations = 2;
 template <class Decode, class LoadW, class LoadA>
 __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, TileWalk walk, uint64_t* full,
                                         uint64_t* empty, uint32_t tx_bytes, bool early_weights, Decode&& decode,
-                                        LoadW&& load_w, LoadA&& load_a) {
+                                        LoadW&& load_w, LoadA&& load_a, int role = kProduceBoth) {
   const int lane = threadIdx.x % 32, stages = args.num_stages;
+  if (role == kProduceActivations) {
+    if (early_weights) ptx::grid_dependency_wait();  // (begin_gemm waited otherwise)
+    const bool per_expert = early_weights && (args.flags & kFlagExpertReady);
+    int s = 0, ready_e = -1;
+    uint32_t phase = 0;
+    for (int tile = walk.first; tile < num_tiles; tile += walk.stride) {
+      const TileInfo t = decode(tile);
+      if (t.e < 0) continue;
+      if (per_expert && t.e != ready_e) {
+        if (lane == 0) expert_ready_wait(args, t.e, t.m_valid);
+        ready_e = t.e;
+      }
+      for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
+        if (lane == 0) {
+          ptx::mbar_wait(&empty[s], phase ^ 1);
+          ptx::mbar_arrive_expect_tx(&full[s], tx_bytes);
+          load_a(s, kb, t);
+        }
+        if (++s == stages) s = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
   int prefetched = 0;
   const bool per_expert = early_weights && (args.flags & kFlagExpertReady);
   if (early_weights) {
@@ -296,7 +328,9 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
   for (int tile = walk.first; tile < num_tiles; tile += walk.stride) {
     const TileInfo t = decode(tile);
     if (t.e < 0) continue;
-    if (per_expert && t.e != ready_e) {  // (tiles of one expert are consecutive in every walk)
+    // (Tiles of one expert are consecutive in every walk. Split producers: only the activations
+    // wait for their rows; the weights are static.)
+    if (per_expert && role == kProduceBoth && t.e != ready_e) {
       if (lane == 0) expert_ready_wait(args, t.e, t.m_valid);
       ready_e = t.e;
     }
@@ -307,7 +341,7 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
           ptx::mbar_arrive_expect_tx(&full[s], tx_bytes);
           load_w(s, kb, t);
         }
-        load_a(s, kb, t);
+        if (role == kProduceBoth) load_a(s, kb, t);
       }
       if (++s == stages) s = 0, phase ^= 1;
     }
