@@ -72,6 +72,13 @@ void quantize_row_mxfp4(const float* x, int k, uint8_t* packed, uint8_t* scales)
 void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, float* out);
 
 // ---- The GPU GEMM's encodings (gemm.h; the kernel's side is kernels/cuda/mxfp4_convert.cuh) ----
+// Both are tile-major: the run of 128 rows x one 128-deep block of expert e, 128-row block
+// row_block and k block kb is run number mxfp4_gemm_run (64 bytes a row of codes, one word a row
+// of scales).
+MOEKIT_HD constexpr size_t mxfp4_gemm_run(int e, int row_block, int kb, int n_blocks, int k_blocks) {
+  return (size_t(e) * n_blocks + row_block) * k_blocks + kb;
+}
+
 // The GEMM widens each 32-value group to e4m3 as P · 2^shift_g, shift_g = s_g - s_row + 6, where
 // s_row is the row's largest scale byte over the groups that hold a non-zero value (an all-zero
 // group, such as the loader's padding, is zero whatever its scale; an all-zero row takes 127), and
@@ -80,7 +87,8 @@ void dequantize_row_mxfp4(const uint8_t* packed, const uint8_t* scales, int k, f
 //
 // Scales: the checkpoint's [E, N, K/32] (and its codes, to find the all-zero groups) -> one 32-bit
 // word per (expert, row, 128-deep block), tile-major as the codes below: [E, N/128, K/128, 128],
-// so that a stage's words are one run of 512 bytes and a tile's stages read adjacent runs. Word bits: 0..7 s_row (the same in every block of the row); then four 5-bit fields, group
+// so that a stage's words are one run of 512 bytes and a tile's stages read adjacent runs. Word
+// bits: 0..7 s_row (the same in every block of the row); then four 5-bit fields, group
 // g's shift + kGemmShiftBias at bit kGemmShiftFirstBit + 5g, the shift clamped at -kGemmShiftBias
 // (every e2m1 value times 2^-13 or less rounds to e4m3's 0, so the clamp changes no widened value;
 // an all-zero group gets shift 0); bit kGemmScaleFastBit is set when every shift is >= -5 (the

@@ -91,7 +91,7 @@ void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, con
           fast = fast && shift >= -5;
           word |= uint32_t(shift + kGemmShiftBias) << (kGemmShiftFirstBit + kGemmShiftBits * g);
         }
-        const size_t run = (size_t(e) * (l.n / kQuantBlock) + n / kQuantBlock) * k_blocks + kb;  // tile-major
+        const size_t run = mxfp4_gemm_run(e, n / kQuantBlock, kb, l.n / kQuantBlock, k_blocks);
         out[run * kQuantBlock + n % kQuantBlock] = word | (fast ? 1u << kGemmScaleFastBit : 0u);
       }
     }
@@ -102,12 +102,13 @@ void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, uint
                fmt::format("mxfp4_codes_for_gemm: E = {}, N = {}, K = {}; expected E >= 1 and N, K positive "
                            "multiples of {}", l.num_experts, l.n, l.k, kQuantBlock));
   const size_t runs = l.w_bytes() / 64;  // 128 values each
-  const size_t k_blocks = size_t(l.k) / kQuantBlock;
+  const int k_blocks = l.k / kQuantBlock, n_blocks = l.n / kQuantBlock;
   for (size_t r = 0; r < runs; ++r) {
     const uint8_t* in = codes + r * 64;
-    const size_t row = r / k_blocks, kb = r % k_blocks;  // row = e · N + n
-    const size_t row_block = row / kQuantBlock;        // e · N/128 + n/128 (N is a multiple of 128)
-    uint8_t* run_out = out + ((row_block * k_blocks + kb) * kQuantBlock + row % kQuantBlock) * 64;
+    const int row = int(r / k_blocks), kb = int(r % k_blocks);  // row = e · N + n
+    const int e = row / l.n, n = row % l.n;
+    const size_t run = mxfp4_gemm_run(e, n / kQuantBlock, kb, n_blocks, k_blocks);
+    uint8_t* run_out = out + (run * kQuantBlock + n % kQuantBlock) * 64;
     auto code = [&](int k) { return (in[k / 2] >> (4 * (k % 2))) & 0xF; };
     for (int q = 0; q < 4; ++q)
       for (int g = 0; g < 4; ++g) {

@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(384, 1)
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
     auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
-      const int run = (t.e * num_w_blocks + t.w0 / kBlockW) * k_blocks + kb;  // tile-major codes and words
+      // Tile-major codes and words: the stage is run `run` of both.
+      const int run = int(mxfp4_gemm_run(t.e, t.w0 / kBlockW, kb, num_w_blocks, k_blocks));
       ptx::tma_load_2d(w_tiles + stage * Layout::kWTile, &tma_w, &full[stage], 0, run * kBlockW, policy_w);
       ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, &tma_ws, &full[stage], 0, run, policy_w);
     };
@@ -194,16 +195,20 @@ __global__ void __launch_bounds__(384, 1)
   auto advance = [&] {
     if (++s == stages) s = 0, phase ^= 1;
   };
-  // One stage: wait for it, widen its weights into A fragments, issue its four wgmmas into
-  // `part` (not waited for); the ring moves on.
+  // Stage `stage`'s four wgmmas from fragments a into `part`, committed (not waited for).
+  auto mma_commit = [&](float* part, const uint32_t (&a)[4][4], int stage) {
+    fence_part(part);
+    ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
+    mma_stage(part, a, stage);
+    ptx::wgmma_commit();
+    fence_part(part);
+  };
+  // One stage: wait for it, widen its weights into A fragments, issue its wgmmas into `part`;
+  // the ring moves on.
   auto issue = [&](float* part) {
     uint32_t a[4][4];
     widen(a);
-    fence_part(part);
-    ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
-    mma_stage(part, a, s);
-    ptx::wgmma_commit();
-    fence_part(part);
+    mma_commit(part, a, s);
     advance();
   };
   // Two stages as one round (stage ids to sa, sb): both widened, then their eight wgmmas behind
@@ -250,7 +255,8 @@ __global__ void __launch_bounds__(384, 1)
     if (t.e < 0) continue;
     // The rows' scale words, loaded now so that their latency hides under the K loop (every block
     // of a row holds the same s_row; block 0's is read).
-    const uint32_t* row_words = args.w_mx_scales + size_t(t.e * num_w_blocks + t.w0 / kBlockW) * k_blocks * kBlockW;
+    const uint32_t* row_words =
+        args.w_mx_scales + mxfp4_gemm_run(t.e, t.w0 / kBlockW, 0, num_w_blocks, k_blocks) * kBlockW;
     const uint32_t word_r = __ldg(row_words + frag_row), word_r8 = __ldg(row_words + frag_row + 8);
     float acc[kRegs];
 #pragma unroll
@@ -345,11 +351,7 @@ __global__ void __launch_bounds__(384, 1)
       advance();
       // Stage `cur` from fragments fa; the next one (if any) widened into fb meanwhile.
       auto step = [&](const uint32_t (&fa)[4][4], uint32_t (&fb)[4][4], bool more) {
-        fence_part(part);
-        ptx::wgmma_fence();
-        mma_stage(part, fa, cur);
-        ptx::wgmma_commit();
-        fence_part(part);
+        mma_commit(part, fa, cur);
         const int next = s;
         if (more) {
           widen(fb);
