@@ -283,32 +283,11 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
                                         uint64_t* empty, uint32_t tx_bytes, bool early_weights, Decode&& decode,
                                         LoadW&& load_w, LoadA&& load_a, int role = kProduceBoth) {
   const int lane = threadIdx.x % 32, stages = args.num_stages;
-  if (role == kProduceActivations) {
-    if (early_weights) ptx::grid_dependency_wait();  // (begin_gemm waited otherwise)
-    const bool per_expert = early_weights && (args.flags & kFlagExpertReady);
-    int s = 0, ready_e = -1;
-    uint32_t phase = 0;
-    for (int tile = walk.first; tile < num_tiles; tile += walk.stride) {
-      const TileInfo t = decode(tile);
-      if (t.e < 0) continue;
-      if (per_expert && t.e != ready_e) {
-        if (lane == 0) expert_ready_wait(args, t.e, t.m_valid);
-        ready_e = t.e;
-      }
-      for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
-        if (lane == 0) {
-          ptx::mbar_wait(&empty[s], phase ^ 1);
-          ptx::mbar_arrive_expect_tx(&full[s], tx_bytes);
-          load_a(s, kb, t);
-        }
-        if (++s == stages) s = 0, phase ^= 1;
-      }
-    }
-    return;
-  }
   int prefetched = 0;
   const bool per_expert = early_weights && (args.flags & kFlagExpertReady);
-  if (early_weights) {
+  if (early_weights && role == kProduceActivations) {
+    ptx::grid_dependency_wait();  // (begin_gemm waited otherwise)
+  } else if (early_weights) {
     for (int tile = walk.first; tile < num_tiles && prefetched < stages; tile += walk.stride) {
       const TileInfo t = decode(tile);
       for (int kb = t.kb_begin; kb < t.kb_end && prefetched < stages; ++kb, ++prefetched) {
@@ -330,7 +309,7 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
     if (t.e < 0) continue;
     // (Tiles of one expert are consecutive in every walk. Split producers: only the activations
     // wait for their rows; the weights are static.)
-    if (per_expert && role == kProduceBoth && t.e != ready_e) {
+    if (per_expert && role != kProduceWeights && t.e != ready_e) {
       if (lane == 0) expert_ready_wait(args, t.e, t.m_valid);
       ready_e = t.e;
     }
@@ -339,14 +318,16 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
         if (iter >= prefetched) {
           ptx::mbar_wait(&empty[s], phase ^ 1);
           ptx::mbar_arrive_expect_tx(&full[s], tx_bytes);
-          load_w(s, kb, t);
+          if (role == kProduceActivations) load_a(s, kb, t);
+          else load_w(s, kb, t);
         }
         if (role == kProduceBoth) load_a(s, kb, t);
       }
       if (++s == stages) s = 0, phase ^= 1;
     }
   }
-  if (per_expert) {  // the PDL chain's rule: trigger only after this kernel's own wait
+  // The PDL chain's rule: trigger only after this kernel's own wait (the weights' warp, if split).
+  if (per_expert && role != kProduceActivations) {
     ptx::grid_dependency_wait();
     ptx::launch_dependents();
   }
