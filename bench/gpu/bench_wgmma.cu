@@ -18,12 +18,19 @@
 //   ring      as stages, but the wgmmas read the stage that has just landed (descriptors built
 //             per block from the ring position): the GEMM's k-block loop without its scales
 //   copies    the stages alone, no wgmma: the rate at which an SM takes in stage bytes
+//   ... mc    in clusters of 2: each CTA's producer copies half of every stage and multicasts it
+//             to both CTAs, so each SM still receives whole stages while the L2 serves half of
+//             the bytes; a stage is free again once the math warps of both CTAs have read it
 // and, printed after them, the decode kernels' small-N blocks (small_n_kernel below).
 // The source of the stage copies is a few MB that stay in L2. The ideal block is the tensor
 // cores' time: 2 warpgroups x 4 wgmmas x N/2 cycles per sub-partition (FP8 dense: 2048 FLOP per
 // cycle per sub-partition), 512 cycles at N = 128 and 1024 at N = 256.
 //
-// Usage: bench_wgmma [--blocks B] [--json PATH]
+// --sms S runs S CTAs instead of one per SM: the stage copies come from L2, so whether an SM's
+// intake falls as more SMs copy tells a limit of the L2 (which TMA multicast relieves) from one of
+// the SM itself (which it does not).
+//
+// Usage: bench_wgmma [--blocks B] [--sms S] [--cluster-attr 0|1] [--json PATH]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +50,7 @@ namespace {
 constexpr int kBlockK = 128;
 constexpr int kATile = 128 * kBlockK;  // two warpgroups x 64 rows
 constexpr int kSrcBytes = 8 << 20;     // stage source: stays in L2
+bool g_cluster_attr = false;           // --cluster-attr 1: launch with an explicit cluster of 1
 
 template <int N>
 __host__ __device__ constexpr int stage_bytes() {
@@ -59,9 +67,11 @@ __host__ __device__ constexpr int smem_bytes() {
 
 enum Mode { kCopiesOnly, kPromote, kConsume };
 
-template <int N, int kMode, bool kStages, bool kFromRing = false>
+template <int N, int kMode, bool kStages, bool kFromRing = false, bool kMc = false>
 __global__ void __launch_bounds__(384, 1)
     wgmma_rate_kernel(const uint8_t* src, int blocks, long long* cycles, float* sink) {
+  static_assert(!kMc || kStages, "multicast is of the stages");
+  constexpr int kCtas = kMc ? 2 : 1;
   using Mma = ptx::Wgmma<N>;
   constexpr int kRegs = Mma::kRegs;
   constexpr int kStagesN = ring_stages<N>();
@@ -84,27 +94,37 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStagesN; ++s) {
       ptx::mbar_init(&full[s], 1);
-      ptx::mbar_init(&empty[s], 8);  // one arrive per math warp
+      ptx::mbar_init(&empty[s], 8 * kCtas);  // one arrive per math warp (of both CTAs: multicast)
     }
     ptx::fence_barrier_init();
   }
   ptx::fence_proxy_async_smem();
   __syncthreads();
+  const uint32_t rank = kMc ? ptx::cluster_ctarank() : 0;
+  if constexpr (kMc) ptx::cluster_sync();  // the peer's barriers exist before we copy into them
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (!kStages || warp != 0 || lane != 0) return;
-    const uint64_t policy = ptx::policy_evict_last();
-    const uint8_t* my_src = src + (blockIdx.x % 32) * (kSrcBytes / 32);  // 256 KB each: 4 stages of 48 KB fit
-    int s = 0;
-    uint32_t phase = 0;
-    for (int b = 0; b < blocks; ++b) {
-      ptx::mbar_wait(&empty[s], phase ^ 1);
-      ptx::mbar_arrive_expect_tx(&full[s], stage_bytes<N>());
-      ptx::bulk_load(ring + s * stage_bytes<N>(), my_src + (b % 4) * stage_bytes<N>(), stage_bytes<N>(), &full[s], policy);
-      if (++s == kStagesN) s = 0, phase ^= 1;
+    if (kStages && warp == 0 && lane == 0) {
+      const uint64_t policy = ptx::policy_evict_last();
+      // 256 KB each: 4 stages of 48 KB fit. A cluster's CTAs copy the halves of the same stages.
+      const uint8_t* my_src = src + (blockIdx.x / kCtas % 32) * (kSrcBytes / 32);
+      constexpr uint32_t kPart = stage_bytes<N>() / kCtas;
+      int s = 0;
+      uint32_t phase = 0;
+      for (int b = 0; b < blocks; ++b) {
+        ptx::mbar_wait(&empty[s], phase ^ 1);
+        ptx::mbar_arrive_expect_tx(&full[s], stage_bytes<N>());
+        uint8_t* dst = ring + s * stage_bytes<N>() + rank * kPart;
+        const uint8_t* from = my_src + (b % 4) * stage_bytes<N>() + rank * kPart;
+        if constexpr (kMc) ptx::bulk_load_multicast(dst, from, kPart, &full[s], 0x3, policy);
+        else ptx::bulk_load(dst, from, kPart, &full[s], policy);
+        if (++s == kStagesN) s = 0, phase ^= 1;
+      }
     }
+    __syncwarp();
+    if constexpr (kMc) ptx::cluster_sync();  // no CTA leaves while its peer may copy into it
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -146,7 +166,11 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
     }
     if constexpr (kStages) {
-      if (lane == 0) ptx::mbar_arrive(&empty[s]);
+      if constexpr (kMc) {
+        if (lane < 2) ptx::mbar_arrive_cluster(&empty[s], lane);  // lane r frees the stage in CTA r
+      } else if (lane == 0) {
+        ptx::mbar_arrive(&empty[s]);
+      }
       if (++s == kStagesN) s = 0, phase ^= 1;
     }
     if constexpr (kMode == kPromote) {
@@ -161,6 +185,7 @@ __global__ void __launch_bounds__(384, 1)
   if ((threadIdx.x - 128) % 128 == 0) cycles[blockIdx.x * 2 + wg] = (end - start) / (blocks - 1);
   float v = acc[0];
   if (v == 12345.678f) sink[blockIdx.x] = v;  // keeps the results alive
+  if constexpr (kMc) ptx::cluster_sync();
 }
 
 // The decode kernels' block (docs/gemm-mxfp4.md run 13): four m64nNk32 wgmmas per warpgroup for
@@ -276,20 +301,32 @@ struct Result {
   double cycles, ideal, tflops, us, bytes_per_cycle;
 };
 
-template <int N, int kMode, bool kStages, bool kFromRing = false>
+template <int N, int kMode, bool kStages, bool kFromRing = false, bool kMc = false>
 Result run(const char* name, int sms, int blocks, const uint8_t* src, long long* d_cycles, float* sink) {
-  auto kernel = wgmma_rate_kernel<N, kMode, kStages, kFromRing>;
+  auto kernel = wgmma_rate_kernel<N, kMode, kStages, kFromRing, kMc>;
   const int smem = smem_bytes<N, kStages>();
   MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (kMc) sms = std::max(2, sms - sms % 2);  // whole clusters of 2
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(sms);
+  lc.blockDim = dim3(384);
+  lc.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kMc ? 2 : 1;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  lc.attrs = &attr;
+  lc.numAttrs = kMc || g_cluster_attr ? 1 : 0;  // a cluster of 1 said explicitly, or no attribute
+  auto launch = [&] { MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, src, blocks, d_cycles, sink)); };
   cudaEvent_t e0, e1;
   MOEKIT_CUDA_CHECK(cudaEventCreate(&e0));
   MOEKIT_CUDA_CHECK(cudaEventCreate(&e1));
-  kernel<<<sms, 384, smem>>>(src, blocks, d_cycles, sink);  // warm-up
+  launch();  // warm-up
   MOEKIT_CUDA_CHECK(cudaGetLastError());
   std::vector<double> times;
   for (int r = 0; r < 5; ++r) {
     MOEKIT_CUDA_CHECK(cudaEventRecord(e0));
-    kernel<<<sms, 384, smem>>>(src, blocks, d_cycles, sink);
+    launch();
     MOEKIT_CUDA_CHECK(cudaEventRecord(e1));
     MOEKIT_CUDA_CHECK(cudaEventSynchronize(e1));
     MOEKIT_CUDA_CHECK(cudaGetLastError());
@@ -319,15 +356,19 @@ Result run(const char* name, int sms, int blocks, const uint8_t* src, long long*
 }  // namespace
 
 int main(int argc, char** argv) {
-  int blocks = 4000;
+  int blocks = 4000, ctas = 0;
   std::string json_path;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--blocks") && i + 1 < argc) {
       blocks = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--sms") && i + 1 < argc) {
+      ctas = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--cluster-attr") && i + 1 < argc) {
+      g_cluster_attr = std::atoi(argv[++i]) != 0;
     } else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) {
       json_path = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: bench_wgmma [--blocks B] [--json PATH]\n");
+      std::fprintf(stderr, "usage: bench_wgmma [--blocks B] [--sms S] [--cluster-attr 0|1] [--json PATH]\n");
       return 2;
     }
   }
@@ -335,13 +376,17 @@ int main(int argc, char** argv) {
     MOEKIT_CHECK(blocks >= 2, "--blocks " + std::to_string(blocks) + ": expected at least 2");
     int sms = 0;
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    MOEKIT_CHECK(ctas >= 0 && ctas <= sms,
+                 "--sms " + std::to_string(ctas) + ": expected 1.." + std::to_string(sms) + " (0: every SM)");
+    const int device_sms = sms;
+    if (ctas > 0) sms = ctas;
     uint8_t* src = nullptr;
     long long* d_cycles = nullptr;
     float* sink = nullptr;
     MOEKIT_CUDA_CHECK(cudaMalloc(&src, kSrcBytes));
     MOEKIT_CUDA_CHECK(cudaMemset(src, 0x38, kSrcBytes));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&d_cycles, 2 * sms * sizeof(long long)));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&d_cycles, 2 * device_sms * sizeof(long long)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&sink, device_sms * sizeof(float)));
     std::printf("bench_wgmma: %d SMs, %d blocks of 128-deep K per math warpgroup\n", sms, blocks);
     std::vector<Result> rs;
     rs.push_back(run<128, kCopiesOnly, true>("copies", sms, blocks, src, d_cycles, sink));
@@ -356,6 +401,10 @@ int main(int argc, char** argv) {
     rs.push_back(run<256, kConsume, false>("wgmma + consume", sms, blocks, src, d_cycles, sink));
     rs.push_back(run<256, kConsume, true>("wgmma + consume + stages", sms, blocks, src, d_cycles, sink));
     rs.push_back(run<256, kConsume, true, true>("wgmma + consume + ring", sms, blocks, src, d_cycles, sink));
+    rs.push_back(run<128, kCopiesOnly, true, false, true>("copies mc", sms, blocks, src, d_cycles, sink));
+    rs.push_back(run<128, kPromote, true, true, true>("wgmma + promote + ring mc", sms, blocks, src, d_cycles, sink));
+    rs.push_back(run<256, kCopiesOnly, true, false, true>("copies mc", sms, blocks, src, d_cycles, sink));
+    rs.push_back(run<256, kConsume, true, true, true>("wgmma + consume + ring mc", sms, blocks, src, d_cycles, sink));
     // The decode kernels' blocks (printed only): FP8 (A from shared memory) and MXFP4 (registers).
     run_small_n<16, false>(sms, blocks, d_cycles, sink);
     run_small_n<8, true>(sms, blocks, d_cycles, sink);

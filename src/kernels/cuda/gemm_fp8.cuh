@@ -11,8 +11,8 @@
 //     tile; the output tile is the transpose of the accumulator and is written as such.
 //   normal (large M_e, contiguous prefill): the tokens are the M side (BM = 64 per math
 //     warpgroup), the weight rows the N side (kBlockW = 128, or 256 as two 128-column halves:
-//     an SM takes in ~40 B of stages per cycle, so the wider tile's fewer bytes per FLOP are
-//     what lifts the prefill rate, docs/gemm.md run 17).
+//     with every SM loading, each takes in ~40 B of stages per cycle from the L2, so the wider
+//     tile's fewer bytes per FLOP are what lifts the prefill rate, docs/gemm.md runs 17 and 21).
 // Two-level accumulation: the four k32 wgmmas of one 128-deep K block go into a fresh partial
 // sum, which the CUDA cores scale by a_scale(token) · w_scale(block) and add into fp32.
 //

@@ -99,8 +99,9 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
   cfg.block_m = tiles128 >= num_sms ? 128 : 64;
   if (cfg.block_m == 128) {
     // 256-column tiles take in fewer stage bytes per FLOP (48 KB per 128-deep block against
-    // 2 x 32 KB for two 128 x 128 tiles), and an SM takes in only ~40 B of stages per cycle
-    // (bench_wgmma, docs/gemm.md run 17): ~62% of the tensor rate for 128 x 128, ~83% for
+    // 2 x 32 KB for two 128 x 128 tiles), and with every SM loading each takes in only ~40 B of
+    // stages per cycle from the L2 (bench_wgmma, docs/gemm.md runs 17 and 21; twice that with half
+    // the SMs loading): ~62% of the tensor rate for 128 x 128, ~83% for
     // 128 x 256 with nothing else in the kernel, 0.62 and 0.70 measured in the GEMM. Where N is an
     // odd multiple of 128 the last tile of an expert is half empty, and the wider tiles fill the
     // last round of SMs differently: compare rounds x tile time, 256 where it is 5% faster.

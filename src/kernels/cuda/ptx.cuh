@@ -129,6 +129,17 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// bulk_load delivered to every CTA of `cta_mask` in the cluster, at the same shared-memory offset,
+// each completing its bytes on the barrier at `bar`'s offset in that CTA: the L2 is read once.
+__device__ __forceinline__ void bulk_load_multicast(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                                    uint16_t cta_mask, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4, %5;" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "h"(cta_mask), "l"(policy)
+      : "memory");
+}
+
 // The same load delivered to every CTA of `cta_mask` in the cluster, at the same shared-memory
 // offset, each completing its bytes on the barrier at `bar`'s offset in that CTA.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y,
