@@ -1,6 +1,6 @@
-// bench_wgmma: the rate of the FP8 GEMM's inner 128-deep block on one SM with nothing else in
-// the kernel, to tell apart what the tensor cores can do with the block's shape from what the
-// GEMM's pipeline costs (docs/gemm.md run 17).
+// bench_wgmma: the rate of the FP8 GEMM's inner 128-deep block per SM, with every SM (or --sms S
+// of them) running it at once and nothing else in the kernel, to tell apart what the tensor cores
+// can do with the block's shape from what the GEMM's pipeline costs (docs/gemm.md runs 17, 21).
 //
 // One persistent CTA per SM, the GEMM's thread layout: warpgroup 0 a producer, warpgroups 1 and
 // 2 math. Each math warpgroup owns 64 rows of a static A tile; both read one static B tile of N
