@@ -171,9 +171,14 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
   // ---------------- consumers ----------------
   if constexpr (kMathWGs == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int wg = warp / 4 - 1;
+  // Through a shuffle from lane 0, so that the compiler knows it is the same in every lane and
+  // keeps the descriptor arithmetic below on the uniform datapath (run 22).
+  const int wg = __shfl_sync(0xFFFFFFFFu, warp / 4, 0) - 1;
   const int warp_in_wg = warp % 4;
   const int mtid = threadIdx.x - 128;  // 0 .. kMathThreads-1
+  // Lower descriptor words of ring stage 0; stage s is s tiles further (ptx::smem_desc_sw128).
+  const uint32_t w_desc0 = ptx::smem_desc_sw128_lo(w_tiles);
+  const uint32_t a_desc0 = ptx::smem_desc_sw128_lo(a_tiles);
   // Accumulator fragment of m64nN: register i holds row (i/2 % 2)·8 + lane/4 of this warp's
   // 16 rows, column (i/4)·8 + (lane%4)·2 + i%2.
   const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // + 8 for (i/2) odd
@@ -267,21 +272,22 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
           }
         }
       }
-      const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
-      const uint8_t* a_stage = a_tiles + s * Layout::kATile;
+      const uint32_t w_desc = w_desc0 + s * (Layout::kWTile >> 4);
+      const uint32_t a_desc = a_desc0 + s * (Layout::kATile >> 4);
       if constexpr (kColSlabs == 2) {
         // Column half c: its four wgmmas into the partial, wait, promote with scale block c; the
         // other warpgroup's wgmmas keep the tensor cores busy meanwhile (bench_wgmma: two
         // warpgroups that each wait and promote run at the full tensor rate).
-        const uint64_t desc_m = ptx::make_smem_desc_sw128(a_stage + wg * 64 * kBlockK);
+        const uint32_t desc_m = a_desc + wg * 64 * kBlockK / 16;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const uint64_t desc_n = ptx::make_smem_desc_sw128(w_stage + c * 128 * kBlockK);
+          const uint32_t desc_n = w_desc + c * 128 * kBlockK / 16;
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
           ptx::wgmma_fence();
 #pragma unroll
-          for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part, desc_m + 2 * k, desc_n + 2 * k, k > 0);
+          for (int k = 0; k < kBlockK / 32; ++k)
+            Mma::mma(part, ptx::smem_desc_sw128(desc_m + 2 * k), ptx::smem_desc_sw128(desc_n + 2 * k), k > 0);
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
 #pragma unroll
@@ -297,12 +303,12 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         ptx::wgmma_fence();
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl) {
-          const uint8_t* m_side = kSwapAB ? w_stage + (sl * kBlockW + wg * 64) * kBlockK : a_stage + wg * 64 * kBlockK;
-          const uint8_t* n_side = kSwapAB ? a_stage : w_stage;
-          const uint64_t desc_m = ptx::make_smem_desc_sw128(m_side);
-          const uint64_t desc_n = ptx::make_smem_desc_sw128(n_side);
+          const uint32_t desc_m =
+              kSwapAB ? w_desc + (sl * kBlockW + wg * 64) * kBlockK / 16 : a_desc + wg * 64 * kBlockK / 16;
+          const uint32_t desc_n = kSwapAB ? a_desc : w_desc;
 #pragma unroll
-          for (int k = 0; k < kBlockK / 32; ++k) Mma::mma(part + sl * kRegs, desc_m + 2 * k, desc_n + 2 * k, k > 0);
+          for (int k = 0; k < kBlockK / 32; ++k)
+            Mma::mma(part + sl * kRegs, ptx::smem_desc_sw128(desc_m + 2 * k), ptx::smem_desc_sw128(desc_n + 2 * k), k > 0);
         }
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();

@@ -209,6 +209,20 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* tile) {
   return desc;
 }
 
+// The same descriptor in two words: the upper one is a constant (stride and swizzle), the lower
+// one holds the start address, so a kernel stepping through a ring of tiles can keep one lower
+// word per ring and add byte offsets / 16 to it in 32 bits (a k32 slice is +2). Computed from
+// warp-uniform values, those additions stay on the uniform datapath; the 64-bit form above,
+// recomputed per stage, cost a round of vector adds with carries and R2UR moves in front of
+// every wgmma group (docs/gemm.md run 22).
+constexpr uint32_t kSmemDescSw128Hi = (1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* tile) {
+  return ((smem_addr(tile) & 0x3FFFF) >> 4) | (1u << 16);
+}
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t lo) {
+  return (uint64_t(kSmemDescSw128Hi) << 32) | lo;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
