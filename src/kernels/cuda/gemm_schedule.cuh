@@ -156,9 +156,11 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
       int mid = (lo + hi + 1) / 2;
       if (prefix[mid] <= tile) lo = mid; else hi = mid - 1;
     }
-    t.e = lo;
-    t.m_valid = m_of[lo];
-    rest = (tile - prefix[lo]) / splits;
+    // Through lane 0 (the search gives every lane the same lo), so that the compiler knows the
+    // tile is the same in every lane and keeps what follows from it on the uniform datapath.
+    t.e = __shfl_sync(0xFFFFFFFFu, lo, 0);
+    t.m_valid = __shfl_sync(0xFFFFFFFFu, m_of[lo], 0);
+    rest = (tile - __shfl_sync(0xFFFFFFFFu, prefix[lo], 0)) / splits;
     int t_blocks = (t.m_valid + kBlockT - 1) / kBlockT;
     tb = rest % t_blocks;
     wb = rest / t_blocks;
@@ -179,7 +181,7 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
       t.real[j] = __ballot_sync(0xFFFFFFFFu, re >= 0);
     }
     for (int o = 16; o > 0; o /= 2) e = max(e, __shfl_xor_sync(0xFFFFFFFFu, e, o));
-    t.e = e;
+    t.e = __shfl_sync(0xFFFFFFFFu, e, 0);  // the same in every lane; from lane 0, the compiler knows it
   }
   t.t0 = tb * kBlockT;
   t.w0 = wb * kBlockW;
