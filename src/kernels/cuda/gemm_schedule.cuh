@@ -110,14 +110,25 @@ __device__ __forceinline__ bool is_real_row(const TileInfo& t, int r) {
 
 // Contiguous: the grouped raster of a tile index (without its split): kRasterGroup token blocks
 // walk the weight blocks together. Returns the token block, sets wb.
+// (Every group but the last has kRasterGroup blocks, a power of two: a shift and a mask instead of
+// a run-time division, which costs ~25 instructions and sat on every tile's path, run 27.)
 __device__ __forceinline__ int contiguous_token_block(int rest, int t_blocks, int num_w_blocks, int& wb) {
   const int group = rest / (kRasterGroup * num_w_blocks);
   const int first = group * kRasterGroup;
   const int size = min(kRasterGroup, t_blocks - first);
   const int in = rest - group * kRasterGroup * num_w_blocks;
+  static_assert((kRasterGroup & (kRasterGroup - 1)) == 0, "a power of two");
+  if (size == kRasterGroup) {
+    wb = in / kRasterGroup;
+    return first + in % kRasterGroup;
+  }
   wb = in / size;
   return first + in % size;
 }
+
+// tile / splits and the split's k blocks, without a division when there is one split (every
+// contiguous 256-column plan and most others).
+__device__ __forceinline__ int split_tile(int tile, int splits) { return splits == 1 ? tile : tile / splits; }
 
 // Contiguous: row_expert of a tile's token block, one value per lane for each 32 rows. Fetched a
 // whole tile ahead (fetch_block_rows) and read by decode_tile, so that no thread waits for them.
@@ -129,7 +140,7 @@ template <int kBlockT>
 __device__ __forceinline__ BlockRows<kBlockT> fetch_block_rows(int tile, const KernelArgs& args, int num_w_blocks,
                                                                int lane) {
   int wb;
-  const int tb = contiguous_token_block(tile / args.num_splits, args.rows / kBlockT, num_w_blocks, wb);
+  const int tb = contiguous_token_block(split_tile(tile, args.num_splits), args.rows / kBlockT, num_w_blocks, wb);
   BlockRows<kBlockT> rows;
 #pragma unroll
   for (int j = 0; j < (kBlockT + 31) / 32; ++j) rows.v[j] = __ldg(args.row_expert + tb * kBlockT + j * 32 + lane);
@@ -144,10 +155,10 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
   const int k_blocks = args.k / kBlockK;
   const int splits = args.num_splits;
   TileInfo t{};
-  int rest = tile / splits;
+  int rest = split_tile(tile, splits);
   t.split = tile - rest * splits;
-  t.kb_begin = t.split * k_blocks / splits;
-  t.kb_end = (t.split + 1) * k_blocks / splits;
+  t.kb_begin = splits == 1 ? 0 : t.split * k_blocks / splits;
+  t.kb_end = splits == 1 ? k_blocks : (t.split + 1) * k_blocks / splits;
   int tb, wb;
   if constexpr (kMasked) {
     // Largest e with prefix[e] <= tile (experts without tiles have prefix[e] == prefix[e+1]).
@@ -160,10 +171,10 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
     // tile is the same in every lane and keeps what follows from it on the uniform datapath.
     t.e = __shfl_sync(0xFFFFFFFFu, lo, 0);
     t.m_valid = __shfl_sync(0xFFFFFFFFu, m_of[lo], 0);
-    rest = (tile - __shfl_sync(0xFFFFFFFFu, prefix[lo], 0)) / splits;
+    rest = split_tile(tile - __shfl_sync(0xFFFFFFFFu, prefix[lo], 0), splits);
     int t_blocks = (t.m_valid + kBlockT - 1) / kBlockT;
-    tb = rest % t_blocks;
-    wb = rest / t_blocks;
+    tb = t_blocks == 1 ? 0 : rest % t_blocks;  // decode: one token block per expert, no division
+    wb = t_blocks == 1 ? rest : rest / t_blocks;
     int max_t_blocks = (args.rows + kBlockT - 1) / kBlockT;
     t.slot = (t.e * num_w_blocks + wb) * max_t_blocks + tb;
   } else {
