@@ -199,28 +199,23 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 // atom, atoms follow each other (stride-byte offset 1024). The tile must be 1024-byte
 // aligned; the k-th 32-deep slice starts 32·k bytes further (the swizzle is applied by the
 // hardware on the absolute address, which is why the alignment matters).
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* tile) {
-  uint64_t addr = smem_addr(tile);
-  uint64_t desc = 0;
-  desc |= (addr & 0x3FFFF) >> 4;          // start address, bits 0-13
-  desc |= uint64_t(1) << 16;              // leading-byte offset (unused for swizzled K-major)
-  desc |= uint64_t(1024 >> 4) << 32;      // stride-byte offset: one 8-row atom
-  desc |= uint64_t(1) << 62;              // layout: 128-byte swizzle
-  return desc;
-}
-
-// The same descriptor in two words: the upper one is a constant (stride and swizzle), the lower
-// one holds the start address, so a kernel stepping through a ring of tiles can keep one lower
-// word per ring and add byte offsets / 16 to it in 32 bits (a k32 slice is +2). Computed from
-// warp-uniform values, those additions stay on the uniform datapath; the 64-bit form above,
-// recomputed per stage, cost a round of vector adds with carries and R2UR moves in front of
-// every wgmma group (docs/gemm.md run 22).
+//
+// In two words: the upper one is a constant (stride-byte offset 1024 / 16 in bits 32-45, the
+// 128-byte swizzle in bits 62-63), the lower one holds the start address / 16 (bits 0-13) and a
+// leading-byte offset of 1 (bits 16-29, unused for swizzled K-major). A kernel stepping through a
+// ring of tiles keeps one lower word per ring and adds byte offsets / 16 to it in 32 bits (a k32
+// slice is +2): computed from warp-uniform values, those additions stay on the uniform datapath,
+// where the 64-bit descriptor rebuilt per stage cost vector adds with carries and R2UR moves in
+// front of every wgmma group (docs/gemm.md run 22).
 constexpr uint32_t kSmemDescSw128Hi = (1024 >> 4) | (1u << 30);
 __device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* tile) {
   return ((smem_addr(tile) & 0x3FFFF) >> 4) | (1u << 16);
 }
 __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t lo) {
   return (uint64_t(kSmemDescSw128Hi) << 32) | lo;
+}
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* tile) {
+  return smem_desc_sw128(smem_desc_sw128_lo(tile));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
