@@ -7,7 +7,8 @@
 // mean + 2·sqrt(mean) for uniform routing, what the layer and the benches pass): an expert above
 // it costs a second token block.
 // From 65 to 192, tokens on the M side in blocks of 128 (measured, run 18); above, in blocks of
-// 64 or 128, whichever pads less.
+// 64 or 128, whichever pads less. With blocks of 128, 256 weight rows per tile as for the
+// contiguous layout (below) where the 256-column tiles fill a wave (they have no split-K).
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
 // (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64; with BM 128, 256 weight rows per
@@ -37,6 +38,29 @@ int choose_splits(long tiles, int num_sms, int k_blocks) {
 
 }  // namespace gemm_detail
 
+namespace {
+// The normal orientation's share of the tensor rate per tile width, measured on the H200
+// (docs/gemm.md run 17): what the tile-width choice below weighs.
+constexpr double kEff128 = 0.62, kEff256 = 0.70;
+
+// Normal orientation, 128-token blocks: 256 weight rows per tile where the rounds of tiles cost
+// less than with 128. 256-column tiles take in fewer stage bytes per FLOP (48 KB per 128-deep
+// block against 2 x 32 KB for two 128 x 128 tiles), and with every SM loading each takes in only
+// ~40 B of stages per cycle from the L2 (bench_wgmma, docs/gemm.md runs 17 and 21; twice that with
+// half the SMs loading): ~62% of the tensor rate for 128 x 128, ~83% for 128 x 256 with nothing
+// else in the kernel, 0.62 and 0.70 measured in the GEMM. Where N is an odd multiple of 128 the
+// last tile of an expert is half empty, and the wider tiles fill the last round of SMs
+// differently: compare rounds x tile time, 256 where it is 5% faster. token_blocks: the launch's
+// 128-token blocks (for each, cols / block_n tiles).
+int wide_or_narrow(long token_blocks, int cols, int num_sms) {
+  const auto rounds = [&](long tiles) { return double((tiles + num_sms - 1) / num_sms); };
+  const auto cost = [&](int bn, double efficiency) {
+    return rounds(token_blocks * ((cols + bn - 1) / bn)) * bn / efficiency;
+  };
+  return cost(256, kEff256) < 0.95 * cost(128, kEff128) ? 256 : 128;
+}
+}  // namespace
+
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   GemmConfig cfg;
   const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
@@ -63,7 +87,14 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     cfg.block_m = (m + 63) / 64 * 64 < (m + 127) / 128 * 128 ? 64 : 128;
   }
   const int cols = p.epilogue == GemmEpilogue::kSiluMulFp8 ? p.n / 2 : p.n;  // output columns
-  long tiles = long(p.num_experts) * (cols / cfg.block_n) * ((m + cfg.block_m - 1) / cfg.block_m);
+  const long token_blocks = long(p.num_experts) * ((m + cfg.block_m - 1) / cfg.block_m);
+  if (!cfg.swap_ab && cfg.block_m == 128) {
+    // As for the contiguous layout; the 256-column tile has no split-K, so only where its tiles
+    // fill a wave.
+    const int bn = wide_or_narrow(token_blocks, cols, num_sms);
+    if (bn == 256 && token_blocks * ((cols + 255) / 256) >= num_sms) cfg.block_n = 256;
+  }
+  long tiles = token_blocks * ((cols + cfg.block_n - 1) / cfg.block_n);
   // block_n = 64 (swap-AB, 16 tokens) fills the last wave better but measured slower once the
   // GEMMs overlap (docs/gemm.md, run 7): not chosen here, available as a forced config.
   cfg.num_splits = gemm_detail::choose_splits(tiles, num_sms, p.k / 128);
@@ -78,12 +109,6 @@ int upper_typical_rows(int64_t rows, int experts) {
   return int(std::min(double(INT_MAX), std::max(1.0, std::ceil(mean + 2 * std::sqrt(mean)))));
 }
 
-namespace {
-// The contiguous kernel's share of the tensor rate per tile width, measured on the H200
-// (docs/gemm.md run 17): what the tile-width choice below weighs.
-constexpr double kEff128 = 0.62, kEff256 = 0.70;
-}  // namespace
-
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms) {
   GemmConfig cfg;
   cfg.block_n = 128;
@@ -97,20 +122,7 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
   cfg.swap_ab = false;
   long tiles128 = long(p.total_m / 128) * (p.n / 128);
   cfg.block_m = tiles128 >= num_sms ? 128 : 64;
-  if (cfg.block_m == 128) {
-    // 256-column tiles take in fewer stage bytes per FLOP (48 KB per 128-deep block against
-    // 2 x 32 KB for two 128 x 128 tiles), and with every SM loading each takes in only ~40 B of
-    // stages per cycle from the L2 (bench_wgmma, docs/gemm.md runs 17 and 21; twice that with half
-    // the SMs loading): ~62% of the tensor rate for 128 x 128, ~83% for
-    // 128 x 256 with nothing else in the kernel, 0.62 and 0.70 measured in the GEMM. Where N is an
-    // odd multiple of 128 the last tile of an expert is half empty, and the wider tiles fill the
-    // last round of SMs differently: compare rounds x tile time, 256 where it is 5% faster.
-    const auto rounds = [&](long tiles) { return double((tiles + num_sms - 1) / num_sms); };
-    const auto cost = [&](int bn, double efficiency) {
-      return rounds(long(p.total_m / 128) * ((p.n + bn - 1) / bn)) * bn / efficiency;
-    };
-    if (cost(256, kEff256) < 0.95 * cost(128, kEff128)) cfg.block_n = 256;
-  }
+  if (cfg.block_m == 128) cfg.block_n = wide_or_narrow(p.total_m / 128, p.n, num_sms);
   return cfg;
 }
 

@@ -32,7 +32,14 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
     MOEKIT_CHECK(cfg.block_m == 16, bad + "block_m = 16 with block_n = 64");
     return f(Instance<true, true, 1, 16, 64>{});
   }
-  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128 (or 64 with swap-AB block_m = 16)");
+  if (cfg.block_n == 256) {
+    // Two 128-column halves per tile (gemm_fp8.cuh): fewer stage bytes per FLOP where the tokens
+    // fill the M side (above 64 rows per expert).
+    MOEKIT_CHECK(!cfg.swap_ab && cfg.block_m == 128 && cfg.cluster == 1 && cfg.num_splits == 1,
+                 bad + "the normal orientation with block_m = 128, cluster = 1, num_splits = 1 with block_n = 256");
+    return f(Instance<false, true, 2, 128, 256>{});
+  }
+  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128 (or 64 with swap-AB block_m = 16, 256 in the normal orientation)");
   if (cfg.cluster == 2) {
     if (cfg.swap_ab) {
       switch (cfg.block_m) {
@@ -116,7 +123,7 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
 
   const int cols = gated ? p.n / 2 : p.n;  // output columns
-  const size_t split_slots = size_t(p.num_experts) * (cols / bn) * ((p.max_m + bm - 1) / bm);
+  const size_t split_slots = size_t(p.num_experts) * ((cols + bn - 1) / bn) * ((p.max_m + bm - 1) / bm);
   im.bind(p.num_experts, p.n, p.k, p.max_m, b.w_scales, b.out, split_slots, gated ? 2 : 1);
   im.args.masked_m = b.masked_m;
   im.args.act = b.act;
