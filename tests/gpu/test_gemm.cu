@@ -178,7 +178,7 @@ TEST(GemmMasked, EveryTilePath) {
   };
   for (Path p : {Path{true, 16, 1}, Path{true, 32, 1}, Path{true, 64, 1}, Path{true, 128, 1}, Path{true, 16, 3},
                  Path{true, 64, 8}, Path{true, 16, 1, 64}, Path{true, 16, 2, 64}, Path{false, 64, 1},
-                 Path{false, 128, 1}, Path{false, 128, 2}}) {
+                 Path{false, 128, 1}, Path{false, 128, 2}, Path{false, 128, 1, 256}}) {
     GemmConfig cfg = forced(p.swap, p.block_m, p.splits);
     cfg.block_n = p.block_n;
     ErrorStats st = run_masked(c, masked_m, &cfg);
@@ -197,10 +197,12 @@ TEST(GemmMasked, FewKBlocksPerTile) {
   for (int k : {128, 256, 384, 512, 640}) {
     MaskedCase c({3, 256, k, 132, 0}, rng);
     const std::vector<int32_t> masked_m = {1, 132, 70};
-    for (auto [swap, block_m, splits] : {std::tuple{true, 16, 1}, std::tuple{true, 32, 1}, std::tuple{true, 64, 1},
-                                         std::tuple{true, 128, 1}, std::tuple{false, 64, 1}, std::tuple{false, 128, 1},
-                                         std::tuple{false, 128, k == 640 ? 2 : 1}}) {
+    for (auto [swap, block_m, splits, block_n] :
+         {std::tuple{true, 16, 1, 128}, std::tuple{true, 32, 1, 128}, std::tuple{true, 64, 1, 128},
+          std::tuple{true, 128, 1, 128}, std::tuple{false, 64, 1, 128}, std::tuple{false, 128, 1, 128},
+          std::tuple{false, 128, k == 640 ? 2 : 1, 128}, std::tuple{false, 128, 1, 256}}) {
       GemmConfig cfg = forced(swap, block_m, splits);
+      cfg.block_n = block_n;
       ErrorStats st = run_masked(c, masked_m, &cfg);
       expect_good(st, 3e-3, cfg.to_string() + " K=" + std::to_string(k));
       EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string() << " K=" << k;
@@ -228,6 +230,46 @@ TEST(GemmMasked, ClusterPaths) {
   }
 }
 
+// Tokens on the M side (blocks of 128 rows, two math warpgroups of 64): an expert's last block
+// whose second 64 rows are all past masked_m leaves that warpgroup idle (it only passes the
+// stages on). Ragged experts on both sides of every 64-row boundary, 128- and 256-column tiles,
+// split-K, clusters, a 2-stage ring, and graph replay with new masked_m and new data.
+TEST(GemmMasked, NormalTilesRaggedExperts) {
+  std::mt19937 rng(64);
+  MaskedCase c({12, 512, 512, 260, 0}, rng);
+  const std::vector<int32_t> masked_m = {0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 260};
+  GemmConfig wide = forced(false, 128, 1);
+  wide.block_n = 256;
+  GemmConfig wide_shallow = wide;
+  wide_shallow.num_stages = 2;
+  GemmConfig cluster = forced(false, 128, 1);
+  cluster.cluster = 2;
+  for (const GemmConfig& cfg : {forced(false, 128, 1), forced(false, 128, 2), wide, wide_shallow, cluster}) {
+    ErrorStats st = run_masked(c, masked_m, &cfg);
+    expect_good(st, 3e-3, cfg.to_string());
+    EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string();
+    c.new_activations(rng);
+  }
+  c.d_m.upload(masked_m);
+  MaskedGemm gemm(c.problem, c.buffers(), &wide);
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const CapturedGraph graph(stream, [&] { gemm.run(stream); });
+  std::uniform_int_distribution<int> d(0, 260);
+  std::vector<int32_t> m = masked_m;
+  for (int replay = 0; replay < 3; ++replay) {
+    for (auto& v : m) v = d(rng);
+    m[replay] = 0;
+    c.new_activations(rng);
+    c.d_m.upload(m);
+    c.poison();
+    graph.launch(stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_good(c.check(m), 3e-3, "256-column graph replay " + std::to_string(replay));
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST(GemmMasked, HeuristicConfigsAndStages) {
   // Above 64 expected rows (up to 192) the tokens go on the MMA's M side in 128-row blocks
   // (docs/gemm.md run 18); below, swap-AB in the smallest block that holds them.
@@ -237,7 +279,12 @@ TEST(GemmMasked, HeuristicConfigsAndStages) {
     const GemmConfig cfg = choose_masked_config(MaskedGemmProblem{32, 4096, 7168, 4096, expected}, query_device().num_sms);
     EXPECT_EQ(cfg.swap_ab, swap) << "expected_m " << expected << ": " << cfg.to_string();
     EXPECT_EQ(cfg.block_m, block_m) << "expected_m " << expected << ": " << cfg.to_string();
+    // Tokens on the M side: 256-column tiles, as for the contiguous layout (32 experts x 16 or
+    // 32 wide tiles fill the 132 SMs' waves in fewer rounds).
+    EXPECT_EQ(cfg.block_n, swap ? 128 : 256) << "expected_m " << expected << ": " << cfg.to_string();
   }
+  // Too few tiles for one wave of 256-column tiles (they have no split-K): 128 columns.
+  EXPECT_EQ(choose_masked_config(MaskedGemmProblem{2, 512, 7168, 256, 100}, query_device().num_sms).block_n, 128);
   // The expected_m a caller that knows only the batch passes: mean + 2 sqrt(mean), at least 1
   // (DeepSeek-V3 at EP8: 256 slots, top-8; B = 2048 is a mean of 64 rows, B = 1024 of 32).
   EXPECT_EQ(upper_typical_rows(2048 * 8, 256), 80);
@@ -466,6 +513,15 @@ TEST(GemmMasked, BadArgumentsRejected) {
   GemmConfig cl_split = cl;
   cl_split.num_splits = 2;
   refused(cl_split, p, "num_splits = 1");
+  // 256-column tiles: the normal orientation, block_m 128, single CTAs, no split-K.
+  GemmConfig wide = forced(false, 128, 1);
+  wide.block_n = 256;
+  EXPECT_NO_THROW(make(p, b, &wide));
+  GemmConfig wide_swap = forced(true, 128, 1), wide_bm64 = forced(false, 64, 1), wide_cl = wide, wide_split = wide;
+  wide_swap.block_n = wide_bm64.block_n = 256;
+  wide_cl.cluster = 2;
+  wide_split.num_splits = 2;
+  for (const GemmConfig& w : {wide_swap, wide_bm64, wide_cl, wide_split}) refused(w, p, "with block_n = 256");
   GemmConfig cl16 = cl;
   cl16.block_m = 16;
   refused(cl16, p, "block_m in {64, 128} for swap-AB with cluster = 2");
