@@ -230,10 +230,10 @@ TEST(GemmMasked, ClusterPaths) {
   }
 }
 
-// Tokens on the M side (blocks of 128 rows, two math warpgroups of 64): an expert's last block
-// whose second 64 rows are all past masked_m leaves that warpgroup idle (it only passes the
-// stages on). Ragged experts on both sides of every 64-row boundary, 128- and 256-column tiles,
-// split-K, clusters, a 2-stage ring, and graph replay with new masked_m and new data.
+// Tokens on the M side (blocks of 128 rows, two math warpgroups of 64 each): ragged experts on
+// both sides of every 64-row boundary (a warpgroup's rows all past masked_m, or some of them),
+// 128- and 256-column tiles, split-K, clusters, a 2-stage ring, and graph replay of the
+// 256-column plan with new masked_m and new data.
 TEST(GemmMasked, NormalTilesRaggedExperts) {
   std::mt19937 rng(64);
   MaskedCase c({12, 512, 512, 260, 0}, rng);

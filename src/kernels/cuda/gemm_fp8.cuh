@@ -187,14 +187,6 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
   int s = 0;
   uint32_t phase = 0;
-  // A math warp's release of ring stage `stage` (in every CTA of the cluster that loads into it).
-  auto release = [&](int stage) {
-    if constexpr (kCluster == 1) {
-      if (lane == 0) ptx::mbar_arrive(&empty[stage]);
-    } else if (lane < kCluster) {
-      ptx::mbar_arrive_cluster(&empty[stage], lane);  // lane r frees the stage in CTA r
-    }
-  };
   // The weight scales of a tile, one K block per lane in two registers (64 blocks, K = 8192, per
   // load), read by shuffle. A per-stage load was the consumers' main stall (ncu, run 3); the
   // next tile's scales are loaded while the current tile runs, so no tile waits for them.
@@ -246,18 +238,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
     float part[kPartRegs];
-    // Masked, tokens on the M side: a warpgroup whose 64 rows all lie at or past the expert's
-    // masked_m (the second half of an expert's last token block) has nothing to multiply. It
-    // only passes the stages on (after they are full, so that its arrivals count in the right
-    // phase of each stage), and the tensor cores serve the other warpgroup alone.
-    const bool idle = kMasked && !kSwapAB && t.t0 + wg * 64 >= t.m_valid;
     int ws_base = t.kb_begin;
-    for (int kb = t.kb_begin; idle && kb < t.kb_end; ++kb) {
-      ptx::mbar_wait(&full[s], phase);
-      release(s);
-      if (++s == stages) s = 0, phase ^= 1;
-    }
-    for (int kb = idle ? t.kb_end : t.kb_begin; kb < t.kb_end; ++kb) {
+    for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
       if (kb - ws_base == 64) {
         ws_base = kb;
         load_ws(t, ws_base, ws);
@@ -310,7 +292,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
           ptx::wgmma_wait<0>();
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-          if (c == 1) release(s);
+          if (c == 1 && lane == 0) ptx::mbar_arrive(&empty[s]);
 #pragma unroll
           for (int i = 0; i < kRegs; ++i)
             acc[c * kRegs + i] = fmaf(part[i], scale_a[0][(i / 2) % 2][c], acc[c * kRegs + i]);
@@ -332,7 +314,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
-        release(s);
+        if constexpr (kCluster == 1) {
+          if (lane == 0) ptx::mbar_arrive(&empty[s]);
+        } else if (lane < kCluster) {
+          ptx::mbar_arrive_cluster(&empty[s], lane);  // lane r frees the stage in CTA r
+        }
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl) {
 #pragma unroll
@@ -360,7 +346,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 
     // ---------------- epilogue, straight from the registers ----------------
     const Fragment f{frag_row, frag_col, mtid, warp - 4};
-    if (!store || idle) {
+    if (!store) {
     } else if constexpr (kGated) {
       store_silu_mul_fp8<kBlockT, kRegs, kMathThreads>(args, t, acc, acc + kRegs, f);
     } else if constexpr (kSwapAB) {
