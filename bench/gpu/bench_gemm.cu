@@ -154,6 +154,22 @@ struct MoeShape {
   int num_experts, hidden, inter;
 };
 
+// Both GEMMs of one rank: the weight bytes of every expert and of the experts with tokens, and the
+// FLOPs of the real rows.
+struct PairWork {
+  double all_bytes = 0, touched_bytes = 0, flops = 0;
+};
+PairWork pair_work(const MoeShape& s, const std::vector<int32_t>& masked_m) {
+  PairWork w;
+  const double per = double(2 * s.inter) * s.hidden + double(s.hidden) * s.inter;
+  for (int e = 0; e < s.num_experts; ++e) {
+    w.all_bytes += per;
+    if (masked_m[e] > 0) w.touched_bytes += per;
+    w.flops += 2.0 * masked_m[e] * per;
+  }
+  return w;
+}
+
 json run_masked_pair(const MoeShape& s, int max_m, const std::vector<int32_t>& masked_m, int expected_m,
                      const Ceilings& ceil, int num_sets, int iters, const GemmConfig* force1 = nullptr,
                      const GemmConfig* force2 = nullptr, Overlap overlap1 = Overlap::kNone,
@@ -198,16 +214,10 @@ json run_masked_pair(const MoeShape& s, int max_m, const std::vector<int32_t>& m
   cudaStreamDestroy(stream);
   double t1 = median_us(iters, [&](int i) { g1[i % num_sets]->run(nullptr); });
   double t2 = median_us(iters, [&](int i) { g2[i % num_sets]->run(nullptr); });
-  // Bytes of the experts with tokens, both GEMMs; FLOPs of the real rows.
-  double wbytes = 0, flops = 0, all_bytes = 0;
-  for (int e = 0; e < s.num_experts; ++e) {
-    double per = double(2 * s.inter) * s.hidden + double(s.hidden) * s.inter;
-    all_bytes += per;
-    if (masked_m[e] > 0) wbytes += per;
-    flops += 2.0 * masked_m[e] * per;
-  }
+  const PairWork w = pair_work(s, masked_m);
+  const double wbytes = w.touched_bytes, all_bytes = w.all_bytes;
   double floor_mem_us = wbytes / (ceil.copy_tbps * 1e12) * 1e6;
-  double floor_flop_us = flops / (ceil.fp8_tflops * 1e12) * 1e6;
+  double floor_flop_us = w.flops / (ceil.fp8_tflops * 1e12) * 1e6;
   double floor_us = std::max(floor_mem_us, floor_flop_us);
   json r;
   r["model"] = s.name;
@@ -327,13 +337,9 @@ std::vector<json> run_masked_configs(const MoeShape& s, const RankRouting& rr, c
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
   };
-  double wbytes = 0, flops = 0;
-  for (int e = 0; e < s.num_experts; ++e) {
-    const double per = double(2 * s.inter) * s.hidden + double(s.hidden) * s.inter;
-    if (rr.masked_m[e] > 0) wbytes += per;
-    flops += 2.0 * rr.masked_m[e] * per;
-  }
-  const double floor_us = std::max(wbytes / (ceil.copy_tbps * 1e12), flops / (ceil.fp8_tflops * 1e12)) * 1e6;
+  const PairWork w = pair_work(s, rr.masked_m);
+  const double floor_us =
+      std::max(w.touched_bytes / (ceil.copy_tbps * 1e12), w.flops / (ceil.fp8_tflops * 1e12)) * 1e6;
   std::vector<json> rows;
   for (int c = 0; c < configs; ++c) {
     json r;
