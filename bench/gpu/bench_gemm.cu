@@ -170,21 +170,35 @@ PairWork pair_work(const MoeShape& s, const std::vector<int32_t>& masked_m) {
   return w;
 }
 
+// One rank's GEMM1 and GEMM2 problems and `num_sets` input sets of each (rotated so that the L2
+// never holds a whole problem from the previous iteration), masked_m uploaded.
+struct RankSets {
+  MaskedGemmProblem p1, p2;
+  std::vector<std::unique_ptr<MaskedSet>> s1, s2;
+};
+RankSets make_rank_sets(const MoeShape& s, int max_m, int expected_m, const std::vector<int32_t>& masked_m,
+                        int num_sets) {
+  RankSets r;
+  r.p1 = {s.num_experts, 2 * s.inter, s.hidden, max_m, expected_m};
+  r.p2 = {s.num_experts, s.hidden, s.inter, max_m, expected_m};
+  for (int i = 0; i < num_sets; ++i) {
+    r.s1.push_back(std::make_unique<MaskedSet>(r.p1, 100 + 10 * i));
+    r.s2.push_back(std::make_unique<MaskedSet>(r.p2, 200 + 10 * i));
+    r.s1.back()->set_m(masked_m);
+    r.s2.back()->set_m(masked_m);
+  }
+  return r;
+}
+
 json run_masked_pair(const MoeShape& s, int max_m, const std::vector<int32_t>& masked_m, int expected_m,
                      const Ceilings& ceil, int num_sets, int iters, const GemmConfig* force1 = nullptr,
                      const GemmConfig* force2 = nullptr, Overlap overlap1 = Overlap::kNone,
                      Overlap overlap2 = Overlap::kNone) {
-  MaskedGemmProblem p1{s.num_experts, 2 * s.inter, s.hidden, max_m, expected_m};
-  MaskedGemmProblem p2{s.num_experts, s.hidden, s.inter, max_m, expected_m};
-  std::vector<std::unique_ptr<MaskedSet>> s1, s2;
+  const RankSets sets = make_rank_sets(s, max_m, expected_m, masked_m, num_sets);
   std::vector<std::unique_ptr<MaskedGemm>> g1, g2;
   for (int i = 0; i < num_sets; ++i) {
-    s1.push_back(std::make_unique<MaskedSet>(p1, 100 + 10 * i));
-    s2.push_back(std::make_unique<MaskedSet>(p2, 200 + 10 * i));
-    s1.back()->set_m(masked_m);
-    s2.back()->set_m(masked_m);
-    g1.push_back(std::make_unique<MaskedGemm>(p1, s1.back()->buffers(), force1));
-    g2.push_back(std::make_unique<MaskedGemm>(p2, s2.back()->buffers(), force2));
+    g1.push_back(std::make_unique<MaskedGemm>(sets.p1, sets.s1[i]->buffers(), force1));
+    g2.push_back(std::make_unique<MaskedGemm>(sets.p2, sets.s2[i]->buffers(), force2));
     g1.back()->set_overlap(overlap1);
     g2.back()->set_overlap(overlap2);
   }
@@ -292,23 +306,15 @@ RankRouting rank_routing(const RankModel& model, int batch, std::mt19937& rng) {
 // then each GEMM alone), so a slow stretch of the clock hits all configs. Medians of the rounds.
 std::vector<json> run_masked_configs(const MoeShape& s, const RankRouting& rr, const std::vector<GemmConfig>& forced,
                                      const Ceilings& ceil, int iters) {
-  const MaskedGemmProblem p1{s.num_experts, 2 * s.inter, s.hidden, rr.max_m, rr.expected_m};
-  const MaskedGemmProblem p2{s.num_experts, s.hidden, s.inter, rr.max_m, rr.expected_m};
   constexpr int kSets = 2;
-  std::vector<std::unique_ptr<MaskedSet>> s1, s2;
-  for (int i = 0; i < kSets; ++i) {
-    s1.push_back(std::make_unique<MaskedSet>(p1, 100 + 10 * i));
-    s2.push_back(std::make_unique<MaskedSet>(p2, 200 + 10 * i));
-    s1.back()->set_m(rr.masked_m);
-    s2.back()->set_m(rr.masked_m);
-  }
+  const RankSets sets = make_rank_sets(s, rr.max_m, rr.expected_m, rr.masked_m, kSets);
   const int configs = 1 + int(forced.size());  // 0: the heuristic's
   std::vector<std::vector<std::unique_ptr<MaskedGemm>>> g1(configs), g2(configs);
   for (int c = 0; c < configs; ++c)
     for (int i = 0; i < kSets; ++i) {
       const GemmConfig* f = c == 0 ? nullptr : &forced[c - 1];
-      g1[c].push_back(std::make_unique<MaskedGemm>(p1, s1[i]->buffers(), f));
-      g2[c].push_back(std::make_unique<MaskedGemm>(p2, s2[i]->buffers(), f));
+      g1[c].push_back(std::make_unique<MaskedGemm>(sets.p1, sets.s1[i]->buffers(), f));
+      g2[c].push_back(std::make_unique<MaskedGemm>(sets.p2, sets.s2[i]->buffers(), f));
       g1[c].back()->set_overlap(Overlap::kPreviousKernel);  // as in a decode step (problem 2)
       g2[c].back()->set_overlap(Overlap::kPreviousKernelStaticWeights);
     }
