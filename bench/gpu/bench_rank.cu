@@ -13,6 +13,9 @@
 // --pipeline: the decode pipelines to measure (GpuLayerConfig::pipeline), each with its own
 // layers over the same weights, routing and floor; staged is the baseline of every ratio.
 // --uniform: the uniform case only (no skew, no EPLB placement).
+// --recv-ready 0: fused layers with GpuLayerConfig::recv_ready off (GEMM1 waits for the dispatch
+// receive's grid instead of taking each expert's rows as they land); --recv-ctas N: the receive's
+// grid when it is on (GpuLayerConfig::recv_ctas).
 // --expert-ready 0: fused layers with GpuLayerConfig::expert_ready off (GEMM2 waits for GEMM1's
 // grid instead of for each expert's rows), the baseline of that lever.
 // --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
@@ -100,6 +103,7 @@ constexpr const char* kUsage =
     "bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--ranks 8] [--batch 8,64,256,1024,2048] [--layers N]\n"
     "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
     "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
+    "           [--recv-ready 0|1] [--recv-ctas N]\n"
     "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
@@ -350,6 +354,8 @@ struct Options {
   bool timeline = false;
   bool expert_ready = true;  // GpuLayerConfig::expert_ready (--expert-ready 0: GEMM2 waits for GEMM1's grid)
   bool merge_shared = true;  // GpuLayerConfig::merge_shared (--merge-shared 0: the shared expert's own GEMMs)
+  bool recv_ready = true;    // GpuLayerConfig::recv_ready (--recv-ready 0: GEMM1 waits for the receive's grid)
+  int recv_ctas = gpu::GpuLayerConfig{}.recv_ctas;
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -532,6 +538,8 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.pipeline = pipeline;
   cfg.expert_ready = opt.expert_ready;
   cfg.merge_shared = opt.merge_shared;
+  cfg.recv_ready = opt.recv_ready;
+  cfg.recv_ctas = opt.recv_ctas;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -963,6 +971,10 @@ int main(int argc, char** argv) try {
       opt.merge_shared = next_int(0) != 0;
     } else if (a == "--expert-ready") {
       opt.expert_ready = next_int(0) != 0;
+    } else if (a == "--recv-ready") {
+      opt.recv_ready = next_int(0) != 0;
+    } else if (a == "--recv-ctas") {
+      opt.recv_ctas = next_int(1);
     } else if (a == "--timeline") {
       opt.timeline = true;
     } else if (a == "--uniform") {

@@ -163,6 +163,16 @@ class EpBuffer {
   void dispatch_send(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights, int num_tokens,
                      cudaStream_t stream);
   void dispatch_recv(cudaStream_t stream);         // low-latency: masked layout
+  // The low-latency receive handing its rows on, expert by expert, to a kernel that already runs
+  // beside it (the fused decode pipeline's GEMM1, gemm.h Overlap::kDispatchPerExpert).
+  // rows_ready: slabs + 2 device ints, zero at the call (the consumer zeroes them after use);
+  // slabs = E_loc, + 1 with self_slab. Once recv_count is final the receive sets the self slab's
+  // count to recv_count[E_loc] and raises rows_ready[slabs + 1] (release); then after each
+  // message it adds 1 to rows_ready[e] per row of expert e it stored (release). After a timeout
+  // recv_count is 0 for every routed expert, so nothing waits for rows that will not come.
+  // rows_ready[slabs] is the consumer's own (its CTA count). num_ctas: the receive's grid,
+  // 1..EpConfig::num_ctas; the SMs it leaves free take the consumer's CTAs while it copies.
+  void dispatch_recv(cudaStream_t stream, int32_t* rows_ready, int num_ctas);
   void normal_dispatch_recv(cudaStream_t stream);  // normal: contiguous layout
   void combine_send(const uint16_t* y, cudaStream_t stream);
   void combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream);

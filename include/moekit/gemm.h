@@ -68,6 +68,13 @@
 // all of its output rows of e (its N = the waiting GEMM's K); the waiting GEMM's last CTA zeroes
 // the counters for the next run, so the pair must run together in every step (a GEMM with
 // ready_in also resets when it runs without the overlap).
+// kDispatchPerExpert (masked, FP8) is the same hand-off from the EP dispatch receive (ep.h
+// EpBuffer::dispatch_recv with rows_ready = this GEMM's ready_in, E_loc + 2 device ints, zero when
+// first used): the GEMM may start as soon as the receive has started, reads masked_m once the
+// receive has published it (ready_in[E_loc + 1] nonzero), loads its first ring of weights, and
+// loads each expert's rows once ready_in[e] has counted masked_m[e] of them; its last CTA zeroes
+// all E_loc + 2 counters. The receive must leave SMs free (its num_ctas) for the GEMM's CTAs to
+// be resident while it copies.
 //
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
 // that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
@@ -101,7 +108,7 @@ struct GemmConfig {
   std::string to_string() const;
 };
 
-enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights, kPreviousGemmPerExpert };
+enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights, kPreviousGemmPerExpert, kDispatchPerExpert };
 
 enum class GemmEpilogue { kBf16, kSiluMulFp8 };
 
@@ -147,7 +154,7 @@ struct MaskedGemmBuffers {
   const uint32_t* w_mx_scales = nullptr;  // kMxfp4
   const float* bias = nullptr;      // kMxfp4, optional
   int32_t* ready_out = nullptr;     // optional: per-expert readiness this GEMM signals (FP8)
-  int32_t* ready_in = nullptr;      // kPreviousGemmPerExpert: the readiness it waits for (FP8)
+  int32_t* ready_in = nullptr;      // kPreviousGemmPerExpert / kDispatchPerExpert: the readiness it waits for (FP8)
 };
 
 struct ContiguousGemmBuffers {

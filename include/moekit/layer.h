@@ -89,7 +89,10 @@ namespace moekit::gpu {
 //            - every kernel of the chain is a programmatic dependent launch: it is scheduled
 //              under the tail of the one before and waits for it on the device, and GEMM2 streams
 //              its first weight tiles before GEMM1 has finished (the EpBuffer's kernels too:
-//              EpBuffer::set_overlap).
+//              EpBuffer::set_overlap);
+//            - GEMM1 runs beside the dispatch receive and takes each expert once its rows have
+//              landed (GpuLayerConfig::recv_ready). Like every kernel scheduled early it holds its
+//              SMs while it waits, so a fused layer is not for two micro-batches sharing one GPU.
 //            The outputs equal the staged pipeline's within the GEMM library's bound (the same
 //            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
 //            Decode steps of more than kFusedMaxTokens tokens per rank run staged even when fused
@@ -114,6 +117,12 @@ struct GpuLayerConfig {
   // Fused, with the SiLU·up epilogue: GEMM2 waits for each expert's rows (GEMM1 signals them), not
   // for GEMM1's whole grid (gemm.h kPreviousGemmPerExpert). False: the grid, as before.
   bool expert_ready = true;
+  // Fused, FP8: GEMM1 starts beside the dispatch receive and loads each expert's rows as they land
+  // (ep.h dispatch_recv with rows_ready, gemm.h kDispatchPerExpert): the receive runs on recv_ctas
+  // CTAs (at most the EpBuffer's), and GEMM1's CTAs hold the other SMs meanwhile, with their
+  // schedule computed and their first weights loaded. False: GEMM1 waits for the receive's grid.
+  bool recv_ready = true;
+  int recv_ctas = 16;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;

@@ -156,6 +156,84 @@ TEST(EpSelfSlab, OwnTokensInSlabELoc) {
   EXPECT_THROW(normal.validate(), moekit::Error);  // a masked-layout option only
 }
 
+// dispatch_recv with rows_ready (the hand-off to a GEMM running beside the receive, ep.h): the
+// outputs are those of the plain receive; the published word and every slab's row count (the self
+// slab's included) are what a GEMM waits for; a receive on a few CTAs (several messages per warp)
+// counts each row once. A silent peer: the receive times out as before, with recv_count 0 for the
+// routed experts and the word still published, so that a waiting GEMM ends.
+TEST(EpRowsReady, CountsEveryRowAndPublishesTheCounts) {
+  EpConfig c = make_config({4, 24, 512, 16, 4});
+  c.self_slab = true;
+  c.timeout_s = 0.05;
+  const int P = c.num_ranks, E = c.slots_per_rank();
+  EpLocalGroup group(c);
+  DeviceStep dev(c);
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int32_t* ready = nullptr;
+  const size_t n_ready = size_t(P) * (E + 3);
+  MOEKIT_CUDA_CHECK(cudaMalloc(&ready, n_ready * sizeof(int32_t)));
+  auto ready_of = [&](int r) { return ready + size_t(r) * (E + 3); };
+  std::mt19937 rng(91);
+  for (int step = 0; step < 2; ++step) {
+    MOEKIT_CUDA_CHECK(cudaMemset(ready, 0, n_ready * sizeof(int32_t)));  // a GEMM zeroes them after use
+    std::vector<RankInput> in;
+    for (int r = 0; r < P; ++r) {
+      in.push_back(random_input(c, step == 0 ? c.max_tokens : 3 + 2 * r, rng));
+      dev.upload(r, in[r]);
+      poison_masked(group.rank(r));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], in[r].num_tokens, stream);
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream, ready_of(r), r == 0 ? 1 : 2 + step);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    const Reference ref = masked_reference(c, in);
+    for (int r = 0; r < P; ++r) {
+      ASSERT_EQ(compare_masked(group.rank(r), ref.ranks[r], r), 0) << "step " << step;
+      const auto count = to_host(group.rank(r).recv_count(), size_t(E) + 1);
+      const auto got = to_host(ready_of(r), size_t(E) + 3);
+      for (int e = 0; e <= E; ++e) EXPECT_EQ(got[e], count[e]) << "rank " << r << " step " << step << " slab " << e;
+      EXPECT_EQ(got[E + 1], 0) << "the consumer's CTA count is not the receive's";
+      EXPECT_EQ(got[E + 2], 1) << "rank " << r << " step " << step << ": the counts' word";
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+  }
+  // Rank 3 silent: rank 1's receive times out, names it, and still publishes (zero rows).
+  MOEKIT_CUDA_CHECK(cudaMemset(ready, 0, n_ready * sizeof(int32_t)));
+  for (int r = 0; r < 3; ++r) {
+    const RankInput in = random_input(c, 4, rng);
+    dev.upload(r, in);
+    group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], in.num_tokens, stream);
+  }
+  group.rank(1).dispatch_recv(stream, ready_of(1), 4);
+  try {
+    group.rank(1).check(stream);
+    FAIL() << "a silent peer must make the receive fail";
+  } catch (const moekit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("waiting for rank 3 at step 3"), std::string::npos) << e.what();
+  }
+  const auto count = to_host(group.rank(1).recv_count(), size_t(E) + 1);
+  const auto got = to_host(ready_of(1), size_t(E) + 3);
+  for (int e = 0; e < E; ++e) EXPECT_EQ(count[e], 0) << "expert " << e << " after the timeout";
+  EXPECT_EQ(count[E], 4) << "the self slab holds the rank's own tokens";
+  EXPECT_EQ(got[E + 2], 1) << "published after the timeout";
+  // Bad arguments name their value before any kernel runs.
+  auto rejects = [&](int32_t* rr, int ctas, const char* what) {
+    try {
+      group.rank(0).dispatch_recv(stream, rr, ctas);
+      ADD_FAILURE() << "accepted " << what;
+    } catch (const moekit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  rejects(nullptr, 4, "got null");
+  rejects(ready, 0, "num_ctas = 0");
+  rejects(ready, 100000, "num_ctas = 100000");
+  cudaFree(ready);
+  cudaStreamDestroy(stream);
+}
+
 // Payloads that encode where they came from: token t of rank s has group 0 equal to s + 1 and
 // group 1 equal to t + 1 (all 128 values), so its scales are (s + 1) / 448 and (t + 1) / 448.
 // Decoding every received row must find each (source, token, slot) triple exactly once.

@@ -8,6 +8,7 @@
 // new one, eager and from a graph), their errors, and an aborted move.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -586,12 +587,15 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   GpuRig inline_shared(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, false);
   // GEMM2 waiting for GEMM1's grid instead of for each expert's rows: the same bits.
   GpuRig grid_wait(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, false);
+  // GEMM1 waiting for the receive's grid instead of taking each expert's rows as they land.
+  GpuRig recv_grid(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
+                   false);
   for (GpuRig* rig : {&staged, &fused, &inline_shared})
     for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
   for (bool graph : {false, true}) {
     const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
-    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait}) {
+    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid}) {
       rig->load(x, nullptr, nullptr);
       if (graph) {
         CapturedStep step(*rig, false);
@@ -622,6 +626,8 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
     }
     EXPECT_EQ(fused.gather_out(), grid_wait.gather_out()) << "per-expert readiness against the grid wait"
                                                           << (graph ? ", graph" : "");
+    EXPECT_EQ(fused.gather_out(), recv_grid.gather_out()) << "rows as they land against the receive's grid"
+                                                          << (graph ? ", graph" : "");
     const std::string what = graph ? "stage clock, graph" : "stage clock";
     for (GpuRig* rig : {&staged, &fused, &inline_shared}) {
       const bool is_fused = rig != &staged, merged = rig == &fused;
@@ -635,11 +641,47 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
         if (clock[st].ran()) EXPECT_LE(clock[st].start_ns, clock[st].end_ns) << name;
       }
       // A stage that waits on the device for the one before (griddepcontrol.wait) starts after it.
+      // (The fused GEMM1 waits for each expert's rows instead and may start before the receive ends.)
       auto at = [&](gpu::GpuStage st) { return clock[int(st)]; };
-      EXPECT_GE(at(gpu::GpuStage::kGemm1).start_ns, at(gpu::GpuStage::kDispatchRecv).end_ns) << what;
+      if (!is_fused) EXPECT_GE(at(gpu::GpuStage::kGemm1).start_ns, at(gpu::GpuStage::kDispatchRecv).end_ns) << what;
       EXPECT_GE(at(gpu::GpuStage::kCombineSend).start_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
     }
   }
+}
+
+// A peer that never sends, with GEMM1 already running beside the receive (recv_ready): the
+// receive times out and publishes zero rows, so the step ends (nothing waits for rows that will
+// not come) and check() names the rank, the peer and the step.
+TEST(GpuLayerFused, SilentPeerEndsInTheNamedTimeout) {
+  const Fixture& f = fixture();
+  const int P = 2, t_max = 8, d = int(f.model.hidden_size);
+  const Placement placement = make_placement(P, false);
+  gpu::EpConfig ec = gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, gpu::EpMode::kLowLatency, kFused);
+  ec.timeout_s = 0.05;
+  gpu::EpLocalGroup group(ec);
+  gpu::GpuLayerConfig cfg;
+  cfg.max_tokens = t_max;
+  cfg.pipeline = kFused;
+  gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, group.rank(0), cfg);
+  std::mt19937 rng(3);
+  DeviceArray<uint16_t> x(size_t(t_max) * d), out(size_t(t_max) * d);
+  const auto tokens = random_tokens(t_max, d, rng);
+  x.upload(tokens.data(), tokens.size());
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto start = std::chrono::steady_clock::now();
+  layer.forward_decode(x.ptr, t_max, 0, out.ptr, stream);  // rank 1 never steps
+  try {
+    layer.check(stream);
+    ADD_FAILURE() << "a silent peer must make the step fail";
+  } catch (const moekit::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("EP rank 0: dispatch_recv timed out"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("waiting for rank 1 at step 1"), std::string::npos) << msg;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
 }
 
 // ---- Staged weight moves while serving (layer.h begin_moves .. commit_moves) -----------------

@@ -8,6 +8,10 @@
 // segment starts. A row's index is then base + the position the sender computed, so the
 // copies need no atomics and no scan, and any warp may copy any message.
 //
+// With rows_ready (ep.h) the receive also hands its rows to a GEMM that runs beside it: CTA 0
+// publishes recv_count as soon as the table is built, and every message's rows are released to
+// their experts' counters once stored.
+//
 // One warp per message, messages dealt round-robin over the CTAs first (so every SM copies).
 // At decode sizes this is latency-bound, so a warp keeps a whole message in flight: it loads its
 // first message (payload, scales, metadata) before the table is built, and at most one further
@@ -67,6 +71,18 @@ __device__ __forceinline__ void load_message(const EpArgs& a, const uint8_t* msg
   m.w = lane < k ? __ldcg(reinterpret_cast<const float*>(meta + 1 + k) + lane) : 0.0f;
 }
 
+// The hand-off to a GEMM running beside the receive (a.rows_ready, ep.h): by every thread of
+// CTA 0 once recv_count is written. The barrier passes on the CTA's writes (and the acquire of
+// this rank's own flag, behind which the send wrote the self slab), thread 0's releases publish
+// them: the self slab's rows count as landed at once, then the word the GEMM's schedule waits for.
+__device__ __forceinline__ void publish_recv_counts(const EpArgs& a) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const int E = a.local_experts;
+  if (a.self_slab) ptx::red_release_gpu_add(a.rows_ready + E, __ldcg(a.recv_count + E));
+  ptx::red_release_gpu_add(a.rows_ready + E + a.self_slab + 1, 1);
+}
+
 template <bool kContiguous>
 __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   extern __shared__ int smem[];
@@ -90,6 +106,10 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
     src_start[s + 1] = int(uint32_t(flag));
   }
   __syncthreads();
+  if (!kContiguous && !ok && a.rows_ready && blockIdx.x == 0) {  // (ok is the same in all threads)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) a.recv_count[e] = 0;
+    publish_recv_counts(a);
+  }
 
   if (ok) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -134,6 +154,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       for (int e = threadIdx.x; e < E; e += blockDim.x) a.recv_count[e] = expert_rows[e];
       for (int s = threadIdx.x; s < P; s += blockDim.x) a.recv_msgs[s] = fits ? src_start[s + 1] - src_start[s] : 0;
       if (kContiguous && threadIdx.x == 0) *a.total_rows = fits ? total_rows : 0;
+      if (!kContiguous && a.rows_ready) publish_recv_counts(a);
     }
 
     if (kContiguous) {
@@ -222,6 +243,12 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
               a.recv_scales[(size_t(re) * kb_count + kb) * a.max_m + rm] = ld.sc[u];
           }
         }
+      }
+      // This message's rows are in place: each lane with a row releases it to the GEMM (the
+      // warp barrier passes on the other lanes' stores of the row).
+      if (!kContiguous && a.rows_ready && rows) {
+        __syncwarp();
+        if (row >= 0) ptx::red_release_gpu_add(a.rows_ready + e, 1);
       }
       g = g_next;
       s = s_next;

@@ -242,6 +242,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.combine_inbox_bytes = z.combine_inbox_bytes;
   a.parity_mask = peers.double_buffered ? 1 : 0;
   a.self_slab = config.self_slab ? 1 : 0;
+  a.rows_ready = nullptr;  // set per call (dispatch_recv with rows_ready)
   a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);
   a.symmetric = static_cast<uint8_t*>(peers.symmetric);
   a.peer_dispatch = reinterpret_cast<uint8_t* const*>(m.peer_table);
@@ -319,6 +320,23 @@ void EpBuffer::dispatch_recv(cudaStream_t stream) {
                            "(call normal_dispatch_recv)", m.rank));
   PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
   launch_dispatch_recv(m.args, false, m.num_ctas, stream);
+}
+
+void EpBuffer::dispatch_recv(cudaStream_t stream, int32_t* rows_ready, int num_ctas) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(m.config.mode == EpMode::kLowLatency,
+               fmtr("EP rank {}: dispatch_recv needs a low-latency buffer; this one is normal mode "
+                    "(call normal_dispatch_recv)", m.rank));
+  MOEKIT_CHECK(rows_ready != nullptr && reinterpret_cast<uintptr_t>(rows_ready) % 4 == 0,
+               fmtr("EP rank {}: dispatch_recv: rows_ready must be a device array of {} ints, got {}", m.rank,
+                    m.config.slots_per_rank() + (m.config.self_slab ? 1 : 0) + 2,
+                    rows_ready ? "a misaligned pointer" : "null"));
+  MOEKIT_CHECK(num_ctas >= 1 && num_ctas <= m.num_ctas,
+               fmtr("EP rank {}: dispatch_recv: num_ctas = {}, expected 1..{}", m.rank, num_ctas, m.num_ctas));
+  PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
+  EpArgs args = m.args;
+  args.rows_ready = rows_ready;
+  launch_dispatch_recv(args, false, num_ctas, stream);
 }
 
 void EpBuffer::normal_dispatch_recv(cudaStream_t stream) {

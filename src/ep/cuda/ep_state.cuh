@@ -62,6 +62,7 @@ struct EpArgs {
   int pdl;                      // launched as programmatic dependent launches (EpBuffer::set_overlap)
   int self_slab;                // EpConfig::self_slab: the send also fills masked slab E_loc with own tokens
   unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
+  int32_t* rows_ready;          // dispatch_recv's hand-off to a running GEMM (ep.h), or null
 
   uint8_t* symmetric;
   uint8_t* const* peer_dispatch;  // [P]

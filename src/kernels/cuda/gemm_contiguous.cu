@@ -90,11 +90,13 @@ void ContiguousGemm::run(cudaStream_t stream) const { impl_->run(stream); }
 void ContiguousGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 
 void ContiguousGemm::set_overlap(Overlap overlap) {
-  MOEKIT_CHECK(overlap != Overlap::kPreviousKernelStaticWeights && overlap != Overlap::kPreviousGemmPerExpert,
-               std::string("contiguous GEMM: ") +
-                   (overlap == Overlap::kPreviousGemmPerExpert ? "kPreviousGemmPerExpert" : "kPreviousKernelStaticWeights") +
-                   " needs the masked layout (the schedule of the contiguous layout depends on row_expert, which "
-                   "the previous kernel may write)");
+  const char* name = overlap == Overlap::kPreviousKernelStaticWeights ? "kPreviousKernelStaticWeights"
+                     : overlap == Overlap::kPreviousGemmPerExpert       ? "kPreviousGemmPerExpert"
+                     : overlap == Overlap::kDispatchPerExpert           ? "kDispatchPerExpert"
+                                                                        : nullptr;
+  MOEKIT_CHECK(name == nullptr, std::string("contiguous GEMM: ") + (name ? name : "") +
+                                    " needs the masked layout (the schedule of the contiguous layout depends on "
+                                    "row_expert, which the previous kernel may write)");
   impl_->set_overlap(overlap);
 }
 

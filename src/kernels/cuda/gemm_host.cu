@@ -181,7 +181,8 @@ void PlanCore::set_overlap(Overlap overlap) {
   args.flags = overlap == Overlap::kNone                        ? 0
                : overlap == Overlap::kPreviousKernel            ? kFlagPdl
                : overlap == Overlap::kPreviousKernelStaticWeights ? kFlagPdl | kFlagEarlyWeights
-                                                                : kFlagPdl | kFlagEarlyWeights | kFlagExpertReady;
+               : overlap == Overlap::kPreviousGemmPerExpert     ? kFlagPdl | kFlagEarlyWeights | kFlagExpertReady
+                                                                : kFlagPdl | kFlagEarlyWeights | kFlagExpertReady | kFlagRowsReady;
 }
 
 void SplitWorkspace::allocate(size_t slots, int splits, int tile_elems) {

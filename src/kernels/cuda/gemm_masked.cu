@@ -148,6 +148,9 @@ void MaskedGemm::set_overlap(Overlap overlap) {
   MOEKIT_CHECK(overlap != Overlap::kPreviousGemmPerExpert || impl_->args.ready_in != nullptr,
                "masked GEMM: kPreviousGemmPerExpert needs ready_in (the previous GEMM's ready_out counters); "
                "this plan has none");
+  MOEKIT_CHECK(overlap != Overlap::kDispatchPerExpert || impl_->args.ready_in != nullptr,
+               "masked GEMM: kDispatchPerExpert needs ready_in (the counters the dispatch receive fills, "
+               "EpBuffer::dispatch_recv's rows_ready); this plan has none");
   impl_->set_overlap(overlap);
 }
 

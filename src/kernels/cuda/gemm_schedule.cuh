@@ -35,6 +35,7 @@ struct KernelArgs {
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
   int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
   int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
+                             // (+ kFlagRowsReady: [E + 2])
 };
 
 // Programmatic dependent launch: this kernel may start while the previous kernel on the stream
@@ -49,6 +50,12 @@ constexpr int kFlagEarlyWeights = 2;
 // (ready_out = this kernel's ready_in), so the producer waits for each expert's rows, not for the
 // previous kernel's grid: experts the previous GEMM has finished stream while it finishes the rest.
 constexpr int kFlagExpertReady = 4;
+// With kFlagPdl | kFlagEarlyWeights | kFlagExpertReady: the previous kernel is the EP dispatch
+// receive (ep.h EpBuffer::dispatch_recv with rows_ready), which counts rows, not 64-column units:
+// ready_in[E + 1] turns nonzero once masked_m is final, and ready_in[e] then reaches masked_m[e]
+// when expert e's rows and scales have landed. The schedule waits for the first (it reads
+// masked_m), each expert's loads for the second; the weights need neither.
+constexpr int kFlagRowsReady = 8;
 
 // Per-expert readiness between two masked GEMMs of one step (GEMM1 -> GEMM2 of a decode step).
 // The counter of expert e counts units of 64 output columns x 1 row: every stored tile of the
@@ -63,14 +70,16 @@ constexpr int kFlagExpertReady = 4;
 // this runs (this kernel is launched only once every CTA of it has started, PDL), so the wait
 // ends; a counter that never gets there (a caller pairing GEMMs wrongly) traps after ~10 s
 // instead of hanging the stream.
-__device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
-  const int target = (args.k / 64) * m_valid;
+__device__ __forceinline__ void ready_wait(const int* counter, int target) {
   const long long start = clock64();
-  while (ptx::ld_acquire_gpu(args.ready_in + e) < target) {
+  while (ptx::ld_acquire_gpu(counter) < target) {
     if (clock64() - start > (1ll << 34)) __trap();
     __nanosleep(32);
   }
   ptx::fence_proxy_async_global();
+}
+__device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
+  ready_wait(args.ready_in + e, (args.flags & kFlagRowsReady) ? m_valid : (args.k / 64) * m_valid);
 }
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
@@ -217,8 +226,19 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
     __syncthreads();
     return (args.rows / kBlockT) * num_w_blocks * args.num_splits;
   } else {
+    // kFlagRowsReady: masked_m is being written by the receive that runs beside this kernel;
+    // thread 0 waits until it is final and the barrier passes that on (and the loads below go to
+    // the L2, where the receive's stores are, not through the non-coherent path).
+    // Its stage clock starts here: until then the CTA only holds its SM.
+    if (args.flags & kFlagRowsReady) {
+      if (threadIdx.x == 0) {
+        ready_wait(args.ready_in + args.num_experts + 1, 1);
+        stamp_start(args.stamp);
+      }
+      __syncthreads();
+    }
     for (int e = threadIdx.x; e < args.num_experts; e += blockDim.x) {
-      const int m = min(max(__ldg(args.masked_m + e), 0), args.rows);
+      const int m = min(max(__ldcg(args.masked_m + e), 0), args.rows);
       m_of[e] = m;
       prefix[e + 1] = num_w_blocks * ((m + kBlockT - 1) / kBlockT) * args.num_splits;
     }
@@ -269,7 +289,7 @@ __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_we
     ptx::launch_dependents();
   }
   if (threadIdx.x == 0) {
-    stamp_start(args.stamp);
+    if (!(args.flags & kFlagRowsReady)) stamp_start(args.stamp);  // (else once its schedule is known)
     for (int s = 0; s < args.num_stages; ++s) {
       ptx::mbar_init(&full[s], full_arrivals);
       ptx::mbar_init(&empty[s], empty_arrivals);
@@ -377,7 +397,8 @@ __device__ __forceinline__ void expert_ready_reset(const KernelArgs& args, int m
   if (mtid == 0) *last_flag = atomicAdd(args.ready_in + args.num_experts, 1) == int(gridDim.x) - 1;
   math_barrier<kMathThreads>();
   if (!*last_flag) return;
-  for (int e = mtid; e <= args.num_experts; e += kMathThreads) args.ready_in[e] = 0;
+  const int last = args.num_experts + ((args.flags & kFlagRowsReady) ? 1 : 0);  // the published word too
+  for (int e = mtid; e <= last; e += kMathThreads) args.ready_in[e] = 0;
 }
 
 }  // namespace moekit::gemm_detail

@@ -228,6 +228,16 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.expert_ready = s.alloc<int32_t>(slabs + 1);
     MOEKIT_CUDA_CHECK(cudaMemset(s.expert_ready, 0, sizeof(int32_t) * (slabs + 1)));
   }
+  // GEMM1 takes each expert's rows from the receive as they land. The receive counts the EP
+  // buffer's slabs, so GEMM1's experts must be exactly those (a self slab only when merged).
+  if (s.fused && !s.mxfp4 && config.recv_ready && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0)) {
+    const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
+    MOEKIT_CHECK(config.recv_ctas >= 1,
+                 fmtr("rank {}: GpuLayerConfig::recv_ctas = {}, expected >= 1", s.rank, config.recv_ctas));
+    s.recv_ctas = std::min(config.recv_ctas, ep_ctas);
+    s.recv_ready = s.alloc<int32_t>(slabs + 2);
+    MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
+  }
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
   s.y = s.alloc<uint16_t>(total_rows * s.d);
@@ -270,16 +280,17 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1, format};
   const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max), GemmEpilogue::kBf16, format};
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
-                             s.act_scales, s.w1_mx, s.b1, s.expert_ready, nullptr};
+                             s.act_scales, s.w1_mx, s.b1, s.expert_ready, s.recv_ready};
   const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
                              nullptr, nullptr,      s.w2_mx, s.b2,  nullptr,         s.expert_ready};
   if (s.decode) {
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
-    // GEMM1 starts under the receive kernel's tail; GEMM2's weights (static) start streaming
+    // GEMM1 starts under the receive kernel's tail (with recv_ready: beside the receive, taking
+    // each expert as its rows land); GEMM2's weights (static) start streaming
     // under the activation kernel, or under GEMM1 itself in the fused pipeline (docs/gemm.md: the
     // decode-step overlap).
-    s.gemm1->set_overlap(Overlap::kPreviousKernel);
+    s.gemm1->set_overlap(s.recv_ready ? Overlap::kDispatchPerExpert : Overlap::kPreviousKernel);
     s.gemm2->set_overlap(s.expert_ready ? Overlap::kPreviousGemmPerExpert : Overlap::kPreviousKernelStaticWeights);
   } else {
     s.cgemm1 = std::make_unique<ContiguousGemm>(
@@ -423,7 +434,8 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
   Impl& s = *impl_;
   MOEKIT_CHECK(s.phase == Impl::Phase::kDispatched, fmtr("rank {}: compute called without a dispatch", s.rank));
   if (s.decode) {
-    s.ep->dispatch_recv(stream);
+    if (s.recv_ready) s.ep->dispatch_recv(stream, s.recv_ready, s.recv_ctas);
+    else s.ep->dispatch_recv(stream);
     s.mark(kRecv, stream);
     s.gemm1->run(stream);
     s.mark(kGemm1, stream);
