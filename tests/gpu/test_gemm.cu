@@ -749,6 +749,16 @@ TEST(GemmGated, BadArgumentsRejected) {
 // left unwritten, and the counters are back at zero after every replay (the waiting GEMM's last CTA
 // resets them). GEMM1 with and without split-K (only the storing split signals), 16- and 32-token
 // tiles, ragged experts and experts without rows.
+// masked_m for replay `replay` of a graph: random rows, expert replay % E empty and the next full.
+std::vector<int32_t> replay_masked_m(int E, int max_m, int replay, std::mt19937& rng) {
+  std::uniform_int_distribution<int> dist(0, max_m);
+  std::vector<int32_t> masked_m(E);
+  for (auto& m : masked_m) m = dist(rng);
+  masked_m[replay % E] = 0;
+  masked_m[(replay + 1) % E] = max_m;
+  return masked_m;
+}
+
 TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
   std::mt19937 rng(2024);
   const int E = 6, inter = 384, d = 512, max_m = 40;
@@ -787,12 +797,8 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
       g1.run(stream);
       g2.run(stream);
     });
-    std::uniform_int_distribution<int> dist(0, max_m);
-    std::vector<int32_t> masked_m(E);
     for (int replay = 0; replay < 4; ++replay) {
-      for (auto& m : masked_m) m = dist(rng);
-      masked_m[replay % E] = 0;
-      masked_m[(replay + 1) % E] = max_m;
+      const std::vector<int32_t> masked_m = replay_masked_m(E, max_m, replay, rng);
       c1.new_activations(rng);
       c1.d_m.upload(masked_m);
       out.poison(0xFF);
@@ -816,6 +822,98 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
       for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
     }
   }
+  cudaStreamDestroy(stream);
+}
+
+// kDispatchPerExpert (the EP receive's hand-off, gemm.h): a one-CTA kernel stands in for the
+// receive. It lets the GEMM be scheduled at once (PDL trigger first), then writes masked_m and
+// publishes it, and copies the experts' rows and scales into the GEMM's inputs one expert at a
+// time, last expert first, with a pause before each, counting each expert's rows in (release).
+// The GEMM, resident meanwhile, must give the bits of a plain run on the same inputs, write
+// nothing past masked_m, and leave all E + 2 counters at zero, replay after replay of one graph.
+__global__ void land_rows_kernel(const uint8_t* a, const float* a_scales, const int32_t* masked_m, uint8_t* a_dst,
+                                 float* a_scales_dst, int32_t* m_dst, int32_t* ready, int E, int max_m, int k) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  for (int e = threadIdx.x; e < E; e += blockDim.x) m_dst[e] = masked_m[e];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicExch(ready + E + 1, 1);
+  }
+  const int kb = k / 128;
+  for (int e = E - 1; e >= 0; --e) {
+    __nanosleep(2000);  // the experts land one by one while the GEMM waits for them
+    const int m = masked_m[e];
+    for (size_t i = threadIdx.x; i < size_t(m) * k; i += blockDim.x) a_dst[size_t(e) * max_m * k + i] = a[size_t(e) * max_m * k + i];
+    for (int i = threadIdx.x; i < kb * m; i += blockDim.x) {
+      const size_t at = (size_t(e) * kb + i / m) * max_m + i % m;
+      a_scales_dst[at] = a_scales[at];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(ready + e, m);
+    }
+  }
+}
+
+TEST(GemmDispatchReady, RowsAsTheyLandEqualAPlainRun) {
+  std::mt19937 rng(77);
+  const int E = 5, n = 256, k = 512, max_m = 40;
+  MaskedCase c({E, n, k, max_m, 8}, rng);
+  DeviceBuffer<uint8_t> a(c.d_a.count);
+  DeviceBuffer<float> a_s(c.d_as.count);
+  DeviceBuffer<int32_t> m(E), ready(E + 2);
+  DeviceBuffer<uint16_t> out(c.d_out.count);
+  MOEKIT_CUDA_CHECK(cudaMemset(ready.ptr, 0, sizeof(int32_t) * (E + 2)));
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const GemmConfig cfg : {forced(true, 16, 1), forced(true, 32, 2), forced(false, 128, 1)}) {
+    MaskedGemmBuffers b{a.ptr, a_s.ptr, c.d_w.ptr, c.d_ws.ptr, m.ptr, out.ptr};
+    b.ready_in = ready.ptr;
+    MaskedGemm g(c.problem, b, &cfg);
+    g.set_overlap(Overlap::kDispatchPerExpert);
+    MaskedGemm plain(c.problem, c.buffers(), &cfg);  // on the staging inputs, after they are written
+    const CapturedGraph graph(stream, [&] {
+      land_rows_kernel<<<1, 256, 0, stream>>>(c.d_a.ptr, c.d_as.ptr, c.d_m.ptr, a.ptr, a_s.ptr, m.ptr, ready.ptr, E,
+                                              max_m, k);
+      MOEKIT_CUDA_CHECK(cudaGetLastError());
+      g.run(stream);
+    });
+    for (int replay = 0; replay < 3; ++replay) {
+      const std::vector<int32_t> masked_m = replay_masked_m(E, max_m, replay, rng);
+      c.new_activations(rng);
+      c.d_m.upload(masked_m);
+      a.poison(0x7F);  // NaN in e4m3: a row read before it landed shows in the output
+      a_s.poison(0x7F);
+      out.poison(0xFF);
+      c.poison();
+      graph.launch(stream);
+      plain.run(stream);
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint16_t> got = out.download(), want = c.d_out.download();
+      long differ = 0, unwritten = 0, past = 0;
+      for (int e = 0; e < E; ++e)
+        for (int r = 0; r < max_m; ++r)
+          for (int j = 0; j < n; ++j) {
+            const size_t i = (size_t(e) * max_m + r) * n + j;
+            if (r < masked_m[e]) {
+              differ += got[i] != want[i];
+              unwritten += got[i] == 0xFFFF;
+            } else {
+              past += got[i] != 0xFFFF;
+            }
+          }
+      const std::string what = cfg.to_string() + " replay " + std::to_string(replay);
+      EXPECT_EQ(differ, 0) << what;
+      EXPECT_EQ(unwritten, 0) << what;
+      EXPECT_EQ(past, 0) << what << ": rows past masked_m written";
+      for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
+    }
+  }
+  // The mode needs the counters.
+  MaskedGemm no_ready(c.problem, c.buffers());
+  EXPECT_THROW(no_ready.set_overlap(Overlap::kDispatchPerExpert), Error);
   cudaStreamDestroy(stream);
 }
 

@@ -72,15 +72,17 @@ __device__ __forceinline__ void load_message(const EpArgs& a, const uint8_t* msg
 }
 
 // The hand-off to a GEMM running beside the receive (a.rows_ready, ep.h): by every thread of
-// CTA 0 once recv_count is written. The barrier passes on the CTA's writes (and the acquire of
-// this rank's own flag, behind which the send wrote the self slab), thread 0's releases publish
-// them: the self slab's rows count as landed at once, then the word the GEMM's schedule waits for.
-__device__ __forceinline__ void publish_recv_counts(const EpArgs& a) {
+// CTA 0 once recv_count is written; self_rows is thread 0's recv_count[E_loc] (the send's T).
+// The barrier passes on the CTA's writes (and the acquire of this rank's own flag, behind which
+// the send wrote the self slab); thread 0's one fence makes both adds releases: the self slab's
+// rows count as landed at once, and the word the GEMM's schedule waits for is raised.
+__device__ __forceinline__ void publish_recv_counts(const EpArgs& a, int self_rows) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   const int E = a.local_experts;
-  if (a.self_slab) ptx::red_release_gpu_add(a.rows_ready + E, __ldcg(a.recv_count + E));
-  ptx::red_release_gpu_add(a.rows_ready + E + a.self_slab + 1, 1);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if (a.self_slab) atomicAdd(a.rows_ready + E, self_rows);
+  atomicAdd(a.rows_ready + E + a.self_slab + 1, 1);
 }
 
 template <bool kContiguous>
@@ -106,9 +108,12 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
     src_start[s + 1] = int(uint32_t(flag));
   }
   __syncthreads();
-  if (!kContiguous && !ok && a.rows_ready && blockIdx.x == 0) {  // (ok is the same in all threads)
+  // The self slab's count for the hand-off, loaded now so that its round trip overlaps the table's.
+  const bool hand_off = !kContiguous && a.rows_ready && blockIdx.x == 0;
+  const int self_rows = hand_off && a.self_slab && threadIdx.x == 0 ? __ldcg(a.recv_count + E) : 0;
+  if (hand_off && !ok) {  // (ok is the same in all threads)
     for (int e = threadIdx.x; e < E; e += blockDim.x) a.recv_count[e] = 0;
-    publish_recv_counts(a);
+    publish_recv_counts(a, self_rows);
   }
 
   if (ok) {
@@ -154,7 +159,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       for (int e = threadIdx.x; e < E; e += blockDim.x) a.recv_count[e] = expert_rows[e];
       for (int s = threadIdx.x; s < P; s += blockDim.x) a.recv_msgs[s] = fits ? src_start[s + 1] - src_start[s] : 0;
       if (kContiguous && threadIdx.x == 0) *a.total_rows = fits ? total_rows : 0;
-      if (!kContiguous && a.rows_ready) publish_recv_counts(a);
+      if (hand_off) publish_recv_counts(a, self_rows);
     }
 
     if (kContiguous) {
