@@ -4,10 +4,13 @@
 // including communication".
 //
 //   bench_layer_multi [--model deepseek-v3] [--batch 8,64,256,1024] [--layers 4] [--iters 30]
-//                     [--ranks P] [--gpu h200] [--pipeline staged|fused] [--no-tbo] [--quick] [--json FILE]
+//                     [--ranks P] [--gpu h200] [--pipeline staged|fused] [--recv-ready 0|1] [--no-tbo]
+//                     [--quick] [--json FILE]
 //
 // --pipeline: the per-batch layers' decode pipeline (GpuLayerConfig::pipeline); run the bench once
-// per pipeline in one call to compare them on the same GPUs.
+// per pipeline in one call to compare them on the same GPUs. --recv-ready 0: fused layers whose
+// GEMM1 waits for the dispatch receive's grid instead of taking each expert's rows as they land
+// (GpuLayerConfig::recv_ready, on by default).
 //
 // Weights are random FP8 bytes of the real shapes (bench_common.h, as bench_layer makes them), made
 // in memory once by this process, which never touches CUDA, and shared by the rank processes that
@@ -147,7 +150,7 @@ struct Options {
   std::string model = "deepseek-v3", gpu = "h200", json;
   std::vector<int> batches = {8, 64, 256, 1024};
   int layers = 4, iters = 30, ranks = 0;
-  bool tbo = true, quick = false;
+  bool tbo = true, quick = false, recv_ready = true;
   gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged;
 };
 
@@ -307,6 +310,7 @@ int run_rank(const gpu::EpProcessGroup& g, Args& a) {
     gpu::GpuLayerConfig c;
     c.max_tokens = t_max;
     c.pipeline = tbo ? gpu::GpuPipeline::kStaged : opt.pipeline;
+    c.recv_ready = opt.recv_ready;
     return c;
   };
 
@@ -623,7 +627,8 @@ void write_json(const std::string& path, const Args& a, int P, const std::vector
     return os.str();
   };
   js << "{\"bench\": \"layer_multi\", \"pipeline\": \"" << gpu::gpu_pipeline_name(a.opt.pipeline)
-     << "\", \"device\": \"" << sh.info[0].device << "\", \"model\": \"" << a.model.name
+     << "\", \"recv_ready\": " << (a.opt.recv_ready ? "true" : "false")
+     << ", \"device\": \"" << sh.info[0].device << "\", \"model\": \"" << a.model.name
      << "\", \"ranks\": " << P << ", \"transport\": \"nvlink\", \"layers\": " << a.opt.layers
      << ", \"slots\": " << a.placement.num_slots << ", \"iters\": " << a.opt.iters
      << ", \"copy_bw\": " << per_rank([&](int r) { return sh.info[r].copy_bw; })
@@ -727,6 +732,11 @@ int main(int argc, char** argv) try {
       const std::string v = next();
       MOEKIT_CHECK(v == "staged" || v == "fused", "--pipeline '" + v + "': expected staged or fused");
       opt.pipeline = v == "fused" ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;
+    }
+    else if (arg == "--recv-ready") {
+      const std::string v = next();
+      MOEKIT_CHECK(v == "0" || v == "1", "--recv-ready '" + v + "': expected 0 or 1");
+      opt.recv_ready = v == "1";
     }
     else if (arg == "--quick") opt.quick = true;
     else if (arg == "--json") opt.json = next();
