@@ -730,7 +730,9 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
      << ", \"rank\": 0, \"copy_bw\": " << copy_bw << ", \"fp8_flops\": " << kFp8Flops
      << ", \"fp8_flops_source\": \"docs/results.md §Reference rates of the H200 (FP8 GEMM measured on an "
         "H200), not measured in this run\""
-     << ", \"iters\": " << opt.iters
+     << ", \"iters\": " << opt.iters << ", \"expert_ready\": " << (opt.expert_ready ? "true" : "false")
+     << ", \"merge_shared\": " << (opt.merge_shared ? "true" : "false")
+     << ", \"recv_ready\": " << (opt.recv_ready ? "true" : "false") << ", \"recv_ctas\": " << opt.recv_ctas
      << ", \"timing\": \"rank 0's kernels only: event-record nodes inside one CUDA Graph per segment of layers, "
         "rank 0's two intervals per layer (dispatch + compute, combine) added; step = median over replays of the "
         "sum over layers, layer = median over layers and replays\""
