@@ -121,6 +121,8 @@ struct GpuLayerConfig {
   // (ep.h dispatch_recv with rows_ready, gemm.h kDispatchPerExpert): the receive runs on recv_ctas
   // CTAs (at most the EpBuffer's), and GEMM1's CTAs hold the other SMs meanwhile, with their
   // schedule computed and their first weights loaded. False: GEMM1 waits for the receive's grid.
+  // (Not taken by MXFP4 layers, nor where merge_shared is off but the EpBuffer has a self slab:
+  // the receive counts the buffer's slabs, which must be GEMM1's experts.)
   bool recv_ready = true;
   int recv_ctas = 16;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
