@@ -743,12 +743,6 @@ TEST(GemmGated, BadArgumentsRejected) {
   EXPECT_NE(message(p, b, &cluster).find("cluster = 1 for the SiLU"), std::string::npos);
 }
 
-// GEMM1 (gated, signalling each stored tile) -> GEMM2 (waiting per expert, PDL) as a decode step
-// runs them, captured once and replayed with new masked_m and activations: GEMM2's output equals,
-// byte for byte, the same GEMM2 config run after the whole of GEMM1 had finished, no real row is
-// left unwritten, and the counters are back at zero after every replay (the waiting GEMM's last CTA
-// resets them). GEMM1 with and without split-K (only the storing split signals), 16- and 32-token
-// tiles, ragged experts and experts without rows.
 // masked_m for replay `replay` of a graph: random rows, expert replay % E empty and the next full.
 std::vector<int32_t> replay_masked_m(int E, int max_m, int replay, std::mt19937& rng) {
   std::uniform_int_distribution<int> dist(0, max_m);
@@ -759,6 +753,12 @@ std::vector<int32_t> replay_masked_m(int E, int max_m, int replay, std::mt19937&
   return masked_m;
 }
 
+// GEMM1 (gated, signalling each stored tile) -> GEMM2 (waiting per expert, PDL) as a decode step
+// runs them, captured once and replayed with new masked_m and activations: GEMM2's output equals,
+// byte for byte, the same GEMM2 config run after the whole of GEMM1 had finished, no real row is
+// left unwritten, and the counters are back at zero after every replay (the waiting GEMM's last CTA
+// resets them). GEMM1 with and without split-K (only the storing split signals), 16- and 32-token
+// tiles, ragged experts and experts without rows.
 TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
   std::mt19937 rng(2024);
   const int E = 6, inter = 384, d = 512, max_m = 40;

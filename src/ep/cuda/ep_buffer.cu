@@ -313,30 +313,32 @@ void EpBuffer::dispatch_send(const uint16_t* x, const int32_t* topk_idx, const f
   if (m.exchange) m.exchange->after_dispatch_send(stream);
 }
 
-void EpBuffer::dispatch_recv(cudaStream_t stream) {
-  Impl& m = *impl_;
-  MOEKIT_CHECK(m.config.mode == EpMode::kLowLatency,
-               fmtr("EP rank {}: dispatch_recv needs a low-latency buffer; this one is normal mode "
-                           "(call normal_dispatch_recv)", m.rank));
-  PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
-  launch_dispatch_recv(m.args, false, m.num_ctas, stream);
-}
+namespace {
 
-void EpBuffer::dispatch_recv(cudaStream_t stream, int32_t* rows_ready, int num_ctas) {
-  Impl& m = *impl_;
+// Both low-latency receives: the mode and the phase, then the kernel (rows_ready null: no hand-off).
+void launch_low_latency_recv(EpBuffer::Impl& m, int32_t* rows_ready, int num_ctas, cudaStream_t stream) {
   MOEKIT_CHECK(m.config.mode == EpMode::kLowLatency,
                fmtr("EP rank {}: dispatch_recv needs a low-latency buffer; this one is normal mode "
                     "(call normal_dispatch_recv)", m.rank));
+  PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
+  EpArgs args = m.args;
+  args.rows_ready = rows_ready;
+  launch_dispatch_recv(args, false, num_ctas, stream);
+}
+
+}  // namespace
+
+void EpBuffer::dispatch_recv(cudaStream_t stream) { launch_low_latency_recv(*impl_, nullptr, impl_->num_ctas, stream); }
+
+void EpBuffer::dispatch_recv(cudaStream_t stream, int32_t* rows_ready, int num_ctas) {
+  Impl& m = *impl_;
   MOEKIT_CHECK(rows_ready != nullptr && reinterpret_cast<uintptr_t>(rows_ready) % 4 == 0,
                fmtr("EP rank {}: dispatch_recv: rows_ready must be a device array of {} ints, got {}", m.rank,
                     m.config.slots_per_rank() + (m.config.self_slab ? 1 : 0) + 2,
                     rows_ready ? "a misaligned pointer" : "null"));
   MOEKIT_CHECK(num_ctas >= 1 && num_ctas <= m.num_ctas,
                fmtr("EP rank {}: dispatch_recv: num_ctas = {}, expected 1..{}", m.rank, num_ctas, m.num_ctas));
-  PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
-  EpArgs args = m.args;
-  args.rows_ready = rows_ready;
-  launch_dispatch_recv(args, false, num_ctas, stream);
+  launch_low_latency_recv(m, rows_ready, num_ctas, stream);
 }
 
 void EpBuffer::normal_dispatch_recv(cudaStream_t stream) {
