@@ -18,13 +18,15 @@
 // bytes; shapes are one EP8 rank of DeepSeek-V3 (33 experts with the shared one, GEMM1 N 4096
 // K 7168, GEMM2 N 7168 K 2048). Then the masked GEMMs themselves on the same bytes (below).
 //
-// Usage: bench_stream [--json PATH]
+// Usage: bench_stream [--json PATH] [--wide-only]   (--wide-only: the copy and the 256-row
+// swap-AB section, wide_swap_gemm2, only)
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cuda/gemm_host.cuh"
@@ -193,15 +195,83 @@ void decode_splits(uint8_t* const* w, Time&& time, Report&& report) {
   }
 }
 
+// GEMM2 (BF16 output, K = 2048 and 1024) with swap-AB tiles of 128 and of 256 weight rows, on
+// the routing patterns of one EP8 rank at B = 8, 64 and 256 (uniform routing, the shared expert
+// last with the rank's own tokens) and on the MISSION problem (8 DeepSeek-V3 experts, 5 and 16
+// rows each), and the heuristic's pick: what the 256-row tile buys where a tile of short K
+// spends much of its time on per-tile work.
+template <class Time, class Report>
+void wide_swap_gemm2(uint8_t* const* w, Time&& time, Report&& report) {
+  struct Shape {
+    const char* name;
+    int e, n, k;
+  };
+  const int m_max = 64;
+  for (const Shape& s : {Shape{"DeepSeek-V3", 33, 7168, 2048}, Shape{"Qwen3.5", 65, 4096, 1024},
+                         Shape{"MISSION problem", 8, 7168, 2048}}) {
+    const int E = s.e, R = E - 1;  // EP8 ranks: R routed slabs, the shared one last
+    uint8_t* act;
+    float *acts, *ws;
+    uint16_t* out;
+    int32_t* m;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&act, size_t(E) * m_max * s.k));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&acts, sizeof(float) * E * (s.k / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&ws, sizeof(float) * E * (s.n / 128) * (s.k / 128)));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * E * m_max * s.n));
+    MOEKIT_CUDA_CHECK(cudaMalloc(&m, sizeof(int32_t) * E));
+    MOEKIT_CUDA_CHECK(cudaMemset(act, 0x11, size_t(E) * m_max * s.k));
+    MOEKIT_CUDA_CHECK(cudaMemset(acts, 0, sizeof(float) * E * (s.k / 128) * m_max));
+    MOEKIT_CUDA_CHECK(cudaMemset(ws, 0, sizeof(float) * E * (s.n / 128) * (s.k / 128)));
+    std::printf("GEMM2, %s shapes (E = %d, N %d, K %d), swap-AB tiles of 128 and 256 weight rows:\n", s.name, E, s.n,
+                s.k);
+    // (pattern name, masked_m, expected_m as the layer would pass it)
+    std::vector<std::tuple<std::string, std::vector<int32_t>, int>> patterns;
+    if (E == 8) {
+      patterns.push_back({"all 16 rows", std::vector<int32_t>(E, 16), 16});
+      patterns.push_back({"all 5 rows", std::vector<int32_t>(E, 5), 5});
+    } else {
+      for (int batch : {8, 64, 256}) {
+        // This rank's routed rows (batch · top-k / 8) spread evenly over its slabs, the shared slab
+        // with the rank's own batch / 8 tokens.
+        const int routed_rows = batch * (R == 32 ? 8 : 10) / 8;
+        std::vector<int32_t> mm(E, 0);
+        for (int i = 0; i < routed_rows; ++i) mm[(i * 7) % R] += 1;  // a stride that visits every slab
+        mm[E - 1] = std::max(1, batch / 8);
+        patterns.push_back({"B = " + std::to_string(batch) + " pattern", mm, upper_typical_rows(routed_rows, R)});
+      }
+    }
+    for (const auto& [pattern, mm, expected] : patterns) {
+      int hit = 0, most = 0;
+      for (int v : mm) hit += v > 0, most = std::max(most, v);
+      MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+      const double mb = double(hit) * s.n * s.k / 1e6;
+      const MaskedGemmProblem p{E, s.n, s.k, m_max, expected};
+      const int block_m = most <= 16 ? 16 : most <= 32 ? 32 : 64;
+      for (int block_n : {128, 256, 0}) {
+        GemmConfig c{};
+        c.swap_ab = true, c.block_m = block_m, c.block_n = block_n;
+        const std::string name = std::string(s.name) + " GEMM2, " + pattern + " (" + std::to_string(hit) + " hit), " +
+                                 (block_n ? std::to_string(block_n) + "-row tiles" : std::string("heuristic"));
+        MaskedGemm g0(p, {act, acts, w[0], ws, m, out}, block_n ? &c : nullptr);
+        MaskedGemm g1(p, {act, acts, w[1], ws, m, out}, block_n ? &c : nullptr);
+        report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb, g0.config().to_string());
+      }
+    }
+    for (void* q : {(void*)act, (void*)acts, (void*)ws, (void*)out, (void*)m}) cudaFree(q);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json_path;
+  bool wide_only = false;  // --wide-only: the copy and wide_swap_gemm2's section only
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
     if (s == "--json" && i + 1 < argc) json_path = argv[++i];
+    else if (s == "--wide-only") wide_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_stream [--json PATH]\n");
+      std::fprintf(stderr, "usage: bench_stream [--json PATH] [--wide-only]\n");
       return s == "--help" ? 0 : 2;
     }
   }
@@ -240,7 +310,8 @@ int main(int argc, char** argv) {
   const double copy_tbs = double(bytes) / (copy_ms * 1e-3) / 1e12;
   std::printf("device: %d SMs; copy %.3f TB/s (read + write of %.0f MB)\n", num_sms, copy_tbs, bytes / 2 / 1e6);
 
-  std::vector<Pattern> patterns = {
+  std::vector<Pattern> patterns;
+  if (!wide_only) patterns = {
       {"box K 7168, static, 12 stages", false, false, 1, 12, k1},
       {"box K 7168, static, 6 stages", false, false, 1, 6, k1},
       {"box K 7168, dynamic, 12 stages", false, true, 1, 12, k1},
@@ -267,6 +338,7 @@ int main(int argc, char** argv) {
   // bytes it keeps in flight, and what a round that leaves SMs idle streams.
   for (int tiles : {48, 96, 132})
     for (int stages : {3, 6})
+      if (!wide_only)
       patterns.push_back({"gated " + std::to_string(tiles) + " tiles, " + std::to_string(stages) + " stages", false,
                           false, 2, stages, k1, tiles});
   // One line per measurement, and one JSON object in "runs" (config: the GEMM's, or empty).
@@ -324,7 +396,7 @@ int main(int argc, char** argv) {
   // K 7168) and GEMM2 (N 7168, K 2048) of one EP8 rank of DeepSeek-V3 at B = 256: 32 routed experts
   // with 8 rows and the shared expert with 32 (two 16-token blocks: 544 GEMM1 tiles), or every
   // expert with 8 rows (528 tiles, 4 per SM exactly); GEMM1 also with forced split-K.
-  {
+  if (!wide_only) {
     const int m_max = 256;
     uint8_t *a1, *act;
     float *as1, *ws1, *acts, *ws2;
@@ -382,7 +454,8 @@ int main(int argc, char** argv) {
     for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
       cudaFree(q);
   }
-  decode_splits(w, time, report);
+  if (!wide_only) decode_splits(w, time, report);
+  wide_swap_gemm2(w, time, report);
   js += "]}\n";
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");

@@ -169,7 +169,9 @@ class EpBuffer {
   // slabs = E_loc, + 1 with self_slab. Once recv_count is final the receive sets the self slab's
   // count to recv_count[E_loc] and raises rows_ready[slabs + 1] (release); then after each
   // message it adds 1 to rows_ready[e] per row of expert e it stored (release). After a timeout
-  // recv_count is 0 for every routed expert, so nothing waits for rows that will not come.
+  // recv_count is 0 for every routed expert, and every CTA that timed out sets gemm.h's
+  // kRowsReadyAbort in rows_ready[slabs + 1] (its peers may have published real counts), so nothing
+  // waits for rows that will not come; the counters are then the caller's to zero again.
   // rows_ready[slabs] is the consumer's own (its CTA count). num_ctas: the receive's grid,
   // 1..EpConfig::num_ctas; the SMs it leaves free take the consumer's CTAs while it copies.
   void dispatch_recv(cudaStream_t stream, int32_t* rows_ready, int num_ctas);

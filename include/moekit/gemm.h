@@ -74,7 +74,9 @@
 // receive has published it (ready_in[E_loc + 1] nonzero), loads its first ring of weights, and
 // loads each expert's rows once ready_in[e] has counted masked_m[e] of them; its last CTA zeroes
 // all E_loc + 2 counters. The receive must leave SMs free (its num_ctas) for the GEMM's CTAs to
-// be resident while it copies.
+// be resident while it copies. A receive CTA that times out sets kRowsReadyAbort in
+// ready_in[E_loc + 1]: the GEMM then stops waiting for rows (its output is not meaningful, and
+// the receive's fault record names the peer), so a timeout never leaves the GEMM spinning.
 //
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
 // that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
@@ -96,7 +98,8 @@ struct GemmConfig {
   bool swap_ab = false;  // weights on the MMA's M side, tokens on its N side (small M_e)
   int block_m = 0;       // tokens per tile (MMA N when swap_ab, else 64 · math warpgroups)
   int block_n = 0;       // weight rows (output columns) per tile: 128; 64 (masked swap-AB, 16 tokens);
-                         // 256 (contiguous, block_m 128, one CTA, no split-K: fewer stage bytes per FLOP)
+                         // 256 (contiguous, block_m 128, one CTA, no split-K: fewer stage bytes per FLOP;
+                         // masked swap-AB up to 64 tokens, BF16 output, N a multiple of 256: two 128-row slabs)
   int num_stages = 0;    // shared-memory pipeline depth
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
   int num_ctas = 0;      // persistent grid size (a multiple of cluster)
@@ -109,6 +112,10 @@ struct GemmConfig {
 };
 
 enum class Overlap { kNone, kPreviousKernel, kPreviousKernelStaticWeights, kPreviousGemmPerExpert, kDispatchPerExpert };
+
+// kDispatchPerExpert: the bit of the published word (ready_in[E_loc + 1]) a timed-out producer
+// sets; the publication itself is the word's low bits.
+constexpr int32_t kRowsReadyAbort = 1 << 30;
 
 enum class GemmEpilogue { kBf16, kSiluMulFp8 };
 

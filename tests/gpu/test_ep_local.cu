@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "moekit/ep_cpu.h"
+#include "moekit/gemm.h"
 #include "test_ep_reference.h"
 
 using namespace ep_test;
@@ -160,7 +161,7 @@ TEST(EpSelfSlab, OwnTokensInSlabELoc) {
 // outputs are those of the plain receive; the published word and every slab's row count (the self
 // slab's included) are what a GEMM waits for; a receive on a few CTAs (several messages per warp)
 // counts each row once. A silent peer: the receive times out as before, with recv_count 0 for the
-// routed experts and the word still published, so that a waiting GEMM ends.
+// routed experts, the word still published and the abort bit raised, so that a waiting GEMM ends.
 TEST(EpRowsReady, CountsEveryRowAndPublishesTheCounts) {
   EpConfig c = make_config({4, 24, 512, 16, 4});
   c.self_slab = true;
@@ -217,7 +218,7 @@ TEST(EpRowsReady, CountsEveryRowAndPublishesTheCounts) {
   const auto got = to_host(ready_of(1), size_t(E) + 3);
   for (int e = 0; e < E; ++e) EXPECT_EQ(count[e], 0) << "expert " << e << " after the timeout";
   EXPECT_EQ(count[E], 4) << "the self slab holds the rank's own tokens";
-  EXPECT_EQ(got[E + 2], 1) << "published after the timeout";
+  EXPECT_EQ(got[E + 2], 1 | moekit::kRowsReadyAbort) << "published, and the abort raised, after the timeout";
   // Bad arguments name their value before any kernel runs.
   auto rejects = [&](int32_t* rr, int ctas, const char* what) {
     try {

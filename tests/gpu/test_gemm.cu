@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -167,6 +168,35 @@ void expect_good(const ErrorStats& st, double tol, const std::string& what) {
 }
 
 
+// masked_m for replay `replay` of a graph: random rows, expert replay % E empty and the next full.
+std::vector<int32_t> replay_masked_m(int E, int max_m, int replay, std::mt19937& rng) {
+  std::uniform_int_distribution<int> dist(0, max_m);
+  std::vector<int32_t> masked_m(E);
+  for (auto& m : masked_m) m = dist(rng);
+  masked_m[replay % E] = 0;
+  masked_m[(replay + 1) % E] = max_m;
+  return masked_m;
+}
+
+// One plan of `cfg` captured in a graph and replayed three times, each with new masked_m (one
+// expert empty, one full) and new activations, every output checked.
+void expect_graph_replays(MaskedCase& c, const GemmConfig& cfg, std::mt19937& rng, const std::string& what) {
+  MaskedGemm gemm(c.problem, c.buffers(), &cfg);
+  cudaStream_t stream;
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const CapturedGraph graph(stream, [&] { gemm.run(stream); });
+  for (int replay = 0; replay < 3; ++replay) {
+    const std::vector<int32_t> m = replay_masked_m(c.problem.num_experts, c.problem.max_m, replay, rng);
+    c.new_activations(rng);
+    c.d_m.upload(m);
+    c.poison();
+    graph.launch(stream);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    expect_good(c.check(m), 3e-3, what + " " + std::to_string(replay));
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST(GemmMasked, EveryTilePath) {
   std::mt19937 rng(1234);
   // M_max not a multiple of any block: the last token block of a full expert is partial.
@@ -250,24 +280,47 @@ TEST(GemmMasked, NormalTilesRaggedExperts) {
     EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string();
     c.new_activations(rng);
   }
-  c.d_m.upload(masked_m);
-  MaskedGemm gemm(c.problem, c.buffers(), &wide);
-  cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const CapturedGraph graph(stream, [&] { gemm.run(stream); });
-  std::uniform_int_distribution<int> d(0, 260);
-  std::vector<int32_t> m = masked_m;
-  for (int replay = 0; replay < 3; ++replay) {
-    for (auto& v : m) v = d(rng);
-    m[replay] = 0;
-    c.new_activations(rng);
-    c.d_m.upload(m);
-    c.poison();
-    graph.launch(stream);
-    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    expect_good(c.check(m), 3e-3, "256-column graph replay " + std::to_string(replay));
+  expect_graph_replays(c, wide, rng, "256-column graph replay");
+}
+
+// Swap-AB tiles of 256 weight rows (two 128-row slabs per warpgroup): every token block (16, 32,
+// 64), split-K, a 2-stage ring, ragged experts around each block (0, 1, 15, 16, 17, 64, 65, 132
+// rows), K from one block to eight, graph replay with new masked_m and data, and the heuristic's
+// rule (short K, 16-token blocks, tiles that fill a wave, N a multiple of 256, BF16 output).
+TEST(GemmMasked, WideSwapTiles) {
+  std::mt19937 rng(256);
+  for (int k : {128, 640, 1024}) {
+    MaskedCase c({8, 768, k, 132, 0}, rng);
+    const std::vector<int32_t> masked_m = {0, 1, 15, 16, 17, 64, 65, 132};
+    for (auto [block_m, splits, stages] : {std::tuple{16, 1, 0}, std::tuple{32, 1, 0}, std::tuple{64, 1, 0},
+                                           std::tuple{16, 1, 2}, std::tuple{64, 1, 2}, std::tuple{16, 3, 0},
+                                           std::tuple{32, 2, 0}}) {
+      if (splits > k / 128) continue;
+      GemmConfig cfg = forced(true, block_m, splits);
+      cfg.block_n = 256;
+      cfg.num_stages = stages;
+      ErrorStats st = run_masked(c, masked_m, &cfg);
+      expect_good(st, 3e-3, cfg.to_string() + " K=" + std::to_string(k));
+      EXPECT_LE(compare_with_cpu_reference(c, masked_m), 3e-3) << cfg.to_string() << " K=" << k;
+      c.new_activations(rng);
+    }
   }
-  cudaStreamDestroy(stream);
+  MaskedCase c({8, 512, 1024, 64, 0}, rng);
+  GemmConfig wide = forced(true, 32, 1);
+  wide.block_n = 256;
+  expect_graph_replays(c, wide, rng, "256-row swap-AB graph replay");
+
+  const int sms = query_device().num_sms;
+  // One EP8 rank's GEMM2 at B = 64: Qwen3.5 (K 1024) and DeepSeek-V3 (K 2048) take 256 rows; a
+  // deep K, the gated epilogue, N an odd multiple of 128 and too few tiles for a wave keep 128.
+  EXPECT_EQ(choose_masked_config({65, 4096, 1024, 64, 4}, sms).block_n, 256);
+  EXPECT_EQ(choose_masked_config({33, 7168, 2048, 64, 4}, sms).block_n, 256);
+  EXPECT_EQ(choose_masked_config({33, 7168, 7168, 64, 4}, sms).block_n, 128);
+  EXPECT_EQ(choose_masked_config({33, 4096, 2048, 64, 4, GemmEpilogue::kSiluMulFp8}, sms).block_n, 128);
+  EXPECT_EQ(choose_masked_config({65, 4224, 1024, 64, 4}, sms).block_n, 128);
+  EXPECT_EQ(choose_masked_config({2, 4096, 1024, 64, 4}, sms).block_n, 128);
+  EXPECT_EQ(choose_masked_config({33, 7168, 2048, 64, 44}, sms).block_n, 128);  // 64-token blocks keep 128 rows
+  EXPECT_EQ(choose_masked_config({65, 4096, 1024, 64, 29}, sms).block_n, 128);  // and 32-token ones
 }
 
 TEST(GemmMasked, HeuristicConfigsAndStages) {
@@ -522,6 +575,19 @@ TEST(GemmMasked, BadArgumentsRejected) {
   wide_cl.cluster = 2;
   wide_split.num_splits = 2;
   for (const GemmConfig& w : {wide_swap, wide_bm64, wide_cl, wide_split}) refused(w, p, "with block_n = 256");
+  // 256-row swap-AB tiles: up to 64 tokens, single CTAs, N in whole tiles.
+  GemmConfig swap_wide = forced(true, 16, 1), swap_wide_cl = forced(true, 64, 1);
+  swap_wide.block_n = swap_wide_cl.block_n = 256;
+  EXPECT_NO_THROW(make(p, b, &swap_wide));
+  swap_wide_cl.cluster = 2;
+  refused(swap_wide_cl, p, "cluster = 1 for swap-AB with block_n = 256");
+  MaskedCase c384({2, 384, 256, 16, 8}, rng);
+  try {
+    MaskedGemm g(c384.problem, c384.buffers(), &swap_wide);
+    ADD_FAILURE() << "N = 384 accepted with 256-row swap-AB tiles";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("N a multiple of 256; N = 384"), std::string::npos) << e.what();
+  }
   GemmConfig cl16 = cl;
   cl16.block_m = 16;
   refused(cl16, p, "block_m in {64, 128} for swap-AB with cluster = 2");
@@ -743,16 +809,6 @@ TEST(GemmGated, BadArgumentsRejected) {
   EXPECT_NE(message(p, b, &cluster).find("cluster = 1 for the SiLU"), std::string::npos);
 }
 
-// masked_m for replay `replay` of a graph: random rows, expert replay % E empty and the next full.
-std::vector<int32_t> replay_masked_m(int E, int max_m, int replay, std::mt19937& rng) {
-  std::uniform_int_distribution<int> dist(0, max_m);
-  std::vector<int32_t> masked_m(E);
-  for (auto& m : masked_m) m = dist(rng);
-  masked_m[replay % E] = 0;
-  masked_m[(replay + 1) % E] = max_m;
-  return masked_m;
-}
-
 // GEMM1 (gated, signalling each stored tile) -> GEMM2 (waiting per expert, PDL) as a decode step
 // runs them, captured once and replayed with new masked_m and activations: GEMM2's output equals,
 // byte for byte, the same GEMM2 config run after the whole of GEMM1 had finished, no real row is
@@ -778,14 +834,18 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
   const MaskedGemmProblem p2{E, d, inter, max_m, 8};
   cudaStream_t stream;
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const GemmConfig cfg1 : {forced(true, 16, 1), forced(true, 32, 2)}) {
+  GemmConfig wide2 = forced(true, 16, 1);  // GEMM2 in 256-row swap-AB tiles
+  wide2.block_n = 256;
+  for (auto [cfg1, cfg2] : {std::pair{forced(true, 16, 1), (const GemmConfig*)nullptr},
+                            std::pair{forced(true, 32, 2), (const GemmConfig*)nullptr},
+                            std::pair{forced(true, 16, 1), (const GemmConfig*)&wide2}}) {
     MaskedGemmBuffers b1 = c1.buffers();
     b1.out = nullptr, b1.act = act.ptr, b1.act_scales = act_s.ptr, b1.ready_out = ready.ptr;
     MaskedGemm g1(p1, b1, &cfg1);
     g1.set_overlap(Overlap::kPreviousKernel);
     MaskedGemmBuffers b2{act.ptr, act_s.ptr, d_w2.ptr, d_w2s.ptr, c1.d_m.ptr, out.ptr};
     b2.ready_in = ready.ptr;
-    MaskedGemm g2(p2, b2);
+    MaskedGemm g2(p2, b2, cfg2);
     g2.set_overlap(Overlap::kPreviousGemmPerExpert);
     // The reference: the same configs, GEMM2 started after GEMM1 completed.
     MaskedGemmBuffers r1 = b1;
@@ -816,7 +876,7 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
             differ += got[i] != want[i];
             unwritten += got[i] == 0xFFFF;
           }
-      const std::string what = cfg1.to_string() + " replay " + std::to_string(replay);
+      const std::string what = cfg1.to_string() + " then " + g2.config().to_string() + " replay " + std::to_string(replay);
       EXPECT_EQ(differ, 0) << what;
       EXPECT_EQ(unwritten, 0) << what;
       for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
@@ -832,7 +892,8 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
 // The GEMM, resident meanwhile, must give the bits of a plain run on the same inputs, write
 // nothing past masked_m, and leave all E + 2 counters at zero, replay after replay of one graph.
 __global__ void land_rows_kernel(const uint8_t* a, const float* a_scales, const int32_t* masked_m, uint8_t* a_dst,
-                                 float* a_scales_dst, int32_t* m_dst, int32_t* ready, int E, int max_m, int k) {
+                                 float* a_scales_dst, int32_t* m_dst, int32_t* ready, int E, int max_m, int k,
+                                 int abort_at = -1) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   for (int e = threadIdx.x; e < E; e += blockDim.x) m_dst[e] = masked_m[e];
   __syncthreads();
@@ -843,6 +904,10 @@ __global__ void land_rows_kernel(const uint8_t* a, const float* a_scales, const 
   const int kb = k / 128;
   for (int e = E - 1; e >= 0; --e) {
     __nanosleep(2000);  // the experts land one by one while the GEMM waits for them
+    if (e == abort_at) {  // a timed-out receive: the rest never land
+      if (threadIdx.x == 0) atomicOr(ready + E + 1, kRowsReadyAbort);
+      return;
+    }
     const int m = masked_m[e];
     for (size_t i = threadIdx.x; i < size_t(m) * k; i += blockDim.x) a_dst[size_t(e) * max_m * k + i] = a[size_t(e) * max_m * k + i];
     for (int i = threadIdx.x; i < kb * m; i += blockDim.x) {
@@ -857,28 +922,54 @@ __global__ void land_rows_kernel(const uint8_t* a, const float* a_scales, const 
   }
 }
 
-TEST(GemmDispatchReady, RowsAsTheyLandEqualAPlainRun) {
-  std::mt19937 rng(77);
-  const int E = 5, n = 256, k = 512, max_m = 40;
-  MaskedCase c({E, n, k, max_m, 8}, rng);
-  DeviceBuffer<uint8_t> a(c.d_a.count);
-  DeviceBuffer<float> a_s(c.d_as.count);
-  DeviceBuffer<int32_t> m(E), ready(E + 2);
-  DeviceBuffer<uint16_t> out(c.d_out.count);
-  MOEKIT_CUDA_CHECK(cudaMemset(ready.ptr, 0, sizeof(int32_t) * (E + 2)));
-  cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const GemmConfig cfg : {forced(true, 16, 1), forced(true, 32, 2), forced(false, 128, 1)}) {
+// The hand-off tests' rig: staging inputs (c), the GEMM's own inputs that land_rows_kernel copies
+// them into, the counters, and GEMMs on those inputs that wait per expert.
+struct LandingRig {
+  static constexpr int E = 5, n = 256, k = 512, max_m = 40;
+  MaskedCase c;
+  DeviceBuffer<uint8_t> a;
+  DeviceBuffer<float> a_s;
+  DeviceBuffer<int32_t> m, ready;
+  DeviceBuffer<uint16_t> out;
+  cudaStream_t stream = nullptr;
+  explicit LandingRig(std::mt19937& rng)
+      : c({E, n, k, max_m, 8}, rng), a(c.d_a.count), a_s(c.d_as.count), m(E), ready(E + 2), out(c.d_out.count) {
+    MOEKIT_CUDA_CHECK(cudaMemset(ready.ptr, 0, sizeof(int32_t) * (E + 2)));
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  ~LandingRig() { cudaStreamDestroy(stream); }
+  std::unique_ptr<MaskedGemm> waiting_gemm(const GemmConfig& cfg) {
     MaskedGemmBuffers b{a.ptr, a_s.ptr, c.d_w.ptr, c.d_ws.ptr, m.ptr, out.ptr};
     b.ready_in = ready.ptr;
-    MaskedGemm g(c.problem, b, &cfg);
-    g.set_overlap(Overlap::kDispatchPerExpert);
+    auto g = std::make_unique<MaskedGemm>(c.problem, b, &cfg);
+    g->set_overlap(Overlap::kDispatchPerExpert);
+    return g;
+  }
+  void land(int abort_at = -1) {
+    land_rows_kernel<<<1, 256, 0, stream>>>(c.d_a.ptr, c.d_as.ptr, c.d_m.ptr, a.ptr, a_s.ptr, m.ptr, ready.ptr, E,
+                                            max_m, k, abort_at);
+    MOEKIT_CUDA_CHECK(cudaGetLastError());
+  }
+};
+
+TEST(GemmDispatchReady, RowsAsTheyLandEqualAPlainRun) {
+  std::mt19937 rng(77);
+  LandingRig rig(rng);
+  constexpr int E = LandingRig::E, n = LandingRig::n, max_m = LandingRig::max_m;
+  MaskedCase& c = rig.c;
+  DeviceBuffer<uint8_t>& a = rig.a;
+  DeviceBuffer<float>& a_s = rig.a_s;
+  DeviceBuffer<int32_t>& ready = rig.ready;
+  DeviceBuffer<uint16_t>& out = rig.out;
+  cudaStream_t stream = rig.stream;
+  GemmConfig wide16 = forced(true, 16, 1), wide32 = forced(true, 32, 2);  // 256-row swap-AB tiles
+  wide16.block_n = wide32.block_n = 256;
+  for (const GemmConfig cfg : {forced(true, 16, 1), forced(true, 32, 2), forced(false, 128, 1), wide16, wide32}) {
+    const auto g = rig.waiting_gemm(cfg);
     MaskedGemm plain(c.problem, c.buffers(), &cfg);  // on the staging inputs, after they are written
     const CapturedGraph graph(stream, [&] {
-      land_rows_kernel<<<1, 256, 0, stream>>>(c.d_a.ptr, c.d_as.ptr, c.d_m.ptr, a.ptr, a_s.ptr, m.ptr, ready.ptr, E,
-                                              max_m, k);
-      MOEKIT_CUDA_CHECK(cudaGetLastError());
-      g.run(stream);
+      rig.land();
+      g->run(stream);
     });
     for (int replay = 0; replay < 3; ++replay) {
       const std::vector<int32_t> masked_m = replay_masked_m(E, max_m, replay, rng);
@@ -914,7 +1005,47 @@ TEST(GemmDispatchReady, RowsAsTheyLandEqualAPlainRun) {
   // The mode needs the counters.
   MaskedGemm no_ready(c.problem, c.buffers());
   EXPECT_THROW(no_ready.set_overlap(Overlap::kDispatchPerExpert), Error);
-  cudaStreamDestroy(stream);
+}
+
+// The receive's abort (gemm.h kRowsReadyAbort): experts 4 and 3 land, then the stand-in raises
+// the abort bit instead of landing the rest. The GEMM must end (not spin until its trap), the
+// landed experts' outputs be those of a plain run, and every counter be zero afterwards; the next
+// replay without the abort is whole again.
+TEST(GemmDispatchReady, AnAbortEndsTheWaits) {
+  std::mt19937 rng(78);
+  LandingRig rig(rng);
+  constexpr int E = LandingRig::E, n = LandingRig::n, max_m = LandingRig::max_m;
+  GemmConfig wide = forced(true, 16, 1);
+  wide.block_n = 256;
+  for (const GemmConfig cfg : {forced(true, 16, 1), forced(true, 32, 2), wide}) {
+    const auto g = rig.waiting_gemm(cfg);
+    MaskedGemm plain(rig.c.problem, rig.c.buffers(), &cfg);
+    for (int abort_at : {2, -1}) {
+      const CapturedGraph graph(rig.stream, [&] {
+        rig.land(abort_at);
+        g->run(rig.stream);
+      });
+      std::vector<int32_t> masked_m = {7, 40, 0, 13, 40};
+      rig.c.new_activations(rng);
+      rig.c.d_m.upload(masked_m);
+      rig.out.poison(0xFF);
+      rig.c.poison();
+      graph.launch(rig.stream);
+      plain.run(rig.stream);
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(rig.stream));
+      const std::vector<uint16_t> got = rig.out.download(), want = rig.c.d_out.download();
+      long differ = 0;
+      for (int e = abort_at + 1; e < E; ++e)
+        for (int r = 0; r < masked_m[e]; ++r)
+          for (int j = 0; j < n; ++j) {
+            const size_t i = (size_t(e) * max_m + r) * n + j;
+            differ += got[i] != want[i];
+          }
+      const std::string what = cfg.to_string() + (abort_at >= 0 ? " aborted" : " whole");
+      EXPECT_EQ(differ, 0) << what << ": the experts that landed";
+      for (int32_t v : rig.ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
+    }
+  }
 }
 
 TEST(GemmExpertReady, BadArgumentsRejected) {

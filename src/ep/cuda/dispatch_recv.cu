@@ -10,7 +10,7 @@
 //
 // With rows_ready (ep.h) the receive also hands its rows to a GEMM that runs beside it: CTA 0
 // publishes recv_count as soon as the table is built, and every message's rows are released to
-// their experts' counters once stored.
+// their experts' counters once stored; a CTA that times out raises the abort bit instead.
 //
 // One warp per message, messages dealt round-robin over the CTAs first (so every SM copies).
 // At decode sizes this is latency-bound, so a warp keeps a whole message in flight: it loads its
@@ -22,6 +22,7 @@
 #include "ep_device.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "moekit/cuda_check.h"
+#include "moekit/gemm.h"
 
 namespace moekit::gpu {
 namespace {
@@ -109,6 +110,9 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   }
   __syncthreads();
   // The self slab's count for the hand-off, loaded now so that its round trip overlaps the table's.
+  // A CTA that timed out will not count its messages' rows: it tells the GEMM to stop waiting
+  // (gemm.h kRowsReadyAbort), whether or not CTA 0 saw every flag and published real counts.
+  if (!kContiguous && a.rows_ready && !ok && threadIdx.x == 0) atomicOr(a.rows_ready + E + a.self_slab + 1, kRowsReadyAbort);
   const bool hand_off = !kContiguous && a.rows_ready && blockIdx.x == 0;
   const int self_rows = hand_off && a.self_slab && threadIdx.x == 0 ? __ldcg(a.recv_count + E) : 0;
   if (hand_off && !ok) {  // (ok is the same in all threads)

@@ -8,7 +8,11 @@
 // A tile is (expert, kBlockW weight rows, kBlockT token rows, one K range). Its operands:
 //   swap-AB (small M_e): the weight rows are the MMA's M side (64 per math warpgroup) and the
 //     tokens its N side (kBlockT = 16..128), so a handful of tokens does not pay for a 64-row
-//     tile; the output tile is the transpose of the accumulator and is written as such.
+//     tile; the output tile is the transpose of the accumulator and is written as such. Up to
+//     64 tokens a tile may hold 256 weight rows as two 128-row slabs per tile (each warpgroup
+//     multiplies 64 rows of both, as in the gated tile): half the tiles for the same bytes, so
+//     the fixed work of a tile (its scales, its epilogue, the ring's turnover) weighs half as
+//     much where K is short (a 128-row tile of K = 1024 is only eight 128-deep blocks).
 //   normal (large M_e, contiguous prefill): the tokens are the M side (BM = 64 per math
 //     warpgroup), the weight rows the N side (kBlockW = 128, or 256 as two 128-column halves:
 //     with every SM loading, each takes in ~40 B of stages per cycle from the L2, so the wider
@@ -62,19 +66,25 @@ template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bo
 __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                         const __grid_constant__ CUtensorMap tma_sa, const KernelArgs args) {
-  static_assert(kSwapAB ? kBlockW == 64 * kMathWGs : kBlockT == 64 * kMathWGs, "one 64-row MMA slab per warpgroup");
-  static_assert((kBlockW % 64 == 0 && kBlockW <= 128) || (kBlockW == 256 && !kSwapAB && !kGated && kCluster == 1),
-                "weight rows per tile: 64 or 128 (one 128-row scale block), or 256 in the normal orientation");
+  // A 256-row swap-AB tile is two 128-row slabs, each warpgroup multiplying 64 rows of both (the
+  // gated tile's shape, with the second slab the next 128 rows instead of the up rows).
+  constexpr bool kWideSwap = kSwapAB && kBlockW == 256;
+  constexpr int kSlabW = kWideSwap ? 128 : kBlockW;  // weight rows of one slab
+  static_assert(kSwapAB ? kSlabW == 64 * kMathWGs : kBlockT == 64 * kMathWGs, "one 64-row MMA slab per warpgroup");
+  static_assert((kBlockW % 64 == 0 && kBlockW <= 128) ||
+                    (kBlockW == 256 && !kGated && kCluster == 1 && (!kSwapAB || kBlockT <= 64)),
+                "weight rows per tile: 64 or 128 (one 128-row scale block), or 256 (the normal orientation, or "
+                "swap-AB up to 64 tokens)");
   static_assert(!kGated || (kSwapAB && kMasked && kBlockW == 128 && kBlockT <= 64),
                 "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
   static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
                 "clusters of 2 multicast halves of the token tile (8-row swizzle atoms); not for gated tiles");
-  constexpr int kSlabs = kGated ? 2 : 1;  // weight slabs per warpgroup: gate (and up)
-  // A 256-column tile is two 128-column halves, each multiplied into one partial and promoted
-  // before the other: 128 accumulator registers and 64 of partial fit a consumer thread, a
-  // 256-column partial beside its accumulator would not. Each half is one 128-row weight-scale
-  // block.
-  constexpr int kColSlabs = kBlockW == 256 ? 2 : 1;
+  constexpr int kSlabs = kGated || kWideSwap ? 2 : 1;  // weight slabs per warpgroup: gate (and up), or two 128-row halves
+  // A 256-column tile (normal orientation) is two 128-column halves, each multiplied into one
+  // partial and promoted before the other: 128 accumulator registers and 64 of partial fit a
+  // consumer thread, a 256-column partial beside its accumulator would not. Each half is one
+  // 128-row weight-scale block.
+  constexpr int kColSlabs = !kSwapAB && kBlockW == 256 ? 2 : 1;
   constexpr int kWs = kSlabs * kColSlabs;  // weight-scale rows a tile reads per K block
   constexpr int kMathThreads = kMathWGs * 128;
   constexpr int kMmaN = kSwapAB ? kBlockT : kBlockW / kColSlabs;
@@ -86,7 +96,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // The normal orientation's epilogue stages each math warp's rows in shared memory.
   constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs, kBlockT);
   constexpr int kEpiWarp = kEpiBytes / (kMathWGs * 4);  // one math warp's staging rows
-  using Layout = SmemLayout<kBlockT, kSlabs * kBlockW, kEpiBytes>;
+  using Layout = SmemLayout<kBlockT, kSlabs * kSlabW, kEpiBytes>;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = ptx::align_smem_1024(smem_raw);
@@ -145,11 +155,12 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     if (warp != 0) return end_cluster<kCluster>();
     const uint64_t policy_w = ptx::policy_evict_first();
     const uint64_t policy_a = ptx::policy_evict_last();
-    // A stage's weight rows: one box of kBlockW rows, or (gated) the gate box and the up box
-    // inter rows further down.
+    // A stage's weight rows: one box of kBlockW rows (a 256-row swap-AB tile's two slabs are one
+    // box: the rows lie in smem as two stacked 128-row slabs), or (gated) the gate box and the
+    // up box inter rows further down.
     auto load_w = [&](int stage, int kb, const TileInfo& t) {
 #pragma unroll
-      for (int sl = 0; sl < kSlabs; ++sl)
+      for (int sl = 0; sl < (kGated ? 2 : 1); ++sl)
         ptx::tma_load_2d(w_tiles + stage * Layout::kWTile + sl * kBlockW * kBlockK, &tma_w, &full[stage],
                          kb * kBlockK, t.e * args.n + t.w0 + sl * (args.n / 2), policy_w);
     };
@@ -190,7 +201,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // The weight scales of a tile, one K block per lane in two registers (64 blocks, K = 8192, per
   // load), read by shuffle. A per-stage load was the consumers' main stall (ncu, run 3); the
   // next tile's scales are loaded while the current tile runs, so no tile waits for them.
-  // Row j of a gated tile is the up block, inter rows further down; of a 256-column tile, the
+  // Row j of a gated tile is the up block, inter rows further down; of a 256-row tile, the
   // second half's scale block (clamped to the expert's last block for a tile that reaches past N).
   struct WScales {
     float lo[kWs], hi[kWs];
@@ -304,7 +315,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl) {
           const uint32_t desc_m =
-              kSwapAB ? w_desc + (sl * kBlockW + wg * 64) * kBlockK / 16 : a_desc + wg * 64 * kBlockK / 16;
+              kSwapAB ? w_desc + (sl * kSlabW + wg * 64) * kBlockK / 16 : a_desc + wg * 64 * kBlockK / 16;
           const uint32_t desc_n = kSwapAB ? a_desc : w_desc;
 #pragma unroll
           for (int k = 0; k < kBlockK / 32; ++k)
@@ -350,10 +361,16 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     } else if constexpr (kGated) {
       store_silu_mul_fp8<kBlockT, kRegs, kMathThreads>(args, t, acc, acc + kRegs, f);
     } else if constexpr (kSwapAB) {
-      if constexpr (stages_transposed(kSwapAB, kGated, kBlockT)) {
-        store_bf16_transposed_staged<kMasked, kBlockT, kRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
-      } else {
-        store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl) {  // a 256-row tile: slab 1 is the next 128 output columns
+        TileInfo ts = t;
+        ts.w0 += sl * kSlabW;
+        if constexpr (stages_transposed(kSwapAB, kGated, kBlockT)) {
+          store_bf16_transposed_staged<kMasked, kBlockT, kRegs>(args, ts, acc + sl * kRegs, f,
+                                                                epi_rows + (warp - 4) * kEpiWarp);
+        } else {
+          store_bf16_transposed<kMasked, kBlockT, kRegs>(args, ts, acc + sl * kRegs, f);
+        }
       }
     } else {
       store_bf16<kMasked, kAccRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);

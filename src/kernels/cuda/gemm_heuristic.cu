@@ -9,6 +9,9 @@
 // From 65 to 192, tokens on the M side in blocks of 128 (measured, run 18); above, in blocks of
 // 64 or 128, whichever pads less. With blocks of 128, 256 weight rows per tile as for the
 // contiguous layout (below) where the 256-column tiles fill a wave (they have no split-K).
+// Swap-AB with a BF16 output, 16-token blocks and K up to kWideSwapMaxK: 256 weight rows per
+// tile (two 128-row slabs) where those tiles fill a wave; 0-1.9% off the decode step at B = 8-256,
+// 1.1-1.3% slower with 32- and 64-token blocks (docs/gemm.md runs 41-42).
 // Gated (SiLU·up + FP8 epilogue): a tile is 128 gate + 128 up rows, swap-AB, at most 64 tokens
 // (two 64-row slabs per warpgroup: 128 tokens would need 256 accumulator registers per thread).
 // Contiguous: BM 128 unless that leaves SMs idle, then BM 64; with BM 128, 256 weight rows per
@@ -42,6 +45,8 @@ namespace {
 // The normal orientation's share of the tensor rate per tile width, measured on the H200
 // (docs/gemm.md run 17): what the tile-width choice below weighs.
 constexpr double kEff128 = 0.62, kEff256 = 0.70;
+// The deepest K at which swap-AB tiles take 256 weight rows (16 blocks of 128).
+constexpr int kWideSwapMaxK = 2048;
 
 // Normal orientation, 128-token blocks: 256 weight rows per tile where the rounds of tiles cost
 // less than with 128. 256-column tiles take in fewer stage bytes per FLOP (48 KB per 128-deep
@@ -93,6 +98,13 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     // fill a wave.
     const int bn = wide_or_narrow(token_blocks, cols, num_sms);
     if (bn == 256 && token_blocks * ((cols + 255) / 256) >= num_sms) cfg.block_n = 256;
+  }
+  if (cfg.swap_ab && cfg.block_m == 16 && p.epilogue == GemmEpilogue::kBf16 && p.weights == WeightFormat::kFp8 &&
+      p.n % 256 == 0 && p.k <= kWideSwapMaxK && token_blocks * (p.n / 256) >= num_sms) {
+    // Short K: 256 weight rows per tile halve the tiles' fixed work per byte; only where the
+    // tiles still fill a wave, so that split-K is not needed to keep the SMs busy. Only with
+    // 16-token blocks: with 32 and 64 the step was 1.1-1.3% slower (runs 41-42).
+    cfg.block_n = 256;
   }
   long tiles = token_blocks * ((cols + cfg.block_n - 1) / cfg.block_n);
   // block_n = 64 (swap-AB, 16 tokens) fills the last wave better but measured slower once the

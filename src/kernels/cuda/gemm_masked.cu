@@ -32,14 +32,26 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
     MOEKIT_CHECK(cfg.block_m == 16, bad + "block_m = 16 with block_n = 64");
     return f(Instance<true, true, 1, 16, 64>{});
   }
+  if (cfg.block_n == 256 && cfg.swap_ab) {
+    // Two 128-row slabs per tile (gemm_fp8.cuh): half the tiles, so half the per-tile fixed work
+    // per weight byte, where K is short.
+    MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 for swap-AB with block_n = 256");
+    switch (cfg.block_m) {
+      case 16: return f(Instance<true, true, 2, 16, 256>{});
+      case 32: return f(Instance<true, true, 2, 32, 256>{});
+      case 64: return f(Instance<true, true, 2, 64, 256>{});
+    }
+    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64} for swap-AB with block_n = 256");
+  }
   if (cfg.block_n == 256) {
     // Two 128-column halves per tile (gemm_fp8.cuh): fewer stage bytes per FLOP where the tokens
     // fill the M side (above 64 rows per expert).
-    MOEKIT_CHECK(!cfg.swap_ab && cfg.block_m == 128 && cfg.cluster == 1 && cfg.num_splits == 1,
+    MOEKIT_CHECK(cfg.block_m == 128 && cfg.cluster == 1 && cfg.num_splits == 1,
                  bad + "the normal orientation with block_m = 128, cluster = 1, num_splits = 1 with block_n = 256");
     return f(Instance<false, true, 2, 128, 256>{});
   }
-  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128 (or 64 with swap-AB block_m = 16, 256 in the normal orientation)");
+  MOEKIT_CHECK(cfg.block_n == 128, bad + "block_n = 128 (or 64 with swap-AB block_m = 16, 256 with swap-AB up to "
+                                         "block_m = 64 or in the normal orientation)");
   if (cfg.cluster == 2) {
     if (cfg.swap_ab) {
       switch (cfg.block_m) {
@@ -118,6 +130,9 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   }
 
   check_cluster(im.cfg, gated ? p.n / 2 : p.n);
+  // A 256-row swap-AB tile stores both of its slabs: N must hold whole tiles.
+  MOEKIT_CHECK(!(im.cfg.swap_ab && im.cfg.block_n == 256) || p.n % 256 == 0,
+               "masked GEMM: swap-AB with block_n = 256 needs N a multiple of 256; N = " + std::to_string(p.n));
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
   im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, true);
   im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);

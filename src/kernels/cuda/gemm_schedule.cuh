@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/stamp.cuh"
+#include "moekit/gemm.h"
 
 namespace moekit::gemm_detail {
 
@@ -78,8 +79,21 @@ __device__ __forceinline__ void ready_wait(const int* counter, int target) {
   }
   ptx::fence_proxy_async_global();
 }
+// kFlagRowsReady: expert e's rows from the EP receive, or the receive's abort (gemm.h
+// kRowsReadyAbort in the published word: a receive CTA timed out, so some rows never come).
+__device__ __forceinline__ void rows_ready_wait(const KernelArgs& args, int e, int m_valid) {
+  const int* word = args.ready_in + args.num_experts + 1;
+  const long long start = clock64();
+  while (ptx::ld_acquire_gpu(args.ready_in + e) < m_valid) {
+    if (ptx::ld_acquire_gpu(word) & kRowsReadyAbort) break;
+    if (clock64() - start > (1ll << 34)) __trap();
+    __nanosleep(32);
+  }
+  ptx::fence_proxy_async_global();
+}
 __device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
-  ready_wait(args.ready_in + e, (args.flags & kFlagRowsReady) ? m_valid : (args.k / 64) * m_valid);
+  if (args.flags & kFlagRowsReady) return rows_ready_wait(args, e, m_valid);
+  ready_wait(args.ready_in + e, (args.k / 64) * m_valid);
 }
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
@@ -232,7 +246,14 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
     // Its stage clock starts here: until then the CTA only holds its SM.
     if (args.flags & kFlagRowsReady) {
       if (threadIdx.x == 0) {
-        ready_wait(args.ready_in + args.num_experts + 1, 1);
+        // The publication (low bits), not an abort alone: masked_m is final only once published.
+        const int* word = args.ready_in + args.num_experts + 1;
+        const long long start = clock64();
+        while ((ptx::ld_acquire_gpu(word) & (kRowsReadyAbort - 1)) == 0) {
+          if (clock64() - start > (1ll << 34)) __trap();
+          __nanosleep(32);
+        }
+        ptx::fence_proxy_async_global();
         stamp_start(args.stamp);
       }
       __syncthreads();

@@ -235,6 +235,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     MOEKIT_CHECK(config.recv_ctas >= 1,
                  fmtr("rank {}: GpuLayerConfig::recv_ctas = {}, expected >= 1", s.rank, config.recv_ctas));
     s.recv_ctas = std::min(config.recv_ctas, ep_ctas);
+    s.recv_slabs = slabs;
     s.recv_ready = s.alloc<int32_t>(slabs + 2);
     MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
   }
@@ -502,7 +503,17 @@ void GpuMoeLayer::check(cudaStream_t stream) {
     throw Error(fmtr("MoE layer rank {}: {}: token {}, {} {}, value {}", s.rank, fault_name(st.kind), st.token,
                      logit ? "expert" : "top-k entry", st.entry, st.value));
   }
-  s.ep->check(stream);
+  try {
+    s.ep->check(stream);
+  } catch (const Error&) {
+    // A timed-out receive may have left rows counted or the abort bit raised after GEMM1 zeroed
+    // the hand-off counters (ep.h): zeroed again here, with every kernel done, for the next step.
+    if (s.recv_ready) {
+      MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.recv_ready, 0, sizeof(int32_t) * (s.recv_slabs + 2), stream));
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    throw;
+  }
 }
 
 std::vector<int64_t> GpuMoeLayer::take_expert_counts(cudaStream_t stream) {
