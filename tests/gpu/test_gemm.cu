@@ -876,7 +876,8 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
             differ += got[i] != want[i];
             unwritten += got[i] == 0xFFFF;
           }
-      const std::string what = cfg1.to_string() + " then " + g2.config().to_string() + " replay " + std::to_string(replay);
+      const std::string what =
+          cfg1.to_string() + " then " + g2.config().to_string() + " replay " + std::to_string(replay);
       EXPECT_EQ(differ, 0) << what;
       EXPECT_EQ(unwritten, 0) << what;
       for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";

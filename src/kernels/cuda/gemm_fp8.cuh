@@ -79,7 +79,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
                 "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
   static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
                 "clusters of 2 multicast halves of the token tile (8-row swizzle atoms); not for gated tiles");
-  constexpr int kSlabs = kGated || kWideSwap ? 2 : 1;  // weight slabs per warpgroup: gate (and up), or two 128-row halves
+  // Weight slabs per warpgroup: gate (and up), or the two 128-row halves of a 256-row tile.
+  constexpr int kSlabs = kGated || kWideSwap ? 2 : 1;
   // A 256-column tile (normal orientation) is two 128-column halves, each multiplied into one
   // partial and promoted before the other: 128 accumulator registers and 64 of partial fit a
   // consumer thread, a 256-column partial beside its accumulator would not. Each half is one
