@@ -109,11 +109,11 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
     src_start[s + 1] = int(uint32_t(flag));
   }
   __syncthreads();
-  // The self slab's count for the hand-off, loaded now so that its round trip overlaps the table's.
   // A CTA that timed out will not count its messages' rows: it tells the GEMM to stop waiting
   // (gemm.h kRowsReadyAbort), whether or not CTA 0 saw every flag and published real counts.
   if (!kContiguous && a.rows_ready && !ok && threadIdx.x == 0)
     atomicOr(a.rows_ready + E + a.self_slab + 1, kRowsReadyAbort);
+  // The self slab's count for the hand-off, loaded now so that its round trip overlaps the table's.
   const bool hand_off = !kContiguous && a.rows_ready && blockIdx.x == 0;
   const int self_rows = hand_off && a.self_slab && threadIdx.x == 0 ? __ldcg(a.recv_count + E) : 0;
   if (hand_off && !ok) {  // (ok is the same in all threads)

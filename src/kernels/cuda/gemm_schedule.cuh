@@ -67,29 +67,31 @@ constexpr int kFlagRowsReady = 8;
 // a proxy fence, since the waiting GEMM reads the rows with TMA. The waiting GEMM's last CTA zeroes
 // the counters (and its own CTA count, element E) for the next step.
 
-// One thread spins until expert e's rows are complete. The signalling GEMM is resident whenever
-// this runs (this kernel is launched only once every CTA of it has started, PDL), so the wait
-// ends; a counter that never gets there (a caller pairing GEMMs wrongly) traps after ~10 s
-// instead of hanging the stream.
-__device__ __forceinline__ void ready_wait(const int* counter, int target) {
+// One thread spins until done() (acquire loads inside it), then orders what it saw before the
+// TMA loads that follow. What it waits for is written by a kernel that is resident whenever this
+// runs (PDL: this kernel is launched only once every CTA of it has started), so the wait ends; a
+// condition that never comes true (a caller pairing kernels wrongly) traps after ~10 s instead
+// of hanging the stream.
+template <class Done>
+__device__ __forceinline__ void spin_until(Done&& done) {
   const long long start = clock64();
-  while (ptx::ld_acquire_gpu(counter) < target) {
+  while (!done()) {
     if (clock64() - start > (1ll << 34)) __trap();
     __nanosleep(32);
   }
   ptx::fence_proxy_async_global();
 }
+// Until a counter reaches target.
+__device__ __forceinline__ void ready_wait(const int* counter, int target) {
+  spin_until([&] { return ptx::ld_acquire_gpu(counter) >= target; });
+}
 // kFlagRowsReady: expert e's rows from the EP receive, or the receive's abort (gemm.h
 // kRowsReadyAbort in the published word: a receive CTA timed out, so some rows never come).
 __device__ __forceinline__ void rows_ready_wait(const KernelArgs& args, int e, int m_valid) {
   const int* word = args.ready_in + args.num_experts + 1;
-  const long long start = clock64();
-  while (ptx::ld_acquire_gpu(args.ready_in + e) < m_valid) {
-    if (ptx::ld_acquire_gpu(word) & kRowsReadyAbort) break;
-    if (clock64() - start > (1ll << 34)) __trap();
-    __nanosleep(32);
-  }
-  ptx::fence_proxy_async_global();
+  spin_until([&] {
+    return ptx::ld_acquire_gpu(args.ready_in + e) >= m_valid || (ptx::ld_acquire_gpu(word) & kRowsReadyAbort);
+  });
 }
 __device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
   if (args.flags & kFlagRowsReady) return rows_ready_wait(args, e, m_valid);
@@ -248,12 +250,7 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
       if (threadIdx.x == 0) {
         // The publication (low bits), not an abort alone: masked_m is final only once published.
         const int* word = args.ready_in + args.num_experts + 1;
-        const long long start = clock64();
-        while ((ptx::ld_acquire_gpu(word) & (kRowsReadyAbort - 1)) == 0) {
-          if (clock64() - start > (1ll << 34)) __trap();
-          __nanosleep(32);
-        }
-        ptx::fence_proxy_async_global();
+        spin_until([&] { return (ptx::ld_acquire_gpu(word) & (kRowsReadyAbort - 1)) != 0; });
         stamp_start(args.stamp);
       }
       __syncthreads();

@@ -235,7 +235,6 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     MOEKIT_CHECK(config.recv_ctas >= 1,
                  fmtr("rank {}: GpuLayerConfig::recv_ctas = {}, expected >= 1", s.rank, config.recv_ctas));
     s.recv_ctas = std::min(config.recv_ctas, ep_ctas);
-    s.recv_slabs = slabs;
     s.recv_ready = s.alloc<int32_t>(slabs + 2);
     MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
   }
@@ -509,7 +508,8 @@ void GpuMoeLayer::check(cudaStream_t stream) {
     // A timed-out receive may have left rows counted or the abort bit raised after GEMM1 zeroed
     // the hand-off counters (ep.h): zeroed again here, with every kernel done, for the next step.
     if (s.recv_ready) {
-      MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.recv_ready, 0, sizeof(int32_t) * (s.recv_slabs + 2), stream));
+      const int slabs = s.e_loc + (s.merged ? 1 : 0);  // GEMM1's experts, as when recv_ready was allocated
+      MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2), stream));
       MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
     throw;

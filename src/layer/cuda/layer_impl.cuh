@@ -42,7 +42,6 @@ struct GpuMoeLayer::Impl {
   int32_t* expert_ready = nullptr;  // fused + gated: GEMM1 -> GEMM2 per-expert readiness [slabs + 1]
   int32_t* recv_ready = nullptr;    // fused, FP8: receive -> GEMM1 rows per expert [slabs + 2] (GpuLayerConfig)
   int recv_ctas = 0;                // the receive's grid when recv_ready is set
-  int recv_slabs = 0;               // and GEMM1's experts (recv_ready holds recv_slabs + 2 ints)
   // MXFP4 experts (gpt-oss): d and inter are the weights' padded sizes (weights.h), model_d the
   // model's hidden size; x and out are padded through x_pad and out_pad when they differ.
   bool mxfp4 = false;
