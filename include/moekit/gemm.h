@@ -129,6 +129,9 @@ struct MaskedGemmProblem {
   int expected_m = 0;   // typical rows per expert with tokens; 0: unknown (assume M_max)
   GemmEpilogue epilogue = GemmEpilogue::kBf16;
   WeightFormat weights = WeightFormat::kFp8;
+  // Rows the last expert is known to hold when it is not a routed one (the layer's merged shared
+  // expert: every token of the rank); 0: like the others (expected_m).
+  int last_expert_m = 0;
 };
 
 struct ContiguousGemmProblem {

@@ -345,6 +345,19 @@ TEST(GemmMasked, HeuristicConfigsAndStages) {
   EXPECT_EQ(upper_typical_rows(8 * 8, 256), 2);
   EXPECT_EQ(upper_typical_rows(0, 5), 1);
   EXPECT_EQ(upper_typical_rows(int64_t(1) << 62, 1), INT_MAX);  // saturates instead of wrapping
+  // GEMM1 (gated) of one EP8 rank of DeepSeek-V3 at B = 256 on 132 SMs: 32 routed experts planned
+  // at 14 rows and the merged shared expert with the rank's 32 tokens. 16-token blocks make 34 x 16
+  // = 544 tiles (5 rounds), 32-token blocks 33 x 16 = 528 (4): 32. Qwen3.5 (64 routed experts, 8
+  // tiles each) has 66 x 8 = 528 against 520, 4 rounds either way: 16. Without a fuller last
+  // expert, or with one that fits 16 tokens, 16.
+  const auto gated_block = [](MaskedGemmProblem p) { return choose_masked_config(p, 132).block_m; };
+  const auto gated = GemmEpilogue::kSiluMulFp8;
+  EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 32}), 32);
+  EXPECT_EQ(gated_block({65, 2048, 4096, 256, 10, gated, WeightFormat::kFp8, 32}), 16);
+  EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated}), 16);
+  EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 16}), 16);
+  EXPECT_EQ(choose_masked_config({33, 7168, 2048, 256, 14, GemmEpilogue::kBf16, WeightFormat::kFp8, 32}, 132).block_m,
+            16);  // only the gated GEMM1 weighs it (GEMM2's 16-token tiles are 256 rows wide)
   try {
     upper_typical_rows(16, 0);
     ADD_FAILURE() << "upper_typical_rows accepted 0 experts";
@@ -541,6 +554,9 @@ TEST(GemmMasked, BadArgumentsRejected) {
   EXPECT_THROW(make({2, 256, 100, 16, 8}, b), Error);   // K not a multiple of 128
   EXPECT_THROW(make({0, 256, 256, 16, 8}, b), Error);   // no experts
   EXPECT_THROW(make({2, 256, 256, 18, 8}, b), Error);   // M_max not a multiple of 4
+  MaskedGemmProblem neg = p;
+  neg.last_expert_m = -1;
+  expect_error([&] { make(neg, b); }, {"last_expert_m = -1", ">= 0"});
   MaskedGemmBuffers nul = b;
   nul.masked_m = nullptr;
   EXPECT_THROW(make(p, nul), Error);

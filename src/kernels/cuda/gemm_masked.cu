@@ -83,6 +83,7 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
 std::string describe(const MaskedGemmProblem& p) {
   return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
          " M_max=" + std::to_string(p.max_m) + " expected_m=" + std::to_string(p.expected_m) +
+         (p.last_expert_m > 0 ? " last_expert_m=" + std::to_string(p.last_expert_m) : "") +
          (p.epilogue == GemmEpilogue::kSiluMulFp8 ? " epilogue=silu-mul-fp8" : "") +
          (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "");
 }
@@ -97,6 +98,8 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   MOEKIT_CHECK(p.max_m > 0 && p.max_m % 4 == 0,
                "masked GEMM: M_max = " + std::to_string(p.max_m) + " must be a positive multiple of 4");
   MOEKIT_CHECK(p.expected_m >= 0, "masked GEMM: expected_m = " + std::to_string(p.expected_m) + " must be >= 0");
+  MOEKIT_CHECK(p.last_expert_m >= 0,
+               "masked GEMM: last_expert_m = " + std::to_string(p.last_expert_m) + " must be >= 0");
   check_pointer(b.a, "a");
   check_pointer(b.a_scales, "a_scales");
   check_pointer(b.masked_m, "masked_m");

@@ -277,8 +277,11 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   // GEMM1 writes gate_up (staged) or, with the SiLU·up epilogue, the FP8 activations (fused).
   const GemmEpilogue epilogue1 = s.gated ? GemmEpilogue::kSiluMulFp8 : GemmEpilogue::kBf16;
   const WeightFormat format = s.mxfp4 ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
-  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max), epilogue1, format};
-  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, std::min(expected_m, s.m_max), GemmEpilogue::kBf16, format};
+  // Merged: slab E_loc holds every token of the rank, which the heuristic weighs on its own.
+  const int shared_rows = s.merged ? s.t_max : 0;
+  const int m_plan = std::min(expected_m, s.m_max);
+  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, m_plan, epilogue1, format, shared_rows};
+  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, m_plan, GemmEpilogue::kBf16, format, shared_rows};
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
                              s.act_scales, s.w1_mx, s.b1, s.expert_ready, s.recv_ready};
   const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
