@@ -265,13 +265,15 @@ void wide_swap_gemm2(uint8_t* const* w, Time&& time, Report&& report) {
 
 int main(int argc, char** argv) {
   std::string json_path;
-  bool wide_only = false;  // --wide-only: the copy and wide_swap_gemm2's section only
+  bool wide_only = false;    // --wide-only: the copy and wide_swap_gemm2's section only
+  bool gemms_only = false;   // --gemms-only: the copy and the GEMMs on the same bytes only (for ncu)
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
     if (s == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (s == "--wide-only") wide_only = true;
+    else if (s == "--gemms-only") gemms_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_stream [--json PATH] [--wide-only]\n");
+      std::fprintf(stderr, "usage: bench_stream [--json PATH] [--wide-only | --gemms-only]\n");
       return s == "--help" ? 0 : 2;
     }
   }
@@ -311,7 +313,7 @@ int main(int argc, char** argv) {
   std::printf("device: %d SMs; copy %.3f TB/s (read + write of %.0f MB)\n", num_sms, copy_tbs, bytes / 2 / 1e6);
 
   std::vector<Pattern> patterns;
-  if (!wide_only) patterns = {
+  if (!wide_only && !gemms_only) patterns = {
       {"box K 7168, static, 12 stages", false, false, 1, 12, k1},
       {"box K 7168, static, 6 stages", false, false, 1, 6, k1},
       {"box K 7168, dynamic, 12 stages", false, true, 1, 12, k1},
@@ -338,7 +340,7 @@ int main(int argc, char** argv) {
   // bytes it keeps in flight, and what a round that leaves SMs idle streams.
   for (int tiles : {48, 96, 132})
     for (int stages : {3, 6})
-      if (!wide_only)
+      if (!wide_only && !gemms_only)
       patterns.push_back({"gated " + std::to_string(tiles) + " tiles, " + std::to_string(stages) + " stages", false,
                           false, 2, stages, k1, tiles});
   // One line per measurement, and one JSON object in "runs" (config: the GEMM's, or empty).
@@ -433,6 +435,19 @@ int main(int argc, char** argv) {
     }
     run("GEMM1 gated, shared expert 32 rows (544 tiles)", p1, g1b[0], g1b[1], shared_32, nullptr, mb1);
     run("GEMM1 gated, all 8 rows (528 tiles)", p1, g1b[0], g1b[1], all_8, nullptr, mb1);
+    {  // the same 528 tiles with 32 tokens each: what a wider token block costs per tile
+      GemmConfig c{};
+      c.swap_ab = true, c.block_m = 32, c.block_n = 128;
+      run("GEMM1 gated, all 8 rows, block_m 32 (528)", p1, g1b[0], g1b[1], all_8, &c, mb1);
+      run("GEMM1 gated, shared 32 rows, block_m 32", p1, g1b[0], g1b[1], shared_32, &c, mb1);
+      // B = 512: 16 rows per routed expert, the shared one's 64 in two 32-token blocks (544
+      // tiles) or in one of 64 (528).
+      std::vector<int32_t> b512(E, 16);
+      b512[E - 1] = 64;
+      run("GEMM1 gated, B = 512 pattern, block_m 32 (544)", p1, g1b[0], g1b[1], b512, &c, mb1);
+      c.block_m = 64;
+      run("GEMM1 gated, B = 512 pattern, block_m 64 (528)", p1, g1b[0], g1b[1], b512, &c, mb1);
+    }
     for (int splits : {2, 4}) {
       GemmConfig c{};
       c.swap_ab = true, c.block_m = 16, c.block_n = 128, c.num_splits = splits;
@@ -440,7 +455,9 @@ int main(int argc, char** argv) {
     }
     GemmConfig c32{};
     c32.swap_ab = true, c32.block_m = 32, c32.block_n = 128;
-    run("GEMM1 gated, shared 32 rows, block_m 32", p1, g1b[0], g1b[1], shared_32, &c32, mb1);
+    // (The same config here, after the split-K runs, measured 255 us against 233 before them
+    // (runs 46-49): the position costs it, not the tile; the comparisons sit above the splits.)
+    run("GEMM1 gated, shared 32 rows, block_m 32, after splits", p1, g1b[0], g1b[1], shared_32, &c32, mb1);
     run("GEMM2, shared expert 32 rows", p2, g2b[0], g2b[1], shared_32, nullptr, mb2);
     run("GEMM2, all 8 rows", p2, g2b[0], g2b[1], all_8, nullptr, mb2);
     run("GEMM2, shared 32 rows, block_m 32", p2, g2b[0], g2b[1], shared_32, &c32, mb2);
@@ -454,8 +471,8 @@ int main(int argc, char** argv) {
     for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
       cudaFree(q);
   }
-  if (!wide_only) decode_splits(w, time, report);
-  wide_swap_gemm2(w, time, report);
+  if (!wide_only && !gemms_only) decode_splits(w, time, report);
+  if (!gemms_only) wide_swap_gemm2(w, time, report);
   js += "]}\n";
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");

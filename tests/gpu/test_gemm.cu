@@ -354,6 +354,9 @@ TEST(GemmMasked, HeuristicConfigsAndStages) {
   const auto gated = GemmEpilogue::kSiluMulFp8;
   EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 32}), 32);
   EXPECT_EQ(gated_block({65, 2048, 4096, 256, 10, gated, WeightFormat::kFp8, 32}), 16);
+  // B = 512 (blocks of 32, the shared expert's 64 rows in two): 32 stays (64 measured slower in
+  // the step, docs/layer-gpu.md item 28).
+  EXPECT_EQ(gated_block({33, 4096, 7168, 512, 24, gated, WeightFormat::kFp8, 64}), 32);
   EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated}), 16);
   EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 16}), 16);
   EXPECT_EQ(choose_masked_config({33, 7168, 2048, 256, 14, GemmEpilogue::kBf16, WeightFormat::kFp8, 32}, 132).block_m,

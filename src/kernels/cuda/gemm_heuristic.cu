@@ -66,14 +66,13 @@ int wide_or_narrow(long token_blocks, int cols, int num_sms) {
   return cost(256, kEff256) < 0.95 * cost(128, kEff128) ? 256 : 128;
 }
 
-// Gated tiles of 16 tokens where a known fuller last expert (the merged shared expert: 32 rows
-// per rank at DeepSeek-V3's B = 256 on EP8) takes a second token block: its second block's tiles
-// spill past a whole number of rounds (544 on 132 SMs: a fifth tile for 16 CTAs). Blocks of 32
-// tokens for every expert fit one round fewer (528 tiles, 4 per CTA). Alone that GEMM1 is 3%
-// slower (255 against 247 us: a 32-token tile costs ~10% more than a 16-token one), but in the
-// step every CTA issues its last loads at once, and GEMM2, launched when all of GEMM1's CTAs have,
-// starts 15-38 us earlier under GEMM1's tail: -12 us per layer for DeepSeek-V3 and -11 for
-// Kimi-K2 at B = 256 (docs/layer-gpu.md item 26). Taken where the rounds saved outweigh the ~10%.
+// Gated tiles of 16 tokens where a known fuller last expert (the merged shared expert: every
+// token of the rank, 32 rows at DeepSeek-V3's B = 256 on EP8) takes a second token block: its
+// second block's tiles spill past a whole number of rounds (544 on 132 SMs: a fifth tile for 16
+// CTAs). Blocks of 32 tokens for every expert fit one round fewer (528 tiles): that GEMM1 takes
+// 233-236 us against 248-250 (bench_stream; 230-233 for 528 tiles of 16, so the wider tile costs
+// ~1% here), and the step is 12 us per layer faster (docs/layer-gpu.md item 26). Not 32 -> 64
+// (B = 512, the shared expert's 64 rows): 2% faster alone, 4.6% slower in the step (item 28).
 bool gated_blocks_of_32_save_a_round(const MaskedGemmProblem& p, int m, int num_sms) {
   if (p.last_expert_m <= 16 || p.last_expert_m > 32 || m > 16 || p.num_experts < 1) return false;
   const long w_blocks = (p.n / 2 + 127) / 128;  // 128 gate + 128 up rows per tile
@@ -81,7 +80,7 @@ bool gated_blocks_of_32_save_a_round(const MaskedGemmProblem& p, int m, int num_
     const long blocks = long(p.num_experts - 1) * ((m + bt - 1) / bt) + (p.last_expert_m + bt - 1) / bt;
     return (blocks * w_blocks + num_sms - 1) / num_sms;
   };
-  return 1.1 * double(rounds(32)) < double(rounds(16));
+  return 1.1 * double(rounds(32)) < double(rounds(16));  // a wider tile may cost up to 10%
 }
 }  // namespace
 
