@@ -78,9 +78,9 @@
 // ready_in[E_loc + 1]: the GEMM then stops waiting for rows (its output is not meaningful, and
 // the receive's fault record names the peer), so a timeout never leaves the GEMM spinning.
 //
-// Configs: a problem descriptor (E_loc, N, K, M_max, expected_m) goes through a small heuristic
-// that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made. expected_m
-// only steers the choice; correctness never depends on it.
+// Configs: a problem descriptor (E_loc, N, K, M_max, expected_m, last_expert_m) goes through a
+// small heuristic that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made.
+// expected_m and last_expert_m only steer the choice; correctness never depends on them.
 #pragma once
 
 #include <cuda_runtime.h>

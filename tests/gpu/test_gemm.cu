@@ -360,7 +360,7 @@ TEST(GemmMasked, HeuristicConfigsAndStages) {
   EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated}), 16);
   EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 16}), 16);
   EXPECT_EQ(choose_masked_config({33, 7168, 2048, 256, 14, GemmEpilogue::kBf16, WeightFormat::kFp8, 32}, 132).block_m,
-            16);  // only the gated GEMM1 weighs it (GEMM2's 16-token tiles are 256 rows wide)
+            16);  // only the gated GEMM1 (GEMM2 in 32-token tiles: slower in the step, layer-gpu.md item 29)
   try {
     upper_typical_rows(16, 0);
     ADD_FAILURE() << "upper_typical_rows accepted 0 experts";
