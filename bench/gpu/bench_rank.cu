@@ -15,7 +15,7 @@
 // --uniform: the uniform case only (no skew, no EPLB placement).
 // --recv-ready 0: fused layers with GpuLayerConfig::recv_ready off (GEMM1 waits for the dispatch
 // receive's grid instead of taking each expert's rows as they land); --recv-ctas N: the receive's
-// grid when it is on (GpuLayerConfig::recv_ctas).
+// grid when it is on (GpuLayerConfig::recv_ctas; 0, the default: the layer's automatic choice).
 // --expert-ready 0: fused layers with GpuLayerConfig::expert_ready off (GEMM2 waits for GEMM1's
 // grid instead of for each expert's rows), the baseline of that lever.
 // --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
@@ -976,7 +976,7 @@ int main(int argc, char** argv) try {
     } else if (a == "--recv-ready") {
       opt.recv_ready = next_int(0) != 0;
     } else if (a == "--recv-ctas") {
-      opt.recv_ctas = next_int(1);
+      opt.recv_ctas = next_int(0);
     } else if (a == "--timeline") {
       opt.timeline = true;
     } else if (a == "--uniform") {

@@ -124,7 +124,9 @@ struct GpuLayerConfig {
   // (Not taken by MXFP4 layers, nor where merge_shared is off but the EpBuffer has a self slab:
   // the receive counts the buffer's slabs, which must be GEMM1's experts.)
   bool recv_ready = true;
-  int recv_ctas = 16;
+  // The receive's CTAs then; 0: 8 where a rank holds one token (T_max = 1: its few rows need no
+  // more, and 8 more GEMM1 CTAs start beside it), 16 above (docs/layer-gpu.md item 30).
+  int recv_ctas = 0;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;
