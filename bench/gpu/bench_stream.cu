@@ -40,6 +40,37 @@ namespace {
 
 constexpr int kBlockK = 128;
 
+// The device buffers of one GEMM section: zeroed (or `byte`-filled) at allocation, freed with it.
+struct DeviceBuffers {
+  std::vector<void*> owned;
+  DeviceBuffers() = default;
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  ~DeviceBuffers() {
+    for (void* q : owned) cudaFree(q);
+  }
+  template <class T>
+  T* alloc(size_t count, int byte = 0) {
+    T* q = nullptr;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&q, count * sizeof(T)));
+    owned.push_back(q);
+    MOEKIT_CUDA_CHECK(cudaMemset(q, byte, count * sizeof(T)));
+    return q;
+  }
+};
+
+// One masked GEMM's inputs other than its weights, on E experts of m_max rows: FP8 activations
+// (0x11 bytes), their 1x128 scales and the weights' 128x128 scales (zero).
+struct MaskedInputs {
+  uint8_t* a;
+  float* a_scales;
+  float* w_scales;
+};
+MaskedInputs masked_inputs(DeviceBuffers& d, int E, int m_max, int n, int k) {
+  return {d.alloc<uint8_t>(size_t(E) * m_max * k, 0x11), d.alloc<float>(size_t(E) * (k / 128) * m_max),
+          d.alloc<float>(size_t(E) * (n / 128) * (k / 128))};
+}
+
 struct StreamArgs {
   int tiles;         // weight tiles of 128 rows
   int k_blocks;      // 128-deep blocks per tile
@@ -147,22 +178,10 @@ void decode_splits(uint8_t* const* w, Time&& time, Report&& report) {
   const int m_max = 16;
   for (const Shape& s : {Shape{"DeepSeek-V3", 33, 4096, 7168, 7168, 2048}, Shape{"Qwen3.5", 65, 2048, 4096, 4096, 1024}}) {
     const int E = s.e;
-    uint8_t *a1, *act;
-    float *as1, *ws1, *acts, *ws2;
-    uint16_t* out;
-    int32_t* m;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&a1, size_t(E) * m_max * s.k1));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&as1, sizeof(float) * E * (s.k1 / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&ws1, sizeof(float) * E * (s.n1 / 128) * (s.k1 / 128)));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&act, size_t(E) * m_max * s.k2));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&acts, sizeof(float) * E * (s.k2 / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&ws2, sizeof(float) * E * (s.n2 / 128) * (s.k2 / 128)));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * E * m_max * s.n2));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&m, sizeof(int32_t) * E));
-    MOEKIT_CUDA_CHECK(cudaMemset(a1, 0x11, size_t(E) * m_max * s.k1));
-    MOEKIT_CUDA_CHECK(cudaMemset(as1, 0, sizeof(float) * E * (s.k1 / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMemset(ws1, 0, sizeof(float) * E * (s.n1 / 128) * (s.k1 / 128)));
-    MOEKIT_CUDA_CHECK(cudaMemset(ws2, 0, sizeof(float) * E * (s.n2 / 128) * (s.k2 / 128)));
+    DeviceBuffers d;
+    const MaskedInputs in1 = masked_inputs(d, E, m_max, s.n1, s.k1), in2 = masked_inputs(d, E, m_max, s.n2, s.k2);
+    uint16_t* out = d.alloc<uint16_t>(size_t(E) * m_max * s.n2);
+    int32_t* m = d.alloc<int32_t>(E);
     const MaskedGemmProblem p1{E, s.n1, s.k1, m_max, 1, GemmEpilogue::kSiluMulFp8};
     const MaskedGemmProblem p2{E, s.n2, s.k2, m_max, 1};
     std::printf("decode, %s shapes (E = %d), experts hit with one row each, the shared one included:\n", s.name, E);
@@ -181,17 +200,17 @@ void decode_splits(uint8_t* const* w, Time&& time, Report&& report) {
           const std::string name = std::string(s.name) + (gemm == 1 ? " GEMM1 gated" : " GEMM2") + ", " +
                                    std::to_string(hit) + " hit, split " + std::to_string(splits);
           if (gemm == 1) {
-            MaskedGemm g0(p1, {a1, as1, w[0], ws1, m, nullptr, act, acts}, &c), g1(p1, {a1, as1, w[1], ws1, m, nullptr, act, acts}, &c);
+            MaskedGemm g0(p1, {in1.a, in1.a_scales, w[0], in1.w_scales, m, nullptr, in2.a, in2.a_scales}, &c),
+                g1(p1, {in1.a, in1.a_scales, w[1], in1.w_scales, m, nullptr, in2.a, in2.a_scales}, &c);
             report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb1, g0.config().to_string());
           } else {
-            MaskedGemm g0(p2, {act, acts, w[0], ws2, m, out}, &c), g1(p2, {act, acts, w[1], ws2, m, out}, &c);
+            MaskedGemm g0(p2, {in2.a, in2.a_scales, w[0], in2.w_scales, m, out}, &c),
+                g1(p2, {in2.a, in2.a_scales, w[1], in2.w_scales, m, out}, &c);
             report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb2, g0.config().to_string());
           }
         }
       }
     }
-    for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
-      cudaFree(q);
   }
 }
 
@@ -210,18 +229,10 @@ void wide_swap_gemm2(uint8_t* const* w, Time&& time, Report&& report) {
   for (const Shape& s : {Shape{"DeepSeek-V3", 33, 7168, 2048}, Shape{"Qwen3.5", 65, 4096, 1024},
                          Shape{"MISSION problem", 8, 7168, 2048}}) {
     const int E = s.e, R = E - 1;  // EP8 ranks: R routed slabs, the shared one last
-    uint8_t* act;
-    float *acts, *ws;
-    uint16_t* out;
-    int32_t* m;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&act, size_t(E) * m_max * s.k));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&acts, sizeof(float) * E * (s.k / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&ws, sizeof(float) * E * (s.n / 128) * (s.k / 128)));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * E * m_max * s.n));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&m, sizeof(int32_t) * E));
-    MOEKIT_CUDA_CHECK(cudaMemset(act, 0x11, size_t(E) * m_max * s.k));
-    MOEKIT_CUDA_CHECK(cudaMemset(acts, 0, sizeof(float) * E * (s.k / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMemset(ws, 0, sizeof(float) * E * (s.n / 128) * (s.k / 128)));
+    DeviceBuffers d;
+    const MaskedInputs in = masked_inputs(d, E, m_max, s.n, s.k);
+    uint16_t* out = d.alloc<uint16_t>(size_t(E) * m_max * s.n);
+    int32_t* m = d.alloc<int32_t>(E);
     std::printf("GEMM2, %s shapes (E = %d, N %d, K %d), swap-AB tiles of 128 and 256 weight rows:\n", s.name, E, s.n,
                 s.k);
     // (pattern name, masked_m, expected_m as the layer would pass it)
@@ -252,12 +263,11 @@ void wide_swap_gemm2(uint8_t* const* w, Time&& time, Report&& report) {
         c.swap_ab = true, c.block_m = block_m, c.block_n = block_n;
         const std::string name = std::string(s.name) + " GEMM2, " + pattern + " (" + std::to_string(hit) + " hit), " +
                                  (block_n ? std::to_string(block_n) + "-row tiles" : std::string("heuristic"));
-        MaskedGemm g0(p, {act, acts, w[0], ws, m, out}, block_n ? &c : nullptr);
-        MaskedGemm g1(p, {act, acts, w[1], ws, m, out}, block_n ? &c : nullptr);
+        MaskedGemm g0(p, {in.a, in.a_scales, w[0], in.w_scales, m, out}, block_n ? &c : nullptr);
+        MaskedGemm g1(p, {in.a, in.a_scales, w[1], in.w_scales, m, out}, block_n ? &c : nullptr);
         report(name, time([&](int i) { (i ? g1 : g0).run(nullptr); }), mb, g0.config().to_string());
       }
     }
-    for (void* q : {(void*)act, (void*)acts, (void*)ws, (void*)out, (void*)m}) cudaFree(q);
   }
 }
 
@@ -400,22 +410,10 @@ int main(int argc, char** argv) {
   // expert with 8 rows (528 tiles, 4 per SM exactly); GEMM1 also with forced split-K.
   if (!wide_only) {
     const int m_max = 256;
-    uint8_t *a1, *act;
-    float *as1, *ws1, *acts, *ws2;
-    uint16_t* out;
-    int32_t* m;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&a1, size_t(E) * m_max * k1));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&as1, sizeof(float) * E * (k1 / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&ws1, sizeof(float) * E * (n1 / 128) * (k1 / 128)));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&act, size_t(E) * m_max * k2));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&acts, sizeof(float) * E * (k2 / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&ws2, sizeof(float) * E * (n2 / 128) * (k2 / 128)));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * E * m_max * n2));
-    MOEKIT_CUDA_CHECK(cudaMalloc(&m, sizeof(int32_t) * E));
-    MOEKIT_CUDA_CHECK(cudaMemset(a1, 0x11, size_t(E) * m_max * k1));
-    MOEKIT_CUDA_CHECK(cudaMemset(as1, 0, sizeof(float) * E * (k1 / 128) * m_max));
-    MOEKIT_CUDA_CHECK(cudaMemset(ws1, 0, sizeof(float) * E * (n1 / 128) * (k1 / 128)));
-    MOEKIT_CUDA_CHECK(cudaMemset(ws2, 0, sizeof(float) * E * (n2 / 128) * (k2 / 128)));
+    DeviceBuffers d;
+    const MaskedInputs in1 = masked_inputs(d, E, m_max, n1, k1), in2 = masked_inputs(d, E, m_max, n2, k2);
+    uint16_t* out = d.alloc<uint16_t>(size_t(E) * m_max * n2);
+    int32_t* m = d.alloc<int32_t>(E);
     const MaskedGemmProblem p1{E, n1, k1, m_max, 8, GemmEpilogue::kSiluMulFp8};
     const MaskedGemmProblem p2{E, n2, k2, m_max, 8};
     std::vector<int32_t> shared_32(E, 8), all_8(E, 8);
@@ -430,8 +428,8 @@ int main(int argc, char** argv) {
     const double mb1 = double(E) * n1 * k1 / 1e6, mb2 = double(E) * n2 * k2 / 1e6;
     MaskedGemmBuffers g1b[2], g2b[2];
     for (int i = 0; i < 2; ++i) {
-      g1b[i] = {a1, as1, w[i], ws1, m, nullptr, act, acts};
-      g2b[i] = {act, acts, w[i], ws2, m, out};
+      g1b[i] = {in1.a, in1.a_scales, w[i], in1.w_scales, m, nullptr, in2.a, in2.a_scales};
+      g2b[i] = {in2.a, in2.a_scales, w[i], in2.w_scales, m, out};
     }
     run("GEMM1 gated, shared expert 32 rows (544 tiles)", p1, g1b[0], g1b[1], shared_32, nullptr, mb1);
     run("GEMM1 gated, all 8 rows (528 tiles)", p1, g1b[0], g1b[1], all_8, nullptr, mb1);
@@ -468,8 +466,6 @@ int main(int argc, char** argv) {
     b64[E - 1] = 8;
     run("GEMM1 gated, B = 64 pattern (464 tiles)", p1, g1b[0], g1b[1], b64, nullptr, mb1 * 29 / 33);
     run("GEMM2, B = 64 pattern", p2, g2b[0], g2b[1], b64, nullptr, mb2 * 29 / 33);
-    for (void* q : {(void*)a1, (void*)as1, (void*)ws1, (void*)act, (void*)acts, (void*)ws2, (void*)out, (void*)m})
-      cudaFree(q);
   }
   if (!wide_only && !gemms_only) decode_splits(w, time, report);
   if (!gemms_only) wide_swap_gemm2(w, time, report);
