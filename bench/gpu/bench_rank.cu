@@ -16,6 +16,9 @@
 // --recv-ready 0: fused layers with GpuLayerConfig::recv_ready off (GEMM1 waits for the dispatch
 // receive's grid instead of taking each expert's rows as they land); --recv-ctas N: the receive's
 // grid when it is on (GpuLayerConfig::recv_ctas; 0, the default: the layer's automatic choice).
+// --combine-ready 0: fused layers whose combine send waits for GEMM2's grid instead of starting
+// beside it (GpuLayerConfig::combine_ready); --combine-ctas N: its grid when it is on
+// (GpuLayerConfig::combine_ctas; 0, the default: automatic).
 // --expert-ready 0: fused layers with GpuLayerConfig::expert_ready off (GEMM2 waits for GEMM1's
 // grid instead of for each expert's rows), the baseline of that lever.
 // --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
@@ -103,7 +106,7 @@ constexpr const char* kUsage =
     "bench_rank [--model deepseek-v3,qwen3.5-397b-a17b] [--ranks 8] [--batch 8,64,256,1024,2048] [--layers N]\n"
     "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
     "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
-    "           [--recv-ready 0|1] [--recv-ctas N]\n"
+    "           [--recv-ready 0|1] [--recv-ctas N] [--combine-ready 0|1] [--combine-ctas N]\n"
     "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
@@ -356,6 +359,8 @@ struct Options {
   bool merge_shared = true;  // GpuLayerConfig::merge_shared (--merge-shared 0: the shared expert's own GEMMs)
   bool recv_ready = true;    // GpuLayerConfig::recv_ready (--recv-ready 0: GEMM1 waits for the receive's grid)
   int recv_ctas = gpu::GpuLayerConfig{}.recv_ctas;
+  bool combine_ready = true;  // GpuLayerConfig::combine_ready (--combine-ready 0: the send waits for GEMM2's grid)
+  int combine_ctas = gpu::GpuLayerConfig{}.combine_ctas;
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -540,6 +545,8 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.merge_shared = opt.merge_shared;
   cfg.recv_ready = opt.recv_ready;
   cfg.recv_ctas = opt.recv_ctas;
+  cfg.combine_ready = opt.combine_ready;
+  cfg.combine_ctas = opt.combine_ctas;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -733,6 +740,7 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
      << ", \"iters\": " << opt.iters << ", \"expert_ready\": " << (opt.expert_ready ? "true" : "false")
      << ", \"merge_shared\": " << (opt.merge_shared ? "true" : "false")
      << ", \"recv_ready\": " << (opt.recv_ready ? "true" : "false") << ", \"recv_ctas\": " << opt.recv_ctas
+     << ", \"combine_ready\": " << (opt.combine_ready ? "true" : "false") << ", \"combine_ctas\": " << opt.combine_ctas
      << ", \"timing\": \"rank 0's kernels only: event-record nodes inside one CUDA Graph per segment of layers, "
         "rank 0's two intervals per layer (dispatch + compute, combine) added; step = median over replays of the "
         "sum over layers, layer = median over layers and replays\""
@@ -977,6 +985,10 @@ int main(int argc, char** argv) try {
       opt.recv_ready = next_int(0) != 0;
     } else if (a == "--recv-ctas") {
       opt.recv_ctas = next_int(0);
+    } else if (a == "--combine-ready") {
+      opt.combine_ready = next_int(0) != 0;
+    } else if (a == "--combine-ctas") {
+      opt.combine_ctas = next_int(0);
     } else if (a == "--timeline") {
       opt.timeline = true;
     } else if (a == "--uniform") {

@@ -457,6 +457,19 @@ int main(int argc, char** argv) {
     // (runs 46-49): the position costs it, not the tile; the comparisons sit above the splits.)
     run("GEMM1 gated, shared 32 rows, block_m 32, after splits", p1, g1b[0], g1b[1], shared_32, &c32, mb1);
     run("GEMM2, shared expert 32 rows", p2, g2b[0], g2b[1], shared_32, nullptr, mb2);
+    {  // What the per-expert signal of each stored tile costs (ready_out, as the layer's GEMM2 does
+       // for the combine beside it): nobody waits, the counters only grow.
+      int32_t* ready = d.alloc<int32_t>(E);
+      MOEKIT_CUDA_CHECK(cudaMemset(ready, 0, sizeof(int32_t) * E));
+      MaskedGemmBuffers s0 = g2b[0], s1 = g2b[1];
+      s0.ready_out = s1.ready_out = ready;
+      run("GEMM2, shared 32 rows, signalling", p2, s0, s1, shared_32, nullptr, mb2);
+      MaskedGemm e0(p2, s0), e1(p2, s1);
+      e0.set_early_trigger(true);
+      e1.set_early_trigger(true);
+      report("GEMM2, shared 32 rows, signalling, early trigger", time([&](int i) { (i ? e1 : e0).run(nullptr); }), mb2,
+             e0.config().to_string());
+    }
     run("GEMM2, all 8 rows", p2, g2b[0], g2b[1], all_8, nullptr, mb2);
     run("GEMM2, shared 32 rows, block_m 32", p2, g2b[0], g2b[1], shared_32, &c32, mb2);
     // B = 64: 28 routed experts with 2 rows, 4 without, the shared one with 8: 464 GEMM1 tiles

@@ -177,6 +177,19 @@ class EpBuffer {
   void dispatch_recv(cudaStream_t stream, int32_t* rows_ready, int num_ctas);
   void normal_dispatch_recv(cudaStream_t stream);  // normal: contiguous layout
   void combine_send(const uint16_t* y, cudaStream_t stream);
+  // The low-latency combine send beside the GEMM that writes y (the fused decode pipeline's GEMM2,
+  // gemm.h MaskedGemm::set_early_trigger): launched right after that GEMM, it starts once the
+  // GEMM's CTAs have, takes the SMs they leave, and sends each message as soon as the GEMM has
+  // stored the rows of the message's local experts. y_ready: E_loc (+ 1 with self_slab) device
+  // ints, the GEMM's ready_out, zero at the call: expert e's rows are all in y once y_ready[e]
+  // reaches (hidden / 64) · recv_count[e] (hidden a multiple of 64). Every CTA then waits for the
+  // GEMM's grid before it signs off, so the flags, and the next kernel on the stream, find all of
+  // y stored (the self slab's rows that combine_recv adds too); the last CTA zeroes y_ready. The
+  // kernel before it on the stream must be that GEMM, and only the dispatch receive (complete
+  // before the GEMM started) may have written what else it reads. A counter that does not get
+  // there within timeout_s is recorded as this rank's fault, naming the expert. num_ctas: the
+  // send's grid, 1..EpConfig::num_ctas.
+  void combine_send(const uint16_t* y, cudaStream_t stream, int32_t* y_ready, int num_ctas);
   void combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream);
 
   // Outputs: device memory owned by the buffer, at fixed addresses for its life.

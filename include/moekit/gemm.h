@@ -78,6 +78,14 @@
 // ready_in[E_loc + 1]: the GEMM then stops waiting for rows (its output is not meaningful, and
 // the receive's fault record names the peer), so a timeout never leaves the GEMM spinning.
 //
+// set_early_trigger(true) (masked, FP8, with ready_out) lets the kernel launched after this one
+// on the stream start as soon as every CTA of this one has started, on the SMs this GEMM's CTAs
+// leave as they finish, instead of after this GEMM's own wait: only for a successor that takes
+// this GEMM's rows expert by expert through ready_out (at (N / 64) · masked_m[e], as above) with
+// ordinary loads, not TMA (the signal then skips the async-proxy fence), waits
+// for this grid before it completes, and reads nothing else a kernel before this one may still
+// write (ep.h EpBuffer::combine_send with y_ready, the fused decode pipeline's combine).
+//
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m, last_expert_m) goes through a
 // small heuristic that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made.
 // expected_m and last_expert_m only steer the choice; correctness never depends on them.
@@ -190,6 +198,7 @@ class MaskedGemm {
   void run(cudaStream_t stream) const;  // graph-safe
   const GemmConfig& config() const;
   void set_overlap(Overlap overlap);
+  void set_early_trigger(bool on);  // see the top of this file
   // Stage clock (a timeline of a step): every later run writes the %globaltimer nanoseconds of
   // its first CTA's start to stamp[0] (atomicMin) and its last CTA's end to stamp[1]
   // (atomicMax); the caller resets the pair. Null (the default) records nothing.

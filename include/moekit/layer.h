@@ -127,6 +127,13 @@ struct GpuLayerConfig {
   // The receive's CTAs then; 0: 8 where a rank holds one token (T_max = 1: its few rows need no
   // more, and 8 more GEMM1 CTAs start beside it), 16 above (docs/layer-gpu.md item 30).
   int recv_ctas = 0;
+  // Fused, FP8: the combine send starts beside GEMM2 and sends each message as soon as GEMM2 has
+  // stored its experts' rows (ep.h combine_send with y_ready, gemm.h set_early_trigger), on the
+  // SMs GEMM2's CTAs leave in its last round; combine_ctas CTAs (0: the EpBuffer's, whose CTAs
+  // claim the messages as they find an SM). False: it waits for GEMM2's grid. (Same condition as
+  // recv_ready on the self slab.)
+  bool combine_ready = true;
+  int combine_ctas = 0;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;

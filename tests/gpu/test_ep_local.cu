@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moekit/ep_cpu.h"
@@ -233,6 +235,142 @@ TEST(EpRowsReady, CountsEveryRowAndPublishesTheCounts) {
   rejects(ready, 100000, "num_ctas = 100000");
   cudaFree(ready);
   cudaStreamDestroy(stream);
+}
+
+// A local group of P ranks with the self slab, its step buffers, a non-blocking stream and each
+// rank's y_ready (E_loc + 1 ints, zero), for the send beside a GEMM; all freed at scope end.
+struct CombineRig {
+  EpConfig c;
+  std::unique_ptr<EpLocalGroup> group;
+  std::unique_ptr<DeviceStep> dev;
+  cudaStream_t stream{};
+  int32_t* ready = nullptr;
+  size_t ready_ints = 0;
+  CombineRig(const Shape& shape, double timeout_s) : c(make_config(shape)) {
+    c.self_slab = true;
+    c.timeout_s = timeout_s;
+    group = std::make_unique<EpLocalGroup>(c);
+    dev = std::make_unique<DeviceStep>(c);
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    ready_ints = size_t(c.num_ranks) * (c.slots_per_rank() + 1);
+    MOEKIT_CUDA_CHECK(cudaMalloc(&ready, ready_ints * sizeof(int32_t)));
+    MOEKIT_CUDA_CHECK(cudaMemset(ready, 0, ready_ints * sizeof(int32_t)));
+  }
+  ~CombineRig() {
+    cudaFree(ready);
+    cudaStreamDestroy(stream);
+  }
+  int32_t* ready_of(int r) const { return ready + size_t(r) * (c.slots_per_rank() + 1); }
+};
+
+// combine_send with y_ready (the send beside the GEMM that writes y, ep.h): the same bits as the
+// plain send of the same step; a rank whose y and counters land only after its send has started
+// (a copy on another stream, 20 ms later) still sends the new rows, so the send waited for the
+// counters; every counter is zero afterwards. A counter that never gets there is a named
+// timeout; bad arguments name their value.
+TEST(EpCombineReady, SendsEachMessageOnceItsRowsAreCounted) {
+  CombineRig rig({4, 24, 512, 16, 4}, 5.0);
+  const EpConfig& c = rig.c;
+  EpLocalGroup& group = *rig.group;
+  DeviceStep& dev = *rig.dev;
+  const cudaStream_t stream = rig.stream;
+  const int P = c.num_ranks, E = c.slots_per_rank(), d = c.hidden;
+  cudaStream_t late;  // rank 1's rows and counters arrive on it
+  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&late, cudaStreamNonBlocking));
+  auto ready_of = [&](int r) { return rig.ready_of(r); };
+  std::mt19937 rng(404);
+  std::vector<RankInput> in;
+  for (int r = 0; r < P; ++r) in.push_back(random_input(c, c.max_tokens - r, rng));
+  std::vector<std::vector<uint16_t>> y(P), out(P);
+  for (int pass = 0; pass < 2; ++pass) {  // 0: plain send, 1: beside (same inputs, so the same map)
+    for (int r = 0; r < P; ++r) {
+      dev.upload(r, in[r]);
+      MOEKIT_CUDA_CHECK(cudaMemset(dev.out[r], 0xFF, size_t(c.max_tokens) * d * 2));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], in[r].num_tokens, stream);
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    const Reference ref = masked_reference(c, in);
+    std::vector<std::vector<int32_t>> targets(P);
+    for (int r = 0; r < P; ++r) {
+      if (pass == 0) y[r] = random_y(c, ref.ranks[r].count, rng);
+      const auto count = to_host(group.rank(r).recv_count(), size_t(E) + 1);
+      for (int e = 0; e <= E; ++e) targets[r].push_back((d / 64) * count[e]);
+      // Rank 1 in the second pass: poisoned rows, and counters short of their targets, for now.
+      const bool delayed = pass == 1 && r == 1;
+      if (delayed) MOEKIT_CUDA_CHECK(cudaMemset(dev.y[r], 0xFF, y[r].size() * 2));
+      else MOEKIT_CUDA_CHECK(cudaMemcpy(dev.y[r], y[r].data(), y[r].size() * 2, cudaMemcpyHostToDevice));
+      if (pass == 1 && !delayed)
+        MOEKIT_CUDA_CHECK(cudaMemcpy(ready_of(r), targets[r].data(), targets[r].size() * 4, cudaMemcpyHostToDevice));
+    }
+    for (int r = 0; r < P; ++r) {
+      if (pass == 0) group.rank(r).combine_send(dev.y[r], stream);
+      else group.rank(r).combine_send(dev.y[r], stream, ready_of(r), r == 0 ? 1 : 3);
+    }
+    if (pass == 1) {  // rank 1's rows, then its counters, land while its send waits
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(dev.y[1], y[1].data(), y[1].size() * 2, cudaMemcpyHostToDevice, late));
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(ready_of(1), targets[1].data(), targets[1].size() * 4, cudaMemcpyHostToDevice,
+                                        late));
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(late));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    const auto want = combine_reference(c, in, ref.row_of, y, std::vector<std::vector<uint16_t>>(P));
+    for (int r = 0; r < P; ++r) {
+      const auto got = to_host(dev.out[r], size_t(in[r].num_tokens) * d);
+      compare_combine(got, want[r], r);
+      if (pass == 0) out[r] = got;
+      else EXPECT_TRUE(got == out[r]) << "rank " << r << ": the send beside the GEMM changed the bits";
+    }
+  }
+  const auto left = to_host(rig.ready, rig.ready_ints);
+  for (size_t i = 0; i < left.size(); ++i) EXPECT_EQ(left[i], 0) << "y_ready entry " << i << " not zeroed";
+  cudaStreamDestroy(late);
+}
+
+TEST(EpCombineReady, ACounterShortOfItsTargetIsANamedTimeout) {
+  CombineRig rig({2, 8, 256, 8, 2}, 0.05);
+  EpLocalGroup& group = *rig.group;
+  DeviceStep& dev = *rig.dev;
+  const cudaStream_t stream = rig.stream;
+  const int P = rig.c.num_ranks;
+  const EpConfig& c = rig.c;
+  std::mt19937 rng(8);
+  for (int r = 0; r < P; ++r) {
+    RankInput in = random_input(c, 8, rng);
+    for (int t = 0; t < 8; ++t) {  // every token on slots 0 and 1: rank 0's experts, so rank 1 waits for none
+      in.topk_idx[size_t(t) * 2] = 0;
+      in.topk_idx[size_t(t) * 2 + 1] = 1;
+    }
+    dev.upload(r, in);
+  }
+  for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], 8, stream);
+  for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+  for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+  // Bad arguments first: named, and nothing launched (the phase does not advance).
+  auto rejects = [&](int32_t* rr, int ctas, const char* what) {
+    try {
+      group.rank(0).combine_send(dev.y[0], stream, rr, ctas);
+      ADD_FAILURE() << "accepted " << what;
+    } catch (const moekit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  rejects(nullptr, 4, "got null");
+  rejects(rig.ready, 0, "num_ctas = 0");
+  rejects(rig.ready, 100000, "num_ctas = 100000");
+  // Rank 0's counters stay at zero: its send gives up after the timeout, naming expert 0.
+  for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream, rig.ready_of(r), 2);
+  try {
+    group.rank(0).check(stream);
+    FAIL() << "a counter that never reaches its target must time out";
+  } catch (const moekit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("combine_send timed out"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rows of local expert 0"), std::string::npos) << e.what();
+  }
+  for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+  EXPECT_NO_THROW(group.rank(1).check(stream));  // its peer's send still raised its flag
 }
 
 // Payloads that encode where they came from: token t of rank s has group 0 equal to s + 1 and

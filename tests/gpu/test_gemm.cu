@@ -1089,6 +1089,16 @@ TEST(GemmExpertReady, BadArgumentsRejected) {
   same.ready_in = same.ready_out = ready.ptr;
   EXPECT_NE(message([&] { MaskedGemm g(c.problem, same); }).find("ready_in and ready_out are the same"),
             std::string::npos);
+  EXPECT_NE(message([&] {
+              MaskedGemm g(c.problem, c.buffers());
+              g.set_early_trigger(true);
+            }).find("set_early_trigger needs ready_out"),
+            std::string::npos);
+  MaskedGemmBuffers signals = c.buffers();
+  signals.ready_out = ready.ptr;
+  MaskedGemm g(c.problem, signals);
+  EXPECT_NO_THROW(g.set_early_trigger(true));
+  EXPECT_NO_THROW(g.set_early_trigger(false));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -590,12 +590,15 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   // GEMM1 waiting for the receive's grid instead of taking each expert's rows as they land.
   GpuRig recv_grid(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
                    false);
+  // The combine send waiting for GEMM2's grid instead of starting beside it.
+  GpuRig combine_grid(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
+                      true, false);
   for (GpuRig* rig : {&staged, &fused, &inline_shared})
     for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
   for (bool graph : {false, true}) {
     const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
-    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid}) {
+    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid, &combine_grid}) {
       rig->load(x, nullptr, nullptr);
       if (graph) {
         CapturedStep step(*rig, false);
@@ -628,6 +631,8 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
                                                           << (graph ? ", graph" : "");
     EXPECT_EQ(fused.gather_out(), recv_grid.gather_out()) << "rows as they land against the receive's grid"
                                                           << (graph ? ", graph" : "");
+    EXPECT_EQ(fused.gather_out(), combine_grid.gather_out()) << "the combine beside GEMM2 against after its grid"
+                                                             << (graph ? ", graph" : "");
     const std::string what = graph ? "stage clock, graph" : "stage clock";
     for (GpuRig* rig : {&staged, &fused, &inline_shared}) {
       const bool is_fused = rig != &staged, merged = rig == &fused;
@@ -645,7 +650,9 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
       // and may start before the receive ends; the in-line rig has no hand-off.)
       auto at = [&](gpu::GpuStage st) { return clock[int(st)]; };
       if (!merged) EXPECT_GE(at(gpu::GpuStage::kGemm1).start_ns, at(gpu::GpuStage::kDispatchRecv).end_ns) << what;
-      EXPECT_GE(at(gpu::GpuStage::kCombineSend).start_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
+      // (The merged rig's combine send starts beside GEMM2, combine_ready, and signs off after its grid.)
+      if (merged) EXPECT_GE(at(gpu::GpuStage::kCombineSend).end_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
+      else EXPECT_GE(at(gpu::GpuStage::kCombineSend).start_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
     }
   }
 }

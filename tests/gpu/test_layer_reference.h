@@ -239,7 +239,7 @@ struct GpuRig {
   GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
          gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true, int staging_slots = 0,
          size_t move_chunk_bytes = size_t(4) << 20, const Fixture& f = fixture(), bool expert_ready = true,
-         bool recv_ready = true)
+         bool recv_ready = true, bool combine_ready = true)
       : fx(f), P(num_ranks), mode(m) {
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
     group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline));
@@ -252,6 +252,7 @@ struct GpuRig {
     cfg.move_chunk_bytes = move_chunk_bytes;
     cfg.expert_ready = expert_ready;
     cfg.recv_ready = recv_ready;
+    cfg.combine_ready = combine_ready;
     for (int r = 0; r < P; ++r) {
       layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg,
                                                            share ? share->layers[r].get() : nullptr));

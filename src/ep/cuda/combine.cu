@@ -12,6 +12,14 @@
 // At decode sizes both are bound by round trips to memory, not by bytes: each thread loads
 // every row (send) or every rank's partial (receive) of its chunks before the first add, in
 // registers, and the adds then run in the fixed order.
+//
+// Beside the GEMM (y_ready, ep.h): the send starts while the GEMM that writes y still runs (the
+// GEMM triggers its dependents at its start, gemm.h set_early_trigger), on the SMs the GEMM's
+// CTAs leave as they finish. A warp waits for each message's experts' counters (acquire) and
+// reads their rows from the L2 (the non-coherent path could hold lines from before the GEMM's
+// stores); every CTA then waits for the GEMM's grid before it signs off, so the flags, and
+// whatever comes after this kernel on the stream, find all of y stored. The last CTA zeroes the
+// counters for the next step.
 #include <cuda_runtime.h>
 
 #include "ep_device.cuh"
@@ -45,36 +53,74 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 constexpr int kSendChunks = 4;
 constexpr int kSendRows = 4;
 
-__global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, const uint16_t* __restrict__ y) {
+// Beside the GEMM: lane i < k with a row waits until its expert's counter shows all of the
+// expert's rows stored (the GEMM's ready_out units, gemm.h: hidden / 64 per row, for the
+// recv_count the GEMM itself clamps to [0, M_max]); the warp barrier then passes the acquire on
+// to the lanes that load the rows. A counter that never gets there (a GEMM not paired with this
+// kernel) is recorded as this rank's timeout, naming the expert, and the wait ends. The sleep
+// between polls doubles up to 512 ns: a thousand waiting warps polling the same L2 line every
+// few tens of nanoseconds would load the slice the GEMM streams through.
+__device__ __forceinline__ void wait_rows(const EpArgs& a, const int32_t* y_ready, int row, unsigned step) {
+  if (row >= 0) {
+    const int e = row / a.max_m;
+    const int target = (a.hidden / 64) * min(max(__ldcg(a.recv_count + e), 0), a.max_m);
+    const long long start = clock64();
+    for (unsigned ns = 32; ptx::ld_acquire_gpu(y_ready + e) < target; ns = min(2 * ns, 512u)) {
+      if (ld_volatile(&a.status->kind) == int(EpErrorKind::kTimeout)) break;
+      if (clock64() - start > a.timeout_cycles) {
+        record_fault(a, EpErrorKind::kTimeout, kPhaseCombineSend, a.rank, step, -1, e, target);
+        break;
+      }
+      __nanosleep(ns);
+    }
+  }
+  __syncwarp();
+}
+
+template <bool kBeside>
+__global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, const uint16_t* __restrict__ y,
+                                                                  int32_t* y_ready) {
   extern __shared__ int smem[];
   int* src_start = smem;  // [P + 1]
   const int P = a.num_ranks, k = a.topk;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  begin_ep_kernel(a, kPhaseCombineSend);
+  if constexpr (kBeside) {  // no wait here: the receive that wrote the map has completed (ep.h)
+    if (threadIdx.x == 0 && a.stamps) stamp_start(a.stamps + 2 * kPhaseCombineSend);
+  } else {
+    begin_ep_kernel(a, kPhaseCombineSend);
+  }
   const unsigned step = current_step(a, kPhaseCombineSend);
   const int parity = int(step) & a.parity_mask;
-  if (warp == 0) warp_prefix(src_start, P, [&](int s) { return a.recv_msgs[s]; });
+  if (warp == 0) warp_prefix(src_start, P, [&](int s) { return __ldcg(a.recv_msgs + s); });
   __syncthreads();
   const int num_msgs = src_start[P], num_chunks = a.hidden / 8;
   const int slices = (num_chunks + 32 * kSendChunks - 1) / (32 * kSendChunks);
   const int64_t items = int64_t(num_msgs) * slices, num_warps = int64_t(gridDim.x) * warps;
   const int64_t gw = int64_t(blockIdx.x) * warps + warp;
-  const int64_t item_end = (gw + 1) * items / num_warps;
+  // Beside the GEMM the items are claimed one by one from a counter instead: the CTAs that find an
+  // SM while the GEMM still runs take them all, those that start after it find none left. (The
+  // claim of the next item is issued before this one's loads, so its round trip hides under them.)
+  auto claim = [&]() { return lane == 0 ? atomicAdd(&a.ctr->send_claims, 1u) : 0u; };
+  unsigned claimed = kBeside ? claim() : 0u;
+  int64_t it = kBeside ? int64_t(__shfl_sync(0xFFFFFFFFu, claimed, 0)) : gw * items / num_warps;
+  const int64_t item_end = kBeside ? items : (gw + 1) * items / num_warps;
   int cur = -1;         // the message whose map the lanes hold
   int my_row = -1;      // lane i < k: entry i's row in y (-1: none)
   float my_w = 0.0f;    // and its top-k weight
   unsigned rows = 0;    // lanes with a row, in top-k order
   uint4* dst = nullptr;
-  for (int64_t it = gw * items / num_warps; it < item_end; ++it) {
+  for (; it < item_end; it = kBeside ? int64_t(__shfl_sync(0xFFFFFFFFu, claimed, 0)) : it + 1) {
+    if constexpr (kBeside) claimed = claim();
     const int g = int(it / slices), slice = int(it % slices);
     if (g != cur) {
       cur = g;
       const int s = segment_of(src_start, P, g);
       const size_t item = size_t(s) * a.max_tokens + (g - src_start[s]);
-      my_row = lane < k ? a.map_rows[item * k + lane] : -1;
-      my_w = lane < k ? a.map_w[item * k + lane] : 0.0f;
-      const int token = a.map_token[item];
+      my_row = lane < k ? __ldcg(a.map_rows + item * k + lane) : -1;
+      my_w = lane < k ? __ldcg(a.map_w + item * k + lane) : 0.0f;
+      const int token = __ldcg(a.map_token + item);
       rows = __ballot_sync(0xFFFFFFFFu, my_row >= 0);
+      if constexpr (kBeside) wait_rows(a, y_ready, my_row, step);
       dst = reinterpret_cast<uint4*>(a.combine_outbox(parity, s) + kEpFlagBytes + size_t(token) * a.hidden * 2);
     }
     const int c0 = slice * 32 * kSendChunks + lane;
@@ -102,7 +148,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
         const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(row[q]) * a.hidden);
 #pragma unroll
         for (int u = 0; u < kSendChunks; ++u)
-          if (q < n && c0 + 32 * u < num_chunks) v[q][u] = __ldg(yr + c0 + 32 * u);
+          if (q < n && c0 + 32 * u < num_chunks) v[q][u] = kBeside ? __ldcg(yr + c0 + 32 * u) : __ldg(yr + c0 + 32 * u);
       }
 #pragma unroll
       for (int q = 0; q < kSendRows; ++q) {
@@ -121,11 +167,17 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
     for (int u = 0; u < kSendChunks; ++u)
       if (c0 + 32 * u < num_chunks) dst[c0 + 32 * u] = pack8(acc[u]);
   }
+  if constexpr (kBeside) ptx::grid_dependency_wait();  // the GEMM's grid: all of y is stored
   if (finish_cta(a, kPhaseCombineSend, true)) {
+    if constexpr (kBeside) {
+      for (int e = threadIdx.x; e < a.local_experts + a.self_slab; e += blockDim.x) y_ready[e] = 0;
+      if (threadIdx.x == 0) a.ctr->send_claims = 0;
+    }
     for (int s = threadIdx.x; s < P; s += blockDim.x)
       st_release_sys(reinterpret_cast<uint64_t*>(a.combine_outbox(parity, s)), uint64_t(step) << 32);
     if (threadIdx.x == 0) advance_step(a, kPhaseCombineSend, step);
   }
+  if constexpr (kBeside) ptx::launch_dependents();  // (after this kernel's own wait: the chain's rule)
 }
 
 // combine_recv: one CTA per token; each thread holds kRecvChunks chunks (a 8192-wide token in one
@@ -210,9 +262,9 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 
 }  // namespace
 
-void launch_combine_send(const EpArgs& args, const uint16_t* y, int num_ctas, cudaStream_t stream) {
-  launch_kernel_ex(combine_send_kernel, dim3(num_ctas), dim3(kEpThreads), sizeof(int) * (args.num_ranks + 1), stream,
-                   args.pdl != 0, args, y);
+void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready, int num_ctas, cudaStream_t stream) {
+  launch_kernel_ex(y_ready ? combine_send_kernel<true> : combine_send_kernel<false>, dim3(num_ctas), dim3(kEpThreads),
+                   sizeof(int) * (args.num_ranks + 1), stream, args.pdl != 0, args, y, y_ready);
 }
 
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, cudaStream_t stream) {

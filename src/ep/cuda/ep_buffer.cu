@@ -350,13 +350,37 @@ void EpBuffer::normal_dispatch_recv(cudaStream_t stream) {
   launch_dispatch_recv(m.args, true, m.num_ctas, stream);
 }
 
-void EpBuffer::combine_send(const uint16_t* y, cudaStream_t stream) {
-  Impl& m = *impl_;
+namespace {
+
+void launch_send_back(EpBuffer::Impl& m, const uint16_t* y, int32_t* y_ready, int num_ctas, cudaStream_t stream) {
   MOEKIT_CHECK(y != nullptr && reinterpret_cast<uintptr_t>(y) % 16 == 0,
                fmtr("EP rank {}: combine_send: y must be a 16-byte aligned device pointer", m.rank));
   PhaseCheck::expect(m.expected, kPhaseCombineSend, m.rank, "combine_send");
-  launch_combine_send(m.args, y, m.num_ctas, stream);
+  launch_combine_send(m.args, y, y_ready, num_ctas, stream);
   if (m.exchange) m.exchange->after_combine_send(stream);
+}
+
+}  // namespace
+
+void EpBuffer::combine_send(const uint16_t* y, cudaStream_t stream) {
+  launch_send_back(*impl_, y, nullptr, impl_->num_ctas, stream);
+}
+
+void EpBuffer::combine_send(const uint16_t* y, cudaStream_t stream, int32_t* y_ready, int num_ctas) {
+  Impl& m = *impl_;
+  MOEKIT_CHECK(m.config.mode == EpMode::kLowLatency,
+               fmtr("EP rank {}: combine_send with y_ready needs a low-latency buffer (the masked layout); this one "
+                    "is normal mode", m.rank));
+  MOEKIT_CHECK(y_ready != nullptr && reinterpret_cast<uintptr_t>(y_ready) % 4 == 0,
+               fmtr("EP rank {}: combine_send: y_ready must be a device array of {} ints, got {}", m.rank,
+                    m.config.slots_per_rank() + (m.config.self_slab ? 1 : 0),
+                    y_ready ? "a misaligned pointer" : "null"));
+  MOEKIT_CHECK(m.config.hidden % 64 == 0,
+               fmtr("EP rank {}: combine_send with y_ready counts 64-column units; hidden = {} is not a multiple of 64",
+                    m.rank, m.config.hidden));
+  MOEKIT_CHECK(num_ctas >= 1 && num_ctas <= m.num_ctas,
+               fmtr("EP rank {}: combine_send: num_ctas = {}, expected 1..{}", m.rank, num_ctas, m.num_ctas));
+  launch_send_back(m, y, y_ready, num_ctas, stream);
 }
 
 void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream) {
@@ -420,6 +444,10 @@ void EpBuffer::check(cudaStream_t stream) {
   const char* phase = phase_name(s.phase);
   switch (EpErrorKind(s.kind)) {
     case EpErrorKind::kTimeout:
+      MOEKIT_CHECK(s.phase != kPhaseCombineSend || s.peer != s.rank,
+                   fmtr("EP rank {}: {} timed out after {} s at step {} waiting for the GEMM beside it to store the "
+                        "rows of local expert {} (y_ready[{}] below {}: a GEMM not signalling into y_ready)", s.rank,
+                        phase, m.config.timeout_s, s.step, s.index, s.index, s.value));
       MOEKIT_CHECK(false, fmtr("EP rank {}: {} timed out after {} s waiting for rank {} at step {}", s.rank, phase,
                                       m.config.timeout_s, s.peer, s.step));
     case EpErrorKind::kBadSlot:

@@ -32,7 +32,8 @@ struct EpCounters {
   unsigned int step[4];  // per phase: steps completed by this rank
   unsigned int done[4];  // per phase: CTAs of the running kernel that finished (last one resets)
   int num_tokens;        // T of the last dispatch_send
-  int pad[3];
+  unsigned int send_claims;  // combine_send beside a GEMM: items claimed (its last CTA resets)
+  int pad[2];
 };
 
 struct EpStatusWord {
@@ -131,7 +132,8 @@ class EpExchange {
 void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                           int num_tokens, int num_ctas, cudaStream_t stream);
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream);
-void launch_combine_send(const EpArgs& args, const uint16_t* y, int num_ctas, cudaStream_t stream);
+// y_ready: null, or the counters of the GEMM running beside the send (EpBuffer::combine_send).
+void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready, int num_ctas, cudaStream_t stream);
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, cudaStream_t stream);
 
 }  // namespace moekit::gpu

@@ -178,11 +178,12 @@ void PlanCore::run(cudaStream_t stream) const {
 }
 
 void PlanCore::set_overlap(Overlap overlap) {
-  args.flags = overlap == Overlap::kNone                        ? 0
+  args.flags = (args.flags & kFlagEarlyTrigger) |
+               (overlap == Overlap::kNone                        ? 0
                : overlap == Overlap::kPreviousKernel            ? kFlagPdl
                : overlap == Overlap::kPreviousKernelStaticWeights ? kFlagPdl | kFlagEarlyWeights
                : overlap == Overlap::kPreviousGemmPerExpert     ? kFlagPdl | kFlagEarlyWeights | kFlagExpertReady
-                                                                : kFlagPdl | kFlagEarlyWeights | kFlagExpertReady | kFlagRowsReady;
+                                                                : kFlagPdl | kFlagEarlyWeights | kFlagExpertReady | kFlagRowsReady);
 }
 
 void SplitWorkspace::allocate(size_t slots, int splits, int tile_elems) {

@@ -172,6 +172,13 @@ void MaskedGemm::set_overlap(Overlap overlap) {
   impl_->set_overlap(overlap);
 }
 
+void MaskedGemm::set_early_trigger(bool on) {
+  MOEKIT_CHECK(!on || impl_->args.ready_out != nullptr,
+               "masked GEMM: set_early_trigger needs ready_out (the counters its successor waits on per expert); "
+               "this plan has none");
+  impl_->args.flags = on ? impl_->args.flags | kFlagEarlyTrigger : impl_->args.flags & ~kFlagEarlyTrigger;
+}
+
 void MaskedGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 
 }  // namespace moekit

@@ -57,6 +57,12 @@ constexpr int kFlagExpertReady = 4;
 // when expert e's rows and scales have landed. The schedule waits for the first (it reads
 // masked_m), each expert's loads for the second; the weights need neither.
 constexpr int kFlagRowsReady = 8;
+// Masked, with ready_out: the next kernel on the stream (the EP combine send beside this GEMM,
+// ep.h) waits for each expert's rows through ready_out and for this grid before it completes,
+// and reads nothing else an earlier kernel may still write; so every CTA triggers it at its
+// start, and it takes the SMs this GEMM's CTAs leave as they finish (gemm.h set_early_trigger).
+// It reads the rows with ordinary loads, so the signal needs no async-proxy fence.
+constexpr int kFlagEarlyTrigger = 16;
 
 // Per-expert readiness between two masked GEMMs of one step (GEMM1 -> GEMM2 of a decode step).
 // The counter of expert e counts units of 64 output columns x 1 row: every stored tile of the
@@ -302,6 +308,7 @@ __device__ __forceinline__ TileWalk tile_walk() {
 // stage), made visible to TMA.
 __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_weights, uint64_t* full, uint64_t* empty,
                                            int empty_arrivals, int full_arrivals = 1) {
+  if (args.flags & kFlagEarlyTrigger) ptx::launch_dependents();
   if (!early_weights) {  // (without the PDL launch attribute the wait returns at once)
     ptx::grid_dependency_wait();
     ptx::launch_dependents();
@@ -398,10 +405,14 @@ __device__ __forceinline__ void math_barrier() {
 }
 
 // The signalling side, by every math thread after a tile's output is stored: the tile's stores,
-// then one release of its units of expert t.e.
+// then one release of its units of expert t.e. It costs GEMM2 of DeepSeek-V3 at B = 256 ~6 us
+// alone (bench_stream, run 56). Sent a few K blocks into the next tile instead, once the stores
+// have long reached the L2, it cost ~2 us alone but the step nothing less (run 57).
 template <int kMathThreads, int kBlockW, int kBlockT>
 __device__ __forceinline__ void expert_ready_add(const KernelArgs& args, const TileInfo& t, int mtid) {
-  ptx::fence_proxy_async_global();  // the next GEMM reads these rows with TMA
+  // The next GEMM reads these rows with TMA; the combine beside this one (kFlagEarlyTrigger) with
+  // ordinary loads, which need no proxy fence.
+  if (!(args.flags & kFlagEarlyTrigger)) ptx::fence_proxy_async_global();
   math_barrier<kMathThreads>();
   if (mtid == 0) ptx::red_release_gpu_add(args.ready_out + t.e, (kBlockW / 64) * min(kBlockT, t.m_valid - t.t0));
 }

@@ -241,6 +241,17 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.recv_ready = s.alloc<int32_t>(slabs + 2);
     MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
   }
+  // The combine send takes each message once GEMM2 has stored its experts' rows; it zeroes the
+  // EP buffer's slabs' counters, which must be GEMM2's experts (as for recv_ready).
+  if (s.fused && !s.mxfp4 && config.combine_ready && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0) &&
+      s.ec.hidden % 64 == 0) {
+    const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
+    MOEKIT_CHECK(config.combine_ctas >= 0, fmtr("rank {}: GpuLayerConfig::combine_ctas = {}, expected >= 0 (0: "
+                                                "automatic)", s.rank, config.combine_ctas));
+    s.combine_ctas = std::min(config.combine_ctas > 0 ? config.combine_ctas : ep_ctas, ep_ctas);
+    s.combine_ready = s.alloc<int32_t>(slabs);
+    MOEKIT_CUDA_CHECK(cudaMemset(s.combine_ready, 0, sizeof(int32_t) * slabs));
+  }
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
   s.y = s.alloc<uint16_t>(total_rows * s.d);
@@ -288,7 +299,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
                              s.act_scales, s.w1_mx, s.b1, s.expert_ready, s.recv_ready};
   const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
-                             nullptr, nullptr,      s.w2_mx, s.b2,  nullptr,         s.expert_ready};
+                             nullptr, nullptr,      s.w2_mx, s.b2,  s.combine_ready, s.expert_ready};
   if (s.decode) {
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
@@ -298,6 +309,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     // decode-step overlap).
     s.gemm1->set_overlap(s.recv_ready ? Overlap::kDispatchPerExpert : Overlap::kPreviousKernel);
     s.gemm2->set_overlap(s.expert_ready ? Overlap::kPreviousGemmPerExpert : Overlap::kPreviousKernelStaticWeights);
+    s.gemm2->set_early_trigger(s.combine_ready != nullptr);  // the combine send starts beside it
   } else {
     s.cgemm1 = std::make_unique<ContiguousGemm>(
         ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows, format},
@@ -461,7 +473,8 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
     s.cgemm2->run(stream);
   }
   s.mark(kGemm2, stream);
-  s.ep->combine_send(s.y, stream);
+  if (s.combine_ready) s.ep->combine_send(s.y, stream, s.combine_ready, s.combine_ctas);
+  else s.ep->combine_send(s.y, stream);
   s.mark(kCombineSend, stream);
   s.phase = Impl::Phase::kComputed;
 }

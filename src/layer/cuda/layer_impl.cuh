@@ -42,6 +42,8 @@ struct GpuMoeLayer::Impl {
   int32_t* expert_ready = nullptr;  // fused + gated: GEMM1 -> GEMM2 per-expert readiness [slabs + 1]
   int32_t* recv_ready = nullptr;    // fused, FP8: receive -> GEMM1 rows per expert [slabs + 2] (GpuLayerConfig)
   int recv_ctas = 0;                // the receive's grid when recv_ready is set
+  int32_t* combine_ready = nullptr; // fused, FP8: GEMM2 -> combine send per-expert readiness [slabs]
+  int combine_ctas = 0;             // the combine send's grid when combine_ready is set
   // MXFP4 experts (gpt-oss): d and inter are the weights' padded sizes (weights.h), model_d the
   // model's hidden size; x and out are padded through x_pad and out_pad when they differ.
   bool mxfp4 = false;
