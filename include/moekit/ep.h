@@ -182,7 +182,7 @@ class EpBuffer {
   // GEMM's CTAs have, takes the SMs they leave, and sends each message as soon as the GEMM has
   // stored the rows of the message's local experts. y_ready: E_loc (+ 1 with self_slab) device
   // ints, the GEMM's ready_out, zero at the call: expert e's rows are all in y once y_ready[e]
-  // reaches (hidden / 64) · recv_count[e] (hidden a multiple of 64). Every CTA then waits for the
+  // reaches (hidden / 64) · recv_count[e] (hidden is a multiple of 128). Every CTA then waits for the
   // GEMM's grid before it signs off, so the flags, and the next kernel on the stream, find all of
   // y stored (the self slab's rows that combine_recv adds too); the last CTA zeroes y_ready. The
   // kernel before it on the stream must be that GEMM, and only the dispatch receive (complete

@@ -569,6 +569,18 @@ TEST(GpuLayerErrors, BadInputIsReported) {
     EXPECT_NE(msg.find("999"), std::string::npos) << msg;
   }
   rig.layers[1]->check(rig.stream);  // the peer finished its step
+  // A negative CTA count in the config is named when the layer is made, whether or not the
+  // pipeline uses it.
+  gpu::GpuLayerConfig bad;
+  bad.max_tokens = rig.group->rank(0).config().max_tokens;
+  bad.pipeline = pipeline;
+  bad.combine_ctas = -3;
+  try {
+    gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), bad);
+    ADD_FAILURE() << "combine_ctas = -3 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("combine_ctas = -3"), std::string::npos) << e.what();
+  }
   }
 }
 

@@ -375,9 +375,6 @@ void EpBuffer::combine_send(const uint16_t* y, cudaStream_t stream, int32_t* y_r
                fmtr("EP rank {}: combine_send: y_ready must be a device array of {} ints, got {}", m.rank,
                     m.config.slots_per_rank() + (m.config.self_slab ? 1 : 0),
                     y_ready ? "a misaligned pointer" : "null"));
-  MOEKIT_CHECK(m.config.hidden % 64 == 0,
-               fmtr("EP rank {}: combine_send with y_ready counts 64-column units; hidden = {} is not a multiple of 64",
-                    m.rank, m.config.hidden));
   MOEKIT_CHECK(num_ctas >= 1 && num_ctas <= m.num_ctas,
                fmtr("EP rank {}: combine_send: num_ctas = {}, expected 1..{}", m.rank, num_ctas, m.num_ctas));
   launch_send_back(m, y, y_ready, num_ctas, stream);

@@ -228,12 +228,15 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.expert_ready = s.alloc<int32_t>(slabs + 1);
     MOEKIT_CUDA_CHECK(cudaMemset(s.expert_ready, 0, sizeof(int32_t) * (slabs + 1)));
   }
-  // GEMM1 takes each expert's rows from the receive as they land. The receive counts the EP
-  // buffer's slabs, so GEMM1's experts must be exactly those (a self slab only when merged).
-  if (s.fused && !s.mxfp4 && config.recv_ready && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0)) {
-    const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
-    MOEKIT_CHECK(config.recv_ctas >= 0, fmtr("rank {}: GpuLayerConfig::recv_ctas = {}, expected >= 0 (0: automatic)",
-                                             s.rank, config.recv_ctas));
+  // The hand-offs beside the EP kernels count the EP buffer's slabs (its E_loc, + 1 with the self
+  // slab), so the routed GEMMs' experts must be exactly those (a self slab only when merged).
+  const bool hand_offs = s.fused && !s.mxfp4 && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0);
+  const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
+  MOEKIT_CHECK(config.recv_ctas >= 0 && config.combine_ctas >= 0,
+               fmtr("rank {}: GpuLayerConfig::recv_ctas = {} and combine_ctas = {}, expected >= 0 (0: automatic)",
+                    s.rank, config.recv_ctas, config.combine_ctas));
+  // GEMM1 takes each expert's rows from the receive as they land.
+  if (hand_offs && config.recv_ready) {
     // Automatic: at one token per rank 8 CTAs were 0.7% (DeepSeek-V3) and 3.5% (Qwen3.5) faster
     // than 16 and 4 CTAs slower; at 8 tokens per rank 16 were 0.2-1.1% faster than 8 (run 53).
     const int want = config.recv_ctas > 0 ? config.recv_ctas : s.t_max <= 1 ? 8 : 16;
@@ -241,13 +244,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.recv_ready = s.alloc<int32_t>(slabs + 2);
     MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
   }
-  // The combine send takes each message once GEMM2 has stored its experts' rows; it zeroes the
-  // EP buffer's slabs' counters, which must be GEMM2's experts (as for recv_ready).
-  if (s.fused && !s.mxfp4 && config.combine_ready && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0) &&
-      s.ec.hidden % 64 == 0) {
-    const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
-    MOEKIT_CHECK(config.combine_ctas >= 0, fmtr("rank {}: GpuLayerConfig::combine_ctas = {}, expected >= 0 (0: "
-                                                "automatic)", s.rank, config.combine_ctas));
+  // The combine send takes each message once GEMM2 has stored its experts' rows (it zeroes the
+  // counters after each step).
+  if (hand_offs && config.combine_ready) {
     s.combine_ctas = std::min(config.combine_ctas > 0 ? config.combine_ctas : ep_ctas, ep_ctas);
     s.combine_ready = s.alloc<int32_t>(slabs);
     MOEKIT_CUDA_CHECK(cudaMemset(s.combine_ready, 0, sizeof(int32_t) * slabs));
