@@ -459,8 +459,7 @@ int main(int argc, char** argv) {
     run("GEMM2, shared expert 32 rows", p2, g2b[0], g2b[1], shared_32, nullptr, mb2);
     {  // What the per-expert signal of each stored tile costs (ready_out, as the layer's GEMM2 does
        // for the combine beside it): nobody waits, the counters only grow.
-      int32_t* ready = d.alloc<int32_t>(E);
-      MOEKIT_CUDA_CHECK(cudaMemset(ready, 0, sizeof(int32_t) * E));
+      int32_t* ready = d.alloc<int32_t>(E);  // (zero)
       MaskedGemmBuffers s0 = g2b[0], s1 = g2b[1];
       s0.ready_out = s1.ready_out = ready;
       run("GEMM2, shared 32 rows, signalling", p2, s0, s1, shared_32, nullptr, mb2);

@@ -277,7 +277,6 @@ TEST(EpCombineReady, SendsEachMessageOnceItsRowsAreCounted) {
   const int P = c.num_ranks, E = c.slots_per_rank(), d = c.hidden;
   cudaStream_t late;  // rank 1's rows and counters arrive on it
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&late, cudaStreamNonBlocking));
-  auto ready_of = [&](int r) { return rig.ready_of(r); };
   std::mt19937 rng(404);
   std::vector<RankInput> in;
   for (int r = 0; r < P; ++r) in.push_back(random_input(c, c.max_tokens - r, rng));
@@ -301,17 +300,18 @@ TEST(EpCombineReady, SendsEachMessageOnceItsRowsAreCounted) {
       if (delayed) MOEKIT_CUDA_CHECK(cudaMemset(dev.y[r], 0xFF, y[r].size() * 2));
       else MOEKIT_CUDA_CHECK(cudaMemcpy(dev.y[r], y[r].data(), y[r].size() * 2, cudaMemcpyHostToDevice));
       if (pass == 1 && !delayed)
-        MOEKIT_CUDA_CHECK(cudaMemcpy(ready_of(r), targets[r].data(), targets[r].size() * 4, cudaMemcpyHostToDevice));
+        MOEKIT_CUDA_CHECK(
+            cudaMemcpy(rig.ready_of(r), targets[r].data(), targets[r].size() * 4, cudaMemcpyHostToDevice));
     }
     for (int r = 0; r < P; ++r) {
       if (pass == 0) group.rank(r).combine_send(dev.y[r], stream);
-      else group.rank(r).combine_send(dev.y[r], stream, ready_of(r), r == 0 ? 1 : 3);
+      else group.rank(r).combine_send(dev.y[r], stream, rig.ready_of(r), r == 0 ? 1 : 3);
     }
     if (pass == 1) {  // rank 1's rows, then its counters, land while its send waits
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       MOEKIT_CUDA_CHECK(cudaMemcpyAsync(dev.y[1], y[1].data(), y[1].size() * 2, cudaMemcpyHostToDevice, late));
-      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(ready_of(1), targets[1].data(), targets[1].size() * 4, cudaMemcpyHostToDevice,
-                                        late));
+      MOEKIT_CUDA_CHECK(
+          cudaMemcpyAsync(rig.ready_of(1), targets[1].data(), targets[1].size() * 4, cudaMemcpyHostToDevice, late));
       MOEKIT_CUDA_CHECK(cudaStreamSynchronize(late));
     }
     for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);

@@ -64,15 +64,8 @@ __device__ __forceinline__ void wait_rows(const EpArgs& a, const int32_t* y_read
   if (row >= 0) {
     const int e = row / a.max_m;
     const int target = (a.hidden / 64) * min(max(__ldcg(a.recv_count + e), 0), a.max_m);
-    const long long start = clock64();
-    for (unsigned ns = 32; ptx::ld_acquire_gpu(y_ready + e) < target; ns = min(2 * ns, 512u)) {
-      if (ld_volatile(&a.status->kind) == int(EpErrorKind::kTimeout)) break;
-      if (clock64() - start > a.timeout_cycles) {
-        record_fault(a, EpErrorKind::kTimeout, kPhaseCombineSend, a.rank, step, -1, e, target);
-        break;
-      }
-      __nanosleep(ns);
-    }
+    timed_wait(a, kPhaseCombineSend, a.rank, step, e, target, 32, 512,
+               [&] { return ptx::ld_acquire_gpu(y_ready + e) >= target; });
   }
   __syncwarp();
 }

@@ -42,22 +42,33 @@ __device__ __forceinline__ void record_fault(const EpArgs& a, EpErrorKind kind, 
   atomicExch(&s->kind, int(kind));
 }
 
-// Spins until the flag carries `step` in its upper half; returns the flag, or 0 on a timeout
-// (recorded) or when another wait of this rank already timed out (so one dead peer costs one
-// timeout, not one per CTA or per kernel).
-__device__ __forceinline__ uint64_t wait_flag(const EpArgs& a, const uint64_t* flag, unsigned step, int phase, int peer) {
+// Spins until done() (its loads acquire); returns false on a timeout (recorded with the peer, and
+// with index and value where the wait is for a count) or when another wait of this rank already
+// timed out (so one dead peer costs one timeout, not one per CTA or per kernel). The sleep between
+// polls starts at min_ns and doubles up to max_ns.
+template <class Done>
+__device__ __forceinline__ bool timed_wait(const EpArgs& a, int phase, int peer, unsigned step, int index, int value,
+                                           unsigned min_ns, unsigned max_ns, Done&& done) {
   const long long start = clock64();
-  for (;;) {
-    const uint64_t v = ld_acquire_sys(flag);
-    if (unsigned(v >> 32) == step) return v;
-    const int kind = ld_volatile(&a.status->kind);
-    if (kind == int(EpErrorKind::kTimeout)) return 0;
+  for (unsigned ns = min_ns;; ns = min(2 * ns, max_ns)) {
+    if (done()) return true;
+    if (ld_volatile(&a.status->kind) == int(EpErrorKind::kTimeout)) return false;
     if (clock64() - start > a.timeout_cycles) {
-      record_fault(a, EpErrorKind::kTimeout, phase, peer, step, -1, -1, 0);
-      return 0;
+      record_fault(a, EpErrorKind::kTimeout, phase, peer, step, -1, index, value);
+      return false;
     }
-    __nanosleep(64);
+    __nanosleep(ns);
   }
+}
+
+// Spins until the flag carries `step` in its upper half; returns the flag, or 0 (timed_wait).
+__device__ __forceinline__ uint64_t wait_flag(const EpArgs& a, const uint64_t* flag, unsigned step, int phase, int peer) {
+  uint64_t v = 0;
+  const bool ok = timed_wait(a, phase, peer, step, -1, 0, 64, 64, [&] {
+    v = ld_acquire_sys(flag);
+    return unsigned(v >> 32) == step;
+  });
+  return ok ? v : 0;
 }
 
 // Every EP kernel's first call: under a programmatic dependent launch (EpBuffer::set_overlap)
