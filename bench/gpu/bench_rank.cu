@@ -19,6 +19,11 @@
 // --combine-ready 0: fused layers whose combine send waits for GEMM2's grid instead of starting
 // beside it (GpuLayerConfig::combine_ready); --combine-ctas N: its grid when it is on
 // (GpuLayerConfig::combine_ctas; 0, the default: automatic).
+// --shared-first 0|1|-1: fused layers with GpuLayerConfig::shared_first off, on or automatic (the
+// default; GEMM1 walks the merged shared expert first and asks the L2 for its W1 while it waits
+// for the receive).
+// --fused-max-tokens N: GpuLayerConfig::fused_max_tokens (and the EP buffer's self slab with it):
+// decode steps of up to N tokens per rank run fused when fused is asked for.
 // --expert-ready 0: fused layers with GpuLayerConfig::expert_ready off (GEMM2 waits for GEMM1's
 // grid instead of for each expert's rows), the baseline of that lever.
 // --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
@@ -107,6 +112,7 @@ constexpr const char* kUsage =
     "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
     "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
     "           [--recv-ready 0|1] [--recv-ctas N] [--combine-ready 0|1] [--combine-ctas N]\n"
+    "           [--shared-first 0|1|-1] [--fused-max-tokens N]\n"
     "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
@@ -230,10 +236,11 @@ size_t batch_fixed_bytes(const gpu::EpConfig& ec, const Shape& s, int layers) {
 
 // The EP group of placement's P ranks for global batch B: B/P tokens per rank, rounded up.
 gpu::EpConfig batch_ep_config(const ModelSpec& model, const Placement& placement, int batch,
-                              gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged) {
+                              gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged,
+                              int fused_max_tokens = gpu::kFusedMaxTokens) {
   const int ranks = placement.num_gpus;
   gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, ranks, (batch + ranks - 1) / ranks,
-                                          gpu::EpMode::kLowLatency, pipeline);
+                                          gpu::EpMode::kLowLatency, pipeline, fused_max_tokens);
   ec.timeout_s = kEpTimeoutS;
   return ec;
 }
@@ -361,6 +368,8 @@ struct Options {
   int recv_ctas = gpu::GpuLayerConfig{}.recv_ctas;
   bool combine_ready = true;  // GpuLayerConfig::combine_ready (--combine-ready 0: the send waits for GEMM2's grid)
   int combine_ctas = gpu::GpuLayerConfig{}.combine_ctas;
+  int shared_first = gpu::GpuLayerConfig{}.shared_first;  // --shared-first 0|1|-1
+  int fused_max_tokens = gpu::kFusedMaxTokens;               // --fused-max-tokens N
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -478,7 +487,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
                const Options& opt, double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
   const int ranks = placement.num_gpus, t_max = (batch + ranks - 1) / ranks;
-  const gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline);
+  const gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline, opt.fused_max_tokens);
   // Tokens are d wide, the EP group's (padded for MXFP4); rank 0's layer reads and writes the
   // model's hidden size, their first part.
   MOEKIT_CHECK(ec.hidden == d, fmtr("model '{}': the EP group's hidden is {}, the bench sizes its tokens and floor "
@@ -547,6 +556,8 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.recv_ctas = opt.recv_ctas;
   cfg.combine_ready = opt.combine_ready;
   cfg.combine_ctas = opt.combine_ctas;
+  cfg.shared_first = opt.shared_first;
+  cfg.fused_max_tokens = opt.fused_max_tokens;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -741,6 +752,8 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
      << ", \"merge_shared\": " << (opt.merge_shared ? "true" : "false")
      << ", \"recv_ready\": " << (opt.recv_ready ? "true" : "false") << ", \"recv_ctas\": " << opt.recv_ctas
      << ", \"combine_ready\": " << (opt.combine_ready ? "true" : "false") << ", \"combine_ctas\": " << opt.combine_ctas
+     << ", \"shared_first\": " << opt.shared_first
+     << ", \"fused_max_tokens\": " << opt.fused_max_tokens
      << ", \"timing\": \"rank 0's kernels only: event-record nodes inside one CUDA Graph per segment of layers, "
         "rank 0's two intervals per layer (dispatch + compute, combine) added; step = median over replays of the "
         "sum over layers, layer = median over layers and replays\""
@@ -989,6 +1002,10 @@ int main(int argc, char** argv) try {
       opt.combine_ready = next_int(0) != 0;
     } else if (a == "--combine-ctas") {
       opt.combine_ctas = next_int(0);
+    } else if (a == "--shared-first") {
+      opt.shared_first = next_int(-1);
+    } else if (a == "--fused-max-tokens") {
+      opt.fused_max_tokens = next_int(0);
     } else if (a == "--timeline") {
       opt.timeline = true;
     } else if (a == "--uniform") {

@@ -86,6 +86,13 @@
 // for this grid before it completes, and reads nothing else a kernel before this one may still
 // write (ep.h EpBuffer::combine_send with y_ready, the fused decode pipeline's combine).
 //
+// set_last_expert_first(true) (masked, FP8) walks expert E_loc - 1 first and loads its weights
+// without demoting their L2 lines (the other experts' stream through the L2 as evict-first); with
+// kDispatchPerExpert each CTA also asks the L2 for a share of that expert's weights while it
+// waits for the receive to publish masked_m, when HBM carries little else. For an expert sure to
+// be read whatever the routing: the fused decode step's merged shared expert (the rank's own
+// tokens). Results are the same bits in either order (each tile is computed alike).
+//
 // Configs: a problem descriptor (E_loc, N, K, M_max, expected_m, last_expert_m) goes through a
 // small heuristic that returns a GemmConfig; MOEKIT_PRINT_CONFIGS=1 prints it when a plan is made.
 // expected_m and last_expert_m only steer the choice; correctness never depends on them.
@@ -199,6 +206,7 @@ class MaskedGemm {
   const GemmConfig& config() const;
   void set_overlap(Overlap overlap);
   void set_early_trigger(bool on);  // see the top of this file
+  void set_last_expert_first(bool on);  // see the top of this file
   // Stage clock (a timeline of a step): every later run writes the %globaltimer nanoseconds of
   // its first CTA's start to stamp[0] (atomicMin) and its last CTA's end to stamp[1]
   // (atomicMax); the caller resets the pair. Null (the default) records nothing.

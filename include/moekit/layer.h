@@ -134,6 +134,17 @@ struct GpuLayerConfig {
   // recv_ready on the self slab.)
   bool combine_ready = true;
   int combine_ctas = 0;
+  // Fused, merged shared expert, with recv_ready: GEMM1 walks the shared expert (slab E_loc) first,
+  // and its CTAs ask the L2 for its W1 while they wait for the receive to publish masked_m, when
+  // HBM carries little else (gemm.h set_last_expert_first). Same bits either way. 1: on, 0: off,
+  // -1: automatic, on above one token per rank (measured on an H200, EP8 rank: 0.8-2.5% faster
+  // steps at 8-64 tokens per rank; 1-3% slower at one token, where GEMM1 is one round of tiles
+  // and the prefetch only delays the dispatch: docs/layer-gpu.md item 32).
+  int shared_first = -1;
+  // Decode steps of more than this many tokens per rank run staged even when fused is asked for
+  // (kFusedMaxTokens above says why); the EpBuffer must come from layer_ep_config with the same
+  // value, since the self slab follows it.
+  int fused_max_tokens = kFusedMaxTokens;
   // Moves while serving (begin_moves): experts this rank can stage at once, each with its own
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;
@@ -156,8 +167,9 @@ struct GpuExpertSlots {
 // scales). Prefill: segments padded to the contiguous GEMM's kContiguousAlign rows. The fused
 // pipeline's layers, when the shared expert has the routed experts' shapes, run it as local
 // expert E_loc of the routed GEMMs: their buffer has self_slab (ep.h).
+// fused_max_tokens: GpuLayerConfig::fused_max_tokens of the layers that will use the buffer.
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
-                         GpuPipeline pipeline = GpuPipeline::kStaged);
+                         GpuPipeline pipeline = GpuPipeline::kStaged, int fused_max_tokens = kFusedMaxTokens);
 
 // Stage timings of one step measured with CUDA events on the caller's stream, milliseconds
 // (filled only when a step runs with timing on; never inside a captured graph).

@@ -910,7 +910,9 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
 // publishes it, and copies the experts' rows and scales into the GEMM's inputs one expert at a
 // time, last expert first, with a pause before each, counting each expert's rows in (release).
 // The GEMM, resident meanwhile, must give the bits of a plain run on the same inputs, write
-// nothing past masked_m, and leave all E + 2 counters at zero, replay after replay of one graph.
+// nothing past masked_m, and leave all E + 2 counters at zero, replay after replay of one graph;
+// also when it walks the last expert first and asks the L2 for its weights while it waits
+// (set_last_expert_first, the fused layer's merged shared expert).
 __global__ void land_rows_kernel(const uint8_t* a, const float* a_scales, const int32_t* masked_m, uint8_t* a_dst,
                                  float* a_scales_dst, int32_t* m_dst, int32_t* ready, int E, int max_m, int k,
                                  int abort_at = -1) {
@@ -958,10 +960,11 @@ struct LandingRig {
     MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   }
   ~LandingRig() { cudaStreamDestroy(stream); }
-  std::unique_ptr<MaskedGemm> waiting_gemm(const GemmConfig& cfg) {
+  std::unique_ptr<MaskedGemm> waiting_gemm(const GemmConfig& cfg, bool last_first = false) {
     MaskedGemmBuffers b{a.ptr, a_s.ptr, c.d_w.ptr, c.d_ws.ptr, m.ptr, out.ptr};
     b.ready_in = ready.ptr;
     auto g = std::make_unique<MaskedGemm>(c.problem, b, &cfg);
+    g->set_last_expert_first(last_first);  // (before or after set_overlap: either keeps the other)
     g->set_overlap(Overlap::kDispatchPerExpert);
     return g;
   }
@@ -984,42 +987,45 @@ TEST(GemmDispatchReady, RowsAsTheyLandEqualAPlainRun) {
   cudaStream_t stream = rig.stream;
   GemmConfig wide16 = forced(true, 16, 1), wide32 = forced(true, 32, 2);  // 256-row swap-AB tiles
   wide16.block_n = wide32.block_n = 256;
-  for (const GemmConfig cfg : {forced(true, 16, 1), forced(true, 32, 2), forced(false, 128, 1), wide16, wide32}) {
-    const auto g = rig.waiting_gemm(cfg);
-    MaskedGemm plain(c.problem, c.buffers(), &cfg);  // on the staging inputs, after they are written
-    const CapturedGraph graph(stream, [&] {
-      rig.land();
-      g->run(stream);
-    });
-    for (int replay = 0; replay < 3; ++replay) {
-      const std::vector<int32_t> masked_m = replay_masked_m(E, max_m, replay, rng);
-      c.new_activations(rng);
-      c.d_m.upload(masked_m);
-      a.poison(0x7F);  // NaN in e4m3: a row read before it landed shows in the output
-      a_s.poison(0x7F);
-      out.poison(0xFF);
-      c.poison();
-      graph.launch(stream);
-      plain.run(stream);
-      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<uint16_t> got = out.download(), want = c.d_out.download();
-      long differ = 0, unwritten = 0, past = 0;
-      for (int e = 0; e < E; ++e)
-        for (int r = 0; r < max_m; ++r)
-          for (int j = 0; j < n; ++j) {
-            const size_t i = (size_t(e) * max_m + r) * n + j;
-            if (r < masked_m[e]) {
-              differ += got[i] != want[i];
-              unwritten += got[i] == 0xFFFF;
-            } else {
-              past += got[i] != 0xFFFF;
+  for (const bool last_first : {false, true}) {
+    for (const GemmConfig cfg : {forced(true, 16, 1), forced(true, 32, 2), forced(false, 128, 1), wide16, wide32}) {
+      const auto g = rig.waiting_gemm(cfg, last_first);
+      MaskedGemm plain(c.problem, c.buffers(), &cfg);  // on the staging inputs, after they are written
+      const CapturedGraph graph(stream, [&] {
+        rig.land();
+        g->run(stream);
+      });
+      for (int replay = 0; replay < 3; ++replay) {
+        const std::vector<int32_t> masked_m = replay_masked_m(E, max_m, replay, rng);
+        c.new_activations(rng);
+        c.d_m.upload(masked_m);
+        a.poison(0x7F);  // NaN in e4m3: a row read before it landed shows in the output
+        a_s.poison(0x7F);
+        out.poison(0xFF);
+        c.poison();
+        graph.launch(stream);
+        plain.run(stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const std::vector<uint16_t> got = out.download(), want = c.d_out.download();
+        long differ = 0, unwritten = 0, past = 0;
+        for (int e = 0; e < E; ++e)
+          for (int r = 0; r < max_m; ++r)
+            for (int j = 0; j < n; ++j) {
+              const size_t i = (size_t(e) * max_m + r) * n + j;
+              if (r < masked_m[e]) {
+                differ += got[i] != want[i];
+                unwritten += got[i] == 0xFFFF;
+              } else {
+                past += got[i] != 0xFFFF;
+              }
             }
-          }
-      const std::string what = cfg.to_string() + " replay " + std::to_string(replay);
-      EXPECT_EQ(differ, 0) << what;
-      EXPECT_EQ(unwritten, 0) << what;
-      EXPECT_EQ(past, 0) << what << ": rows past masked_m written";
-      for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
+        const std::string what =
+            cfg.to_string() + (last_first ? " last expert first" : "") + " replay " + std::to_string(replay);
+        EXPECT_EQ(differ, 0) << what;
+        EXPECT_EQ(unwritten, 0) << what;
+        EXPECT_EQ(past, 0) << what << ": rows past masked_m written";
+        for (int32_t v : ready.download()) EXPECT_EQ(v, 0) << what << ": counters not reset";
+      }
     }
   }
   // The mode needs the counters.

@@ -581,6 +581,33 @@ TEST(GpuLayerErrors, BadInputIsReported) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("combine_ctas = -3"), std::string::npos) << e.what();
   }
+  gpu::GpuLayerConfig toggle = bad;
+  toggle.combine_ctas = 0;
+  toggle.shared_first = 2;
+  try {
+    gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), toggle);
+    ADD_FAILURE() << "shared_first = 2 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shared_first = 2"), std::string::npos) << e.what();
+  }
+  // The fused threshold: negative refused; below this rig's T_max while its EP buffer was made
+  // with a self slab for the default threshold (fused only), named.
+  for (int threshold : {-1, 0}) {
+    gpu::GpuLayerConfig c = bad;
+    c.combine_ctas = 0;
+    c.fused_max_tokens = threshold;
+    const bool refused = threshold < 0 || rig.group->rank(0).config().self_slab;
+    try {
+      gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), c);
+      EXPECT_FALSE(refused) << "fused_max_tokens = " << threshold << " accepted";
+    } catch (const Error& e) {
+      EXPECT_TRUE(refused) << e.what();
+      EXPECT_NE(std::string(e.what()).find("fused_max_tokens = " + std::to_string(threshold)), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(rig.group->rank(0).config().self_slab, pipeline == kFused) << "the fixture's shared expert fits a slab";
+  EXPECT_THROW(gpu::layer_ep_config(f.model, placement.num_slots, P, 4, gpu::EpMode::kLowLatency, pipeline, -1), Error);
   }
 }
 
@@ -605,12 +632,15 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   // The combine send waiting for GEMM2's grid instead of starting beside it.
   GpuRig combine_grid(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
                       true, false);
+  // GEMM1 walking the merged shared expert first, its W1 asked of the L2 while the receive runs.
+  GpuRig shared_first(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
+                      true, true, [](gpu::GpuLayerConfig& c) { c.shared_first = 1; });
   for (GpuRig* rig : {&staged, &fused, &inline_shared})
     for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
   for (bool graph : {false, true}) {
     const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
-    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid, &combine_grid}) {
+    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid, &combine_grid, &shared_first}) {
       rig->load(x, nullptr, nullptr);
       if (graph) {
         CapturedStep step(*rig, false);
@@ -644,6 +674,8 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
     EXPECT_EQ(fused.gather_out(), recv_grid.gather_out()) << "rows as they land against the receive's grid"
                                                           << (graph ? ", graph" : "");
     EXPECT_EQ(fused.gather_out(), combine_grid.gather_out()) << "the combine beside GEMM2 against after its grid"
+                                                             << (graph ? ", graph" : "");
+    EXPECT_EQ(fused.gather_out(), shared_first.gather_out()) << "the shared expert first in GEMM1's walk"
                                                              << (graph ? ", graph" : "");
     const std::string what = graph ? "stage clock, graph" : "stage clock";
     for (GpuRig* rig : {&staged, &fused, &inline_shared}) {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -235,11 +236,12 @@ struct GpuRig {
 
   // share: a rig of the same P and placement whose layers' weights these layers use.
   // pipeline: GpuLayerConfig::pipeline (decode). staging_slots, move_chunk_bytes: the layers'
-  // staged moves (GpuLayerConfig; 0: none).
+  // staged moves (GpuLayerConfig; 0: none). edit: any other change to the layers' GpuLayerConfig.
   GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
          gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true, int staging_slots = 0,
          size_t move_chunk_bytes = size_t(4) << 20, const Fixture& f = fixture(), bool expert_ready = true,
-         bool recv_ready = true, bool combine_ready = true)
+         bool recv_ready = true, bool combine_ready = true,
+         const std::function<void(gpu::GpuLayerConfig&)>& edit = {})
       : fx(f), P(num_ranks), mode(m) {
     const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
     group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline));
@@ -253,6 +255,7 @@ struct GpuRig {
     cfg.expert_ready = expert_ready;
     cfg.recv_ready = recv_ready;
     cfg.combine_ready = combine_ready;
+    if (edit) edit(cfg);
     for (int r = 0; r < P; ++r) {
       layers.push_back(std::make_unique<gpu::GpuMoeLayer>(f.model, f.weights, placement, 0, group->rank(r), cfg,
                                                            share ? share->layers[r].get() : nullptr));

@@ -326,6 +326,12 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   MaskedGemmProblem gated = p;
   gated.epilogue = GemmEpilogue::kSiluMulFp8;
   expect_error([&] { MaskedGemm g(gated, c.buffers(false)); }, {"SiLU·up epilogue needs FP8 weights"});
+  expect_error(
+      [&] {
+        MaskedGemm g(p, c.buffers(false));
+        g.set_last_expert_first(true);
+      },
+      {"set_last_expert_first needs FP8 weights"});
   GemmConfig normal;
   normal.block_m = 64;
   normal.block_n = 128;

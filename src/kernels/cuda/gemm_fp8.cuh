@@ -135,7 +135,19 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     ptx::prefetch_tensormap(&tma_sa);
   }
   // Tiles of the walk: a cluster's tile is kCluster weight blocks, rank r computes block r of it.
-  const int num_tiles = count_tiles<kMasked, kBlockT>(args, num_w_blocks / kCluster, prefix, m_of);
+  // kFlagLastExpertFirst (masked): while thread 0 waits for the receive's publication it asks the
+  // L2 for one box of the last expert's weights per poll, this CTA's share of them (every
+  // gridDim.x-th box, K block by K block, so the boxes the tiles read first come first).
+  int next_box = blockIdx.x;
+  auto prefetch_last_expert = [&] {
+    if (!kMasked || !(args.flags & kFlagLastExpertFirst)) return;
+    const int row_blocks = args.n / kBlockW;
+    if (next_box >= row_blocks * k_blocks) return;
+    const int kb = next_box / row_blocks, rb = next_box - kb * row_blocks;
+    ptx::prefetch_tma_2d(&tma_w, kb * kBlockK, (args.num_experts - 1) * args.n + rb * kBlockW);
+    next_box += gridDim.x;
+  };
+  const int num_tiles = count_tiles<kMasked, kBlockT>(args, num_w_blocks / kCluster, prefix, m_of, prefetch_last_expert);
   const TileWalk walk = tile_walk<kCluster>();
   auto fetch_rows = [&](int tile) {
     BlockRows<kBlockT> rows{};
@@ -155,15 +167,17 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     if constexpr (kMathWGs == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (warp != 0) return end_cluster<kCluster>();
     const uint64_t policy_w = ptx::policy_evict_first();
+    const uint64_t policy_kept = ptx::policy_evict_unchanged();  // kFlagLastExpertFirst's expert
     const uint64_t policy_a = ptx::policy_evict_last();
     // A stage's weight rows: one box of kBlockW rows (a 256-row swap-AB tile's two slabs are one
     // box: the rows lie in smem as two stacked 128-row slabs), or (gated) the gate box and the
     // up box inter rows further down.
     auto load_w = [&](int stage, int kb, const TileInfo& t) {
+      const bool kept = (args.flags & kFlagLastExpertFirst) && t.e == args.num_experts - 1;
 #pragma unroll
       for (int sl = 0; sl < (kGated ? 2 : 1); ++sl)
         ptx::tma_load_2d(w_tiles + stage * Layout::kWTile + sl * kBlockW * kBlockK, &tma_w, &full[stage],
-                         kb * kBlockK, t.e * args.n + t.w0 + sl * (args.n / 2), policy_w);
+                         kb * kBlockK, t.e * args.n + t.w0 + sl * (args.n / 2), kept ? policy_kept : policy_w);
     };
     auto load_a = [&](int stage, int kb, const TileInfo& t) {
       const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;

@@ -178,7 +178,7 @@ void PlanCore::run(cudaStream_t stream) const {
 }
 
 void PlanCore::set_overlap(Overlap overlap) {
-  args.flags = (args.flags & kFlagEarlyTrigger) |
+  args.flags = (args.flags & (kFlagEarlyTrigger | kFlagLastExpertFirst)) |
                (overlap == Overlap::kNone                        ? 0
                : overlap == Overlap::kPreviousKernel            ? kFlagPdl
                : overlap == Overlap::kPreviousKernelStaticWeights ? kFlagPdl | kFlagEarlyWeights

@@ -179,6 +179,12 @@ void MaskedGemm::set_early_trigger(bool on) {
   impl_->args.flags = on ? impl_->args.flags | kFlagEarlyTrigger : impl_->args.flags & ~kFlagEarlyTrigger;
 }
 
+void MaskedGemm::set_last_expert_first(bool on) {
+  MOEKIT_CHECK(!on || impl_->problem.weights == WeightFormat::kFp8,
+               "masked GEMM: set_last_expert_first needs FP8 weights; the MXFP4 kernel walks the experts in order");
+  impl_->args.flags = on ? impl_->args.flags | kFlagLastExpertFirst : impl_->args.flags & ~kFlagLastExpertFirst;
+}
+
 void MaskedGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 
 }  // namespace moekit

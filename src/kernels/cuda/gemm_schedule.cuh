@@ -63,6 +63,25 @@ constexpr int kFlagRowsReady = 8;
 // start, and it takes the SMs this GEMM's CTAs leave as they finish (gemm.h set_early_trigger).
 // It reads the rows with ordinary loads, so the signal needs no async-proxy fence.
 constexpr int kFlagEarlyTrigger = 16;
+// Masked: the last expert is walked first, and its weights load without demoting their L2 lines
+// (ptx::policy_evict_unchanged; every other expert streams evict-first). The fused decode step's
+// merged shared expert (slab E_loc) is the last expert: its rows are the rank's own tokens, so its
+// weights are sure to be read whatever the routing. With kFlagRowsReady each CTA also asks the L2
+// for its share of those weights while it waits for the receive to publish masked_m, when HBM
+// carries little else, and the CTAs that take the expert's tiles first find them there
+// (gemm.h set_last_expert_first).
+constexpr int kFlagLastExpertFirst = 32;
+
+// The expert at position p of the walk, and the position of expert e (kFlagLastExpertFirst:
+// E-1, 0, 1, ..., E-2; otherwise 0, 1, ..., E-1).
+__device__ __forceinline__ int walk_expert(const KernelArgs& args, int p) {
+  if (!(args.flags & kFlagLastExpertFirst)) return p;
+  return p == 0 ? args.num_experts - 1 : p - 1;
+}
+__device__ __forceinline__ int walk_position(const KernelArgs& args, int e) {
+  if (!(args.flags & kFlagLastExpertFirst)) return e;
+  return e == args.num_experts - 1 ? 0 : e + 1;
+}
 
 // Per-expert readiness between two masked GEMMs of one step (GEMM1 -> GEMM2 of a decode step).
 // The counter of expert e counts units of 64 output columns x 1 row: every stored tile of the
@@ -78,14 +97,20 @@ constexpr int kFlagEarlyTrigger = 16;
 // runs (PDL: this kernel is launched only once every CTA of it has started), so the wait ends; a
 // condition that never comes true (a caller pairing kernels wrongly) traps after ~10 s instead
 // of hanging the stream.
-template <class Done>
-__device__ __forceinline__ void spin_until(Done&& done) {
+// idle() runs once per poll (count_tiles' prefetch while it waits for the publication).
+template <class Done, class Idle>
+__device__ __forceinline__ void spin_until(Done&& done, Idle&& idle) {
   const long long start = clock64();
   while (!done()) {
     if (clock64() - start > (1ll << 34)) __trap();
+    idle();
     __nanosleep(32);
   }
   ptx::fence_proxy_async_global();
+}
+template <class Done>
+__device__ __forceinline__ void spin_until(Done&& done) {
+  spin_until(done, [] {});
 }
 // Until a counter reaches target.
 __device__ __forceinline__ void ready_wait(const int* counter, int target) {
@@ -192,7 +217,8 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
   t.kb_end = splits == 1 ? k_blocks : (t.split + 1) * k_blocks / splits;
   int tb, wb;
   if constexpr (kMasked) {
-    // Largest e with prefix[e] <= tile (experts without tiles have prefix[e] == prefix[e+1]).
+    // Largest walk position p with prefix[p] <= tile (experts without tiles have prefix[p] ==
+    // prefix[p+1]).
     int lo = 0, hi = args.num_experts - 1;
     while (lo < hi) {
       int mid = (lo + hi + 1) / 2;
@@ -200,8 +226,8 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
     }
     // Through lane 0 (the search gives every lane the same lo), so that the compiler knows the
     // tile is the same in every lane and keeps what follows from it on the uniform datapath.
-    t.e = __shfl_sync(0xFFFFFFFFu, lo, 0);
-    t.m_valid = __shfl_sync(0xFFFFFFFFu, m_of[lo], 0);
+    t.e = __shfl_sync(0xFFFFFFFFu, walk_expert(args, lo), 0);
+    t.m_valid = __shfl_sync(0xFFFFFFFFu, m_of[t.e], 0);
     rest = split_tile(tile - __shfl_sync(0xFFFFFFFFu, prefix[lo], 0), splits);
     int t_blocks = (t.m_valid + kBlockT - 1) / kBlockT;
     tb = t_blocks == 1 ? 0 : rest % t_blocks;  // decode: one token block per expert, no division
@@ -239,11 +265,13 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const KernelArgs& args
 }
 
 // The number of tiles of a launch, which every thread of the CTA returns. Masked: also fills
-// m_of[e] (masked_m clamped to [0, rows]) and prefix[0..E] (tiles before expert e; an expert
-// without tokens has none, so its weights are never read) in shared memory. Called by the
-// whole CTA (it synchronises).
-template <bool kMasked, int kBlockT>
-__device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blocks, int* prefix, int* m_of) {
+// m_of[e] (masked_m clamped to [0, rows]) and prefix[0..E] (tiles before walk position p, see
+// walk_expert; an expert without tokens has none, so its weights are never read) in shared
+// memory. Called by the whole CTA (it synchronises). idle(): run by thread 0 once per poll while
+// it waits for the receive's publication (kFlagRowsReady).
+template <bool kMasked, int kBlockT, class Idle>
+__device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blocks, int* prefix, int* m_of,
+                                           Idle&& idle) {
   if constexpr (!kMasked) {
     __syncthreads();
     return (args.rows / kBlockT) * num_w_blocks * args.num_splits;
@@ -256,7 +284,7 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
       if (threadIdx.x == 0) {
         // The publication (low bits), not an abort alone: masked_m is final only once published.
         const int* word = args.ready_in + args.num_experts + 1;
-        spin_until([&] { return (ptx::ld_acquire_gpu(word) & (kRowsReadyAbort - 1)) != 0; });
+        spin_until([&] { return (ptx::ld_acquire_gpu(word) & (kRowsReadyAbort - 1)) != 0; }, idle);
         stamp_start(args.stamp);
       }
       __syncthreads();
@@ -264,7 +292,7 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
     for (int e = threadIdx.x; e < args.num_experts; e += blockDim.x) {
       const int m = min(max(__ldcg(args.masked_m + e), 0), args.rows);
       m_of[e] = m;
-      prefix[e + 1] = num_w_blocks * ((m + kBlockT - 1) / kBlockT) * args.num_splits;
+      prefix[walk_position(args, e) + 1] = num_w_blocks * ((m + kBlockT - 1) / kBlockT) * args.num_splits;
     }
     __syncthreads();
     if (threadIdx.x < 32) {  // inclusive scan of prefix[1..E]: one contiguous chunk per lane
@@ -288,6 +316,10 @@ __device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blo
     __syncthreads();
     return prefix[args.num_experts];
   }
+}
+template <bool kMasked, int kBlockT>
+__device__ __forceinline__ int count_tiles(const KernelArgs& args, int num_w_blocks, int* prefix, int* m_of) {
+  return count_tiles<kMasked, kBlockT>(args, num_w_blocks, prefix, m_of, [] {});
 }
 
 // The tiles a CTA works on: first, first + stride, ... A CTA alone walks from blockIdx.x in steps

@@ -106,6 +106,13 @@ __device__ __forceinline__ uint64_t policy_evict_last() {
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
   return p;
 }
+// Loads that leave a line's L2 priority as it is: lines asked for ahead (prefetch_tma_2d) stay
+// at normal priority while an evict-first stream passes them (a miss is cached at normal).
+__device__ __forceinline__ uint64_t policy_evict_unchanged() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
 
 // 2D tiled load of the box at (x = innermost coordinate, y) into shared memory; completes
 // as transaction bytes on `bar`. Out-of-bounds elements are filled with zeros.
@@ -116,6 +123,14 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y), "l"(policy)
       : "memory");
+}
+
+// Asks the L2 for the box at (x, y) of a 2D tensor map and returns at once (nothing to wait for;
+// a later load of the box finds it in the L2 if it is still there).
+__device__ __forceinline__ void prefetch_tma_2d(const CUtensorMap* map, int x, int y) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(x), "r"(y)
+               : "memory");
 }
 
 // Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to this

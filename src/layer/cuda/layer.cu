@@ -61,9 +61,11 @@ bool shared_expert_in_slab(const ModelSpec& model) {
 }
 
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
-                         GpuPipeline pipeline) {
+                         GpuPipeline pipeline, int fused_max_tokens) {
   MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
                fmtr("layer_ep_config: num_ranks {} and max_tokens {}, expected both >= 1", num_ranks, max_tokens));
+  MOEKIT_CHECK(fused_max_tokens >= 0,
+               fmtr("layer_ep_config: fused_max_tokens = {}, expected >= 0", fused_max_tokens));
   EpConfig c;
   c.num_ranks = num_ranks;
   c.max_tokens = max_tokens;
@@ -75,7 +77,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.mode = mode;
   c.block_m = kContiguousAlign;
   c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && shared_expert_in_slab(model) &&
-                c.max_tokens <= kFusedMaxTokens;
+                c.max_tokens <= fused_max_tokens;
   c.validate();
   return c;
 }
@@ -202,11 +204,19 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   MOEKIT_CUDA_CHECK(cudaMemset(s.status, 0, sizeof(LayerStatus)));
 
   // Routed experts: gate_up [rows, 2 inter], act [rows, inter] + scales, y [rows, d].
-  s.fused = s.decode && config.pipeline == GpuPipeline::kFused && s.t_max <= kFusedMaxTokens;
+  MOEKIT_CHECK(config.fused_max_tokens >= 0,
+               fmtr("rank {}: GpuLayerConfig::fused_max_tokens = {}, expected >= 0", s.rank, config.fused_max_tokens));
+  s.fused = s.decode && config.pipeline == GpuPipeline::kFused && s.t_max <= config.fused_max_tokens;
   s.merged = s.fused && s.shared_slot && config.merge_shared;
   MOEKIT_CHECK(!s.merged || s.ec.self_slab,
                fmtr("rank {}: the fused pipeline runs the shared expert as local expert E_loc and needs an EpBuffer "
-                    "with self_slab (layer_ep_config(..., GpuPipeline::kFused) makes one)", s.rank));
+                    "with self_slab (layer_ep_config(..., GpuPipeline::kFused, fused_max_tokens = {}) makes one for "
+                    "T_max = {})", s.rank, config.fused_max_tokens, s.t_max));
+  // A self slab the layer would not fill: the buffer was made for a larger fused_max_tokens.
+  MOEKIT_CHECK(!(s.decode && config.pipeline == GpuPipeline::kFused && s.ec.self_slab && !s.fused),
+               fmtr("rank {}: T_max = {} runs staged (GpuLayerConfig::fused_max_tokens = {}), but the EpBuffer has a "
+                    "self slab; make it with layer_ep_config(..., GpuPipeline::kFused, {})", s.rank, s.t_max,
+                    config.fused_max_tokens, config.fused_max_tokens));
   const int slabs = s.e_loc + (s.merged ? 1 : 0);  // experts of the routed GEMMs
   const size_t total_rows = s.decode ? size_t(slabs) * s.m_max : size_t(s.rows);
   // Unset: every rank's T_max tokens routed uniformly over the slots (the mean alone gave about
@@ -232,6 +242,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   // slab), so the routed GEMMs' experts must be exactly those (a self slab only when merged).
   const bool hand_offs = s.fused && !s.mxfp4 && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0);
   const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
+  MOEKIT_CHECK(config.shared_first >= -1 && config.shared_first <= 1,
+               fmtr("rank {}: GpuLayerConfig::shared_first = {}, expected 1 (on), 0 (off) or -1 (automatic)", s.rank,
+                    config.shared_first));
   MOEKIT_CHECK(config.recv_ctas >= 0 && config.combine_ctas >= 0,
                fmtr("rank {}: GpuLayerConfig::recv_ctas = {} and combine_ctas = {}, expected >= 0 (0: automatic)",
                     s.rank, config.recv_ctas, config.combine_ctas));
@@ -309,6 +322,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.gemm1->set_overlap(s.recv_ready ? Overlap::kDispatchPerExpert : Overlap::kPreviousKernel);
     s.gemm2->set_overlap(s.expert_ready ? Overlap::kPreviousGemmPerExpert : Overlap::kPreviousKernelStaticWeights);
     s.gemm2->set_early_trigger(s.combine_ready != nullptr);  // the combine send starts beside it
+    // The merged shared expert first in GEMM1's walk, its W1 asked of the L2 while the receive runs.
+    const bool shared_first = config.shared_first == -1 ? s.t_max > 1 : config.shared_first == 1;
+    s.gemm1->set_last_expert_first(s.merged && s.recv_ready && shared_first);
   } else {
     s.cgemm1 = std::make_unique<ContiguousGemm>(
         ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows, format},
