@@ -136,11 +136,15 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   }
   // Tiles of the walk: a cluster's tile is kCluster weight blocks, rank r computes block r of it.
   // kFlagLastExpertFirst (masked): while thread 0 waits for the receive's publication it asks the
-  // L2 for one box of the last expert's weights per poll, this CTA's share of them (every
-  // gridDim.x-th box, K block by K block, so the boxes the tiles read first come first).
-  int next_box = blockIdx.x;
+  // L2 for one box of the last expert's weights every second poll, this CTA's share of them (every
+  // gridDim.x-th box, K block by K block, so the boxes the tiles read first come first). Every
+  // poll (~4-5 TB/s over the CTAs) queued the dispatch send's round trips behind the prefetch and
+  // delayed it by 2-3 us at 32 tokens per rank; every second poll still covers the expert within
+  // the wait (docs/layer-gpu.md item 32).
+  int next_box = blockIdx.x, polls = 0;
   auto prefetch_last_expert = [&] {
     if (!kMasked || !(args.flags & kFlagLastExpertFirst)) return;
+    if (++polls % 2 != 0) return;
     const int row_blocks = args.n / kBlockW;
     if (next_box >= row_blocks * k_blocks) return;
     const int kb = next_box / row_blocks, rb = next_box - kb * row_blocks;
