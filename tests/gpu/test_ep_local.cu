@@ -5,6 +5,7 @@
 // use the reference's operation order, so exact equality is also counted and reported).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -440,7 +441,7 @@ TEST_P(EpLocal, GraphCaptureAndReplay) {
   // Token counts are a launch argument (host side), so the captured step keeps them; only data,
   // routing and expert outputs change between replays.
   std::vector<int> tokens(P);
-  for (int r = 0; r < P; ++r) tokens[r] = c.max_tokens - r;
+  for (int r = 0; r < P; ++r) tokens[r] = std::max(c.max_tokens - r, 0);
   cudaGraph_t graph;
   MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], tokens[r], stream);
@@ -479,6 +480,7 @@ const Shape kShapes[] = {
     {4, 24, 384, 32, 6},
     {8, 32, 512, 64, 8},
     {8, 128, 7168, 256, 8},  // DeepSeek-V3 decode: 256 experts, top-8, d = 7168, 128 tokens per rank
+    {8, 2, 7168, 256, 8},    // ... at 2 tokens per rank: combine_recv cuts each token over 4 CTAs
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, EpLocal, ::testing::ValuesIn(kShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });

@@ -22,6 +22,8 @@
 // counters for the next step.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "ep_device.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "moekit/bf16.h"
@@ -173,13 +175,18 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
   if constexpr (kBeside) ptx::launch_dependents();  // (after this kernel's own wait: the chain's rule)
 }
 
-// combine_recv: one CTA per token; each thread holds kRecvChunks chunks (a 8192-wide token in one
-// pass at 256 threads) and loads kRecvRanks ranks' partials of them before adding any, so a token
-// with up to 8 target ranks costs one round trip. The adds stay in ascending rank order.
+// combine_recv: one CTA per (token, slice of its columns); each thread holds up to kRecvChunks
+// chunks of its slice (a whole 8192-wide token in one pass at 256 threads) and loads kRecvRanks
+// ranks' partials of them before adding any, so a slice with up to 8 target ranks costs one round
+// trip. With fewer tokens than CTAs a token is cut into `slices` (up to one chunk per thread
+// each), so that its 8 partials do not all funnel into one SM (a 7168-wide token's ~130 KB took
+// ~2 us of one SM's intake at decode sizes). The adds stay in ascending rank order, whatever the
+// slicing: the same bits.
 constexpr int kRecvChunks = 4;
 constexpr int kRecvRanks = 8;
 
-__global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out) {
+__global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
+                                                                  int slices) {
   __shared__ int ok;
   __shared__ int ranks[kEpMaxTopk];
   __shared__ int token_ranks;
@@ -187,32 +194,40 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   begin_ep_kernel(a, kPhaseCombineRecv);
   const unsigned step = current_step(a, kPhaseCombineRecv);
   const int parity = int(step) & a.parity_mask;
+  // The token count and the first token's target ranks come from this rank's own dispatch send,
+  // complete before this kernel's wait: loaded here, their round trips overlap the flags' instead
+  // of following them (at decode sizes the receive is a chain of round trips).
+  const int sent_tokens = __ldcg(&a.ctr->num_tokens);
+  const int first_route = threadIdx.x < k ? __ldcg(a.route_ranks + size_t(blockIdx.x / slices) * k + threadIdx.x) : -1;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
   for (int r = threadIdx.x; r < P; r += blockDim.x)
     if (wait_flag(a, reinterpret_cast<const uint64_t*>(a.combine_inbox(parity, r)), step, kPhaseCombineRecv, r) == 0)
       ok = 0;
   __syncthreads();
-  const int num_tokens = ok ? a.ctr->num_tokens : 0, num_chunks = a.hidden / 8;
-  for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+  const int num_tokens = ok ? sent_tokens : 0, num_chunks = a.hidden / 8;
+  const int slice_chunks = (num_chunks + slices - 1) / slices;
+  for (int item = blockIdx.x; item < num_tokens * slices; item += gridDim.x) {
+    const int t = item / slices, first = item % slices * slice_chunks;
+    const int last = min(first + slice_chunks, num_chunks);
     if (threadIdx.x < 32) {
       // The token's target ranks, ascending, -1 padded: the partials to add are those before
       // the first -1.
       const int lane = threadIdx.x;
-      const int r = lane < k ? a.route_ranks[size_t(t) * k + lane] : -1;
+      const int r = item == int(blockIdx.x) ? first_route : lane < k ? a.route_ranks[size_t(t) * k + lane] : -1;
       const unsigned have = __ballot_sync(0xFFFFFFFFu, r >= 0);
       if (lane < k) ranks[lane] = r;
       if (lane == 0) token_ranks = ~have == 0 ? 32 : __ffs(~have) - 1;
     }
     __syncthreads();
     const int n = token_ranks;
-    for (int c_base = 0; c_base < num_chunks; c_base += kRecvChunks * blockDim.x) {
+    for (int c_base = first; c_base < last; c_base += kRecvChunks * blockDim.x) {
       float acc[kRecvChunks][8] = {};
       if (add) {
 #pragma unroll
         for (int u = 0; u < kRecvChunks; ++u) {
           const int c = c_base + u * blockDim.x + threadIdx.x;
-          if (c < num_chunks) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);  // add may be out
+          if (c < last) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);  // add may be out
         }
       }
       for (int i = 0; i < n; i += kRecvRanks) {
@@ -225,7 +240,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 #pragma unroll
           for (int u = 0; u < kRecvChunks; ++u) {
             const int c = c_base + u * blockDim.x + threadIdx.x;
-            if (c < num_chunks) part[q][u] = __ldcg(src + c);
+            if (c < last) part[q][u] = __ldcg(src + c);
           }
         }
 #pragma unroll
@@ -234,7 +249,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 #pragma unroll
           for (int u = 0; u < kRecvChunks; ++u) {
             const int c = c_base + u * blockDim.x + threadIdx.x;
-            if (c >= num_chunks) continue;
+            if (c >= last) continue;
             float v[8];
             unpack8(part[q][u], v);
 #pragma unroll
@@ -245,7 +260,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 #pragma unroll
       for (int u = 0; u < kRecvChunks; ++u) {
         const int c = c_base + u * blockDim.x + threadIdx.x;
-        if (c < num_chunks) reinterpret_cast<uint4*>(out + size_t(t) * a.hidden)[c] = pack8(acc[u]);
+        if (c < last) reinterpret_cast<uint4*>(out + size_t(t) * a.hidden)[c] = pack8(acc[u]);
       }
     }
     __syncthreads();
@@ -260,8 +275,15 @@ void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready
                    sizeof(int) * (args.num_ranks + 1), stream, args.pdl != 0, args, y, y_ready);
 }
 
-void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, cudaStream_t stream) {
-  launch_kernel_ex(combine_recv_kernel, dim3(num_ctas), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out);
+void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, int max_tokens,
+                         cudaStream_t stream) {
+  // Slices per token: as many as the grid has CTAs per token, at most one chunk per thread each.
+  const int num_chunks = args.hidden / 8;
+  const int max_slices = (num_chunks + kEpThreads - 1) / kEpThreads;
+  const int slices = std::max(1, std::min(max_slices, num_ctas / std::max(max_tokens, 1)));
+  const int grid = std::min(num_ctas, max_tokens * slices);
+  launch_kernel_ex(combine_recv_kernel, dim3(grid), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out,
+                   slices);
 }
 
 }  // namespace moekit::gpu

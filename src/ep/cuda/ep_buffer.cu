@@ -386,7 +386,7 @@ void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t str
                fmtr("EP rank {}: combine_recv: out (and add, if given) must be 16-byte aligned device pointers",
                            m.rank));
   PhaseCheck::expect(m.expected, kPhaseCombineRecv, m.rank, "combine_recv");
-  launch_combine_recv(m.args, add, out, std::min(m.num_ctas, m.config.max_tokens), stream);
+  launch_combine_recv(m.args, add, out, m.num_ctas, m.config.max_tokens, stream);
 }
 
 void EpBuffer::set_overlap(bool on) { impl_->args.pdl = on ? 1 : 0; }

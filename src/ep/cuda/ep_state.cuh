@@ -134,6 +134,8 @@ void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* 
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream);
 // y_ready: null, or the counters of the GEMM running beside the send (EpBuffer::combine_send).
 void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready, int num_ctas, cudaStream_t stream);
-void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, cudaStream_t stream);
+// num_ctas: the buffer's grid; max_tokens: its T_max (the grid and each token's slices follow both).
+void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, int max_tokens,
+                         cudaStream_t stream);
 
 }  // namespace moekit::gpu
