@@ -137,7 +137,7 @@ struct GpuLayerConfig {
   // Fused, merged shared expert, with recv_ready: GEMM1 walks the shared expert (slab E_loc) first,
   // and its CTAs ask the L2 for its W1 while they wait for the receive to publish masked_m, when
   // HBM carries little else (gemm.h set_last_expert_first). Same bits either way. 1: on, 0: off,
-  // -1: automatic, on above one token per rank (measured on an H200, EP8 rank: 0.8-2.5% faster
+  // -1: automatic, on above one token per rank (measured on an H200, EP8 rank: 0-2.6% faster
   // steps at 8-64 tokens per rank; 1-3% slower at one token, where GEMM1 is one round of tiles
   // and the prefetch only delays the dispatch: docs/layer-gpu.md item 32).
   int shared_first = -1;
