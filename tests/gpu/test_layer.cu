@@ -569,42 +569,33 @@ TEST(GpuLayerErrors, BadInputIsReported) {
     EXPECT_NE(msg.find("999"), std::string::npos) << msg;
   }
   rig.layers[1]->check(rig.stream);  // the peer finished its step
-  // A negative CTA count in the config is named when the layer is made, whether or not the
-  // pipeline uses it.
-  gpu::GpuLayerConfig bad;
-  bad.max_tokens = rig.group->rank(0).config().max_tokens;
-  bad.pipeline = pipeline;
-  bad.combine_ctas = -3;
-  try {
-    gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), bad);
-    ADD_FAILURE() << "combine_ctas = -3 accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("combine_ctas = -3"), std::string::npos) << e.what();
-  }
-  gpu::GpuLayerConfig toggle = bad;
-  toggle.combine_ctas = 0;
-  toggle.shared_first = 2;
-  try {
-    gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), toggle);
-    ADD_FAILURE() << "shared_first = 2 accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("shared_first = 2"), std::string::npos) << e.what();
-  }
+  // Bad values in the config are named when the layer is made, whether or not the pipeline uses
+  // them. refusal(edit): what making rank 0's layer with that change throws ("" if accepted).
+  auto refusal = [&](auto&& edit) -> std::string {
+    gpu::GpuLayerConfig c;
+    c.max_tokens = rig.group->rank(0).config().max_tokens;
+    c.pipeline = pipeline;
+    edit(c);
+    try {
+      gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), c);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string ctas = refusal([](gpu::GpuLayerConfig& c) { c.combine_ctas = -3; });
+  EXPECT_NE(ctas.find("combine_ctas = -3"), std::string::npos) << "combine_ctas = -3: '" << ctas << "'";
+  const std::string toggle = refusal([](gpu::GpuLayerConfig& c) { c.shared_first = 2; });
+  EXPECT_NE(toggle.find("shared_first = 2"), std::string::npos) << "shared_first = 2: '" << toggle << "'";
   // The fused threshold: negative refused; below this rig's T_max while its EP buffer was made
   // with a self slab for the default threshold (fused only), named.
   for (int threshold : {-1, 0}) {
-    gpu::GpuLayerConfig c = bad;
-    c.combine_ctas = 0;
-    c.fused_max_tokens = threshold;
-    const bool refused = threshold < 0 || rig.group->rank(0).config().self_slab;
-    try {
-      gpu::GpuMoeLayer layer(f.model, f.weights, placement, 0, rig.group->rank(0), c);
-      EXPECT_FALSE(refused) << "fused_max_tokens = " << threshold << " accepted";
-    } catch (const Error& e) {
-      EXPECT_TRUE(refused) << e.what();
-      EXPECT_NE(std::string(e.what()).find("fused_max_tokens = " + std::to_string(threshold)), std::string::npos)
-          << e.what();
-    }
+    const std::string msg = refusal([&](gpu::GpuLayerConfig& c) { c.fused_max_tokens = threshold; });
+    if (threshold < 0 || rig.group->rank(0).config().self_slab)
+      EXPECT_NE(msg.find("fused_max_tokens = " + std::to_string(threshold)), std::string::npos)
+          << "fused_max_tokens = " << threshold << ": '" << msg << "'";
+    else
+      EXPECT_EQ(msg, "") << "fused_max_tokens = " << threshold << " refused";
   }
   EXPECT_EQ(rig.group->rank(0).config().self_slab, pipeline == kFused) << "the fixture's shared expert fits a slab";
   EXPECT_THROW(gpu::layer_ep_config(f.model, placement.num_slots, P, 4, gpu::EpMode::kLowLatency, pipeline, -1), Error);
