@@ -446,7 +446,10 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
     int E, M, inter;
     std::vector<int32_t> masked_m;
   };
-  for (const Case& k : {Case{3, 40, 256, {40, 0, 17}}, Case{3, 4096, 1024, {4096, 1, 2900}}}) {
+  // (The kernel deals runs of 4 consecutive (row, group) items: with 1, 2 or 3 groups per row a
+  // run crosses rows, and experts, empty ones included.)
+  for (const Case& k : {Case{3, 40, 256, {40, 0, 17}}, Case{3, 4096, 1024, {4096, 1, 2900}},
+                        Case{5, 24, 128, {0, 5, 0, 0, 24}}, Case{3, 16, 384, {7, 0, 16}}}) {
     const int E = k.E, M = k.M, inter = k.inter;
     const std::vector<int32_t>& masked_m = k.masked_m;
     const MaskedLayout o{E, M, inter};

@@ -238,9 +238,10 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     if (c >= num_chunks) continue;
     if (!finite) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, c * 16, 1);
     scale[i] = fp8_group_scale(amax);
+    const double inv = reciprocal_rn(scale[i]);  // once for the 16 divisions
     float q[16];
 #pragma unroll
-    for (int h = 0; h < 16; ++h) q[h] = div_rn(v[h], scale[i]);
+    for (int h = 0; h < 16; ++h) q[h] = div_by(v[h], inv);
     uint32_t packed[4];
     if (finite && isfinite(scale[i])) {
 #pragma unroll

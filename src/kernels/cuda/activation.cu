@@ -31,9 +31,10 @@ __device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = kWarp / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   scale = fp8_group_scale(amax);
+  const double inv = reciprocal_rn(scale);  // once for the lane's 4 divisions
   uint32_t packed = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) packed |= uint32_t(fp8_quantize(v[i], scale)) << (8 * i);
+  for (int i = 0; i < 4; ++i) packed |= uint32_t(fp8_quantize_by(v[i], inv)) << (8 * i);
   return packed;
 }
 
@@ -59,12 +60,15 @@ __device__ void silu_mul_quant_group(const GpuActivation& act, const uint16_t* _
 }
 
 // The masked kernel deals the (row, group) items of every expert's valid rows over all the grid's
-// warps (row_start: the valid rows of experts < e, one warp's prefix in shared memory), and each
-// warp loads kActItems items before it computes any. The grid is sized from M_max, which a step's
-// rows rarely approach, so most CTAs find no item; what matters is that the busy ones keep enough
-// bytes in flight. With one CTA per 8 rows of each expert (M_max / 8 x E CTAs) and 16 dependent
-// items per warp, this kernel took 56-70 us for 21 MB at 2048 tokens (DeepSeek-V3, EP8), and an
-// expert holding most rows of a skewed step had only its own CTAs.
+// warps (row_start: the valid rows of experts < e, one warp's prefix in shared memory), in runs of
+// kActItems consecutive items (a row's next groups, 1 KB of gate and 1 KB of up per warp), each
+// loaded before any is computed. The grid is sized from M_max, which a step's rows rarely
+// approach, so most CTAs find no item; what matters is that the busy ones keep enough bytes in
+// flight. With one CTA per 8 rows of each expert (M_max / 8 x E CTAs) and 16 dependent items per
+// warp, this kernel took 56-70 us for 21 MB at 2048 tokens (DeepSeek-V3, EP8), and an expert
+// holding most rows of a skewed step had only its own CTAs. A run's row, group and expert come from
+// one division and one search; its items step through them (items dealt one by one over the grid
+// paid a 64-bit division and a search each: a third of the kernel's instructions).
 constexpr int kActItems = 4;
 constexpr int kActMaxCtas = 1024;  // at 64 registers 4 CTAs of 256 threads fit an SM: ~2 rounds on 132 SMs
 
@@ -79,34 +83,39 @@ __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_u
   const int groups = inter / kQuantBlock;
   const int lane = threadIdx.x % kWarp;
   const int64_t items = int64_t(row_start[num_experts]) * groups;
-  const int64_t warps = int64_t(gridDim.x) * kRowsPerBlock;
-  for (int64_t first = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp; first < items;
-       first += warps * kActItems) {
+  const int64_t runs = int64_t(gridDim.x) * kRowsPerBlock;  // warps of the grid, each one run at a time
+  for (int64_t first = (int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * kActItems; first < items;
+       first += runs * kActItems) {
     // layout.h's masked offsets (its methods are host-only): row (e, m) at (e M_max + m) K, scale
-    // (e, m, kb) at (e K/128 + kb) M_max + m.
+    // (e, m, kb) at (e K/128 + kb) M_max + m. Item u of the run: row r, group g of expert e.
+    int r = int(first / groups), g = int(first - int64_t(r) * groups);
+    int e = segment_of(row_start, num_experts, r);
     int e_of[kActItems], m_of[kActItems], group[kActItems];
     uint2 gv[kActItems], uv[kActItems];
 #pragma unroll
     for (int u = 0; u < kActItems; ++u) {
-      const int64_t item = first + u * warps;
-      if (item >= items) continue;
-      const int r = int(item / groups);
-      e_of[u] = segment_of(row_start, num_experts, r);
-      m_of[u] = r - row_start[e_of[u]];
-      group[u] = int(item % groups);
-      const uint16_t* src = gate_up + (size_t(e_of[u]) * max_m + m_of[u]) * 2 * inter + group[u] * kQuantBlock + lane * 4;
+      if (first + u >= items) break;
+      if (u > 0 && ++g == groups) {  // the next row, the next expert with rows where this one ends
+        g = 0;
+        ++r;
+        while (row_start[e + 1] <= r) ++e;
+      }
+      e_of[u] = e;
+      m_of[u] = r - row_start[e];
+      group[u] = g;
+      const uint16_t* src = gate_up + (size_t(e) * max_m + m_of[u]) * 2 * inter + g * kQuantBlock + lane * 4;
       gv[u] = *reinterpret_cast<const uint2*>(src);
       uv[u] = *reinterpret_cast<const uint2*>(src + inter);
     }
 #pragma unroll
     for (int u = 0; u < kActItems; ++u) {
-      if (first + u * warps >= items) continue;
-      const int e = e_of[u], m = m_of[u], g = group[u];
+      if (first + u >= items) break;
       float v[4], scale;
       activate4(act, gv[u], uv[u], v);
       const uint32_t q = quantize_group(v, scale);
-      *reinterpret_cast<uint32_t*>(out + (size_t(e) * max_m + m) * inter + g * kQuantBlock + lane * 4) = q;
-      if (lane == 0) out_scales[(size_t(e) * groups + g) * max_m + m] = scale;
+      *reinterpret_cast<uint32_t*>(out + (size_t(e_of[u]) * max_m + m_of[u]) * inter + group[u] * kQuantBlock +
+                                   lane * 4) = q;
+      if (lane == 0) out_scales[(size_t(e_of[u]) * groups + group[u]) * max_m + m_of[u]] = scale;
     }
   }
   end_kernel(stamp);
@@ -232,12 +241,13 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_kernel(const T*
   amax = warp_amax[0];
   for (int i = 1; i < kBlockThreads / kWarp; ++i) amax = fmaxf(amax, warp_amax[i]);
   const float scale = fp8_group_scale(amax);
+  const double inv = reciprocal_rn(scale);
   for (int i = 0; i < kQuantBlock / 2; i += 4) {
     float v[4];
     load4(w + base + i, v);
     uint32_t packed = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) packed |= uint32_t(fp8_quantize(v[j], scale)) << (8 * j);
+    for (int j = 0; j < 4; ++j) packed |= uint32_t(fp8_quantize_by(v[j], inv)) << (8 * j);
     *reinterpret_cast<uint32_t*>(q + base + i) = packed;
   }
   if (threadIdx.x == 0) scales[(b * (n / kQuantBlock) + rb) * (k / kQuantBlock) + cb] = scale;

@@ -217,6 +217,7 @@ __device__ __forceinline__ void store_silu_mul_fp8(const KernelArgs& args, const
   }
   math_barrier<kMathThreads>();
   float scale[kCols][2];
+  double inv[kCols][2];  // reciprocal_rn of each scale, once for its 8 values
 #pragma unroll
   for (int j = 0; j < kCols; ++j)
 #pragma unroll
@@ -225,6 +226,7 @@ __device__ __forceinline__ void store_silu_mul_fp8(const KernelArgs& args, const
 #pragma unroll
       for (int w = 0; w < kMathWarps; ++w) a = fmaxf(a, warp_amax[w][j * 8 + f.col + c]);
       scale[j][c] = fp8_group_scale(a);
+      inv[j][c] = reciprocal_rn(scale[j][c]);
     }
   math_barrier<kMathThreads>();  // warp_amax is free for the next tile
   const int inter = args.n / 2;
@@ -233,7 +235,7 @@ __device__ __forceinline__ void store_silu_mul_fp8(const KernelArgs& args, const
   for (int i = 0; i < kRegs; ++i) {
     const int col = (i / 4) * 8 + f.col + i % 2;
     const int row = f.row + ((i / 2) % 2) * 8;
-    if (t.t0 + col < t.m_valid) out[size_t(col) * inter + row] = fp8_quantize(v[i], scale[i / 4][i % 2]);
+    if (t.t0 + col < t.m_valid) out[size_t(col) * inter + row] = fp8_quantize_by(v[i], inv[i / 4][i % 2]);
   }
   if (f.mtid < 4) {  // one thread per pair of token columns writes their scales
     float* sc = args.act_scales + (size_t(t.e) * (inter / kBlockK) + t.w0 / kBlockK) * args.rows + t.t0;

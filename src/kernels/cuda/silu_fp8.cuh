@@ -20,15 +20,18 @@ namespace moekit {
 // 2^-50 (relative) of a point halfway between two fp32 values, and the fp64 product is within
 // 1.5 * 2^-52 of the quotient, so both round the same way (subnormal results included; a / inf =
 // ±0 and inf / inf = NaN as IEEE; a NaN stays NaN).
-__device__ __forceinline__ float div_rn(float a, float b) {
+// The two halves: reciprocal_rn(b) depends on b alone, so values divided by one scale share it
+// (div_by(a, reciprocal_rn(b)) is div_rn(a, b), bit for bit).
+__device__ __forceinline__ double reciprocal_rn(float b) {
   const double bd = b;
   double y;
   asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(y) : "d"(bd));
   y = fma(fma(-bd, y, 1.0), y, y);
   y = fma(fma(-bd, y, 1.0), y, y);
-  y = isinf(b) ? 0.0 : y;
-  return __double2float_rn(double(a) * y);
+  return isinf(b) ? 0.0 : y;
 }
+__device__ __forceinline__ float div_by(float a, double reciprocal) { return __double2float_rn(double(a) * reciprocal); }
+__device__ __forceinline__ float div_rn(float a, float b) { return div_by(a, reciprocal_rn(b)); }
 
 // SiLU(g)·u in the reference's order: g / (1 + exp(-g)) * u, in fp32. The reference calls glibc's
 // expf; fp64 exp rounded to fp32 is the correctly rounded expf, which glibc's (0.502 ulp) equals
@@ -65,9 +68,11 @@ __device__ __forceinline__ float fp8_group_scale(float amax) { return div_rn(fma
 // takes the hardware conversion (round to nearest even, saturating at 448, subnormals kept: fp8.h's
 // float_to_fp8_e4m3 on finite input, one instruction instead of its ~25); NaN and infinity take
 // fp8.h's, whose NaN code is the reference's.
-__device__ __forceinline__ uint8_t fp8_quantize(float v, float scale) {
-  const float q = div_rn(v, scale);
+// fp8_quantize_by takes reciprocal_rn(scale), computed once for the values of one group.
+__device__ __forceinline__ uint8_t fp8_quantize_by(float v, double scale_reciprocal) {
+  const float q = div_by(v, scale_reciprocal);
   return isfinite(q) ? uint8_t(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) : float_to_fp8_e4m3(q);
 }
+__device__ __forceinline__ uint8_t fp8_quantize(float v, float scale) { return fp8_quantize_by(v, reciprocal_rn(scale)); }
 
 }  // namespace moekit
