@@ -19,6 +19,9 @@
 // --combine-ready 0: fused layers whose combine send waits for GEMM2's grid instead of starting
 // beside it (GpuLayerConfig::combine_ready); --combine-ctas N: its grid when it is on
 // (GpuLayerConfig::combine_ctas; 0, the default: automatic).
+// --overlap-shared 0: GpuLayerConfig::overlap_shared off (the staged step's shared expert on rank
+// 0's stream, not the side stream); --ep-ctas N: the EP kernels' grid (EpConfig::num_ctas; 0, the
+// default: one CTA per SM).
 // --shared-first 0|1|-1: fused layers with GpuLayerConfig::shared_first off, on or automatic (the
 // default; GEMM1 walks the merged shared expert first and asks the L2 for its W1 while it waits
 // for the receive).
@@ -112,7 +115,7 @@ constexpr const char* kUsage =
     "           [--iters 10] [--skew hot:H:R|zipf:S] [--redundant N] [--pipeline staged,fused]\n"
     "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
     "           [--recv-ready 0|1] [--recv-ctas N] [--combine-ready 0|1] [--combine-ctas N]\n"
-    "           [--shared-first 0|1|-1] [--fused-max-tokens N]\n"
+    "           [--shared-first 0|1|-1] [--fused-max-tokens N] [--overlap-shared 0|1] [--ep-ctas N]\n"
     "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
@@ -370,6 +373,8 @@ struct Options {
   int combine_ctas = gpu::GpuLayerConfig{}.combine_ctas;
   int shared_first = gpu::GpuLayerConfig{}.shared_first;  // --shared-first 0|1|-1
   int fused_max_tokens = gpu::kFusedMaxTokens;               // --fused-max-tokens N
+  bool overlap_shared = true;  // --overlap-shared 0: GpuLayerConfig::overlap_shared off (staged: shared expert in line)
+  int ep_ctas = 0;             // --ep-ctas N: EpConfig::num_ctas (0: every SM)
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -487,7 +492,8 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
                const Options& opt, double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
   const int ranks = placement.num_gpus, t_max = (batch + ranks - 1) / ranks;
-  const gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline, opt.fused_max_tokens);
+  gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline, opt.fused_max_tokens);
+  if (opt.ep_ctas > 0) ec.num_ctas = opt.ep_ctas;
   // Tokens are d wide, the EP group's (padded for MXFP4); rank 0's layer reads and writes the
   // model's hidden size, their first part.
   MOEKIT_CHECK(ec.hidden == d, fmtr("model '{}': the EP group's hidden is {}, the bench sizes its tokens and floor "
@@ -558,6 +564,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.combine_ctas = opt.combine_ctas;
   cfg.shared_first = opt.shared_first;
   cfg.fused_max_tokens = opt.fused_max_tokens;
+  cfg.overlap_shared = opt.overlap_shared;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -1006,6 +1013,10 @@ int main(int argc, char** argv) try {
       opt.shared_first = next_int(-1);
     } else if (a == "--fused-max-tokens") {
       opt.fused_max_tokens = next_int(0);
+    } else if (a == "--overlap-shared") {
+      opt.overlap_shared = next_int(0) != 0;
+    } else if (a == "--ep-ctas") {
+      opt.ep_ctas = next_int(0);
     } else if (a == "--timeline") {
       opt.timeline = true;
     } else if (a == "--uniform") {
