@@ -97,13 +97,13 @@ namespace moekit::gpu {
 //            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
 //            Decode steps of more than kFusedMaxTokens tokens per rank run staged even when fused
 //            is asked for: there the shared expert's rows (T per rank) take several token blocks of
-//            the routed GEMMs and the staged side stream overlaps it better under the dispatch
-//            (measured on an H200, EP8 rank, stage clock: at 128 tokens per rank fused even with
-//            staged for DeepSeek-V3 and 3% slower for Qwen3.5, at 256 3% and 2% slower; at 64, with
-//            the blocks of before upper_typical_rows, even for DeepSeek-V3 and 3% faster for Qwen3.5:
-//            docs/layer-gpu.md items 11, 12).
+//            the routed GEMMs, each reading its weights again, and the staged side stream overlaps
+//            it as well under the dispatch (measured on an H200, EP8 rank, with the receive's
+//            automatic CTAs: at 128 tokens per rank fused 3% faster than staged for DeepSeek-V3 by
+//            events, even on the stage clock, and 5-6% faster for Qwen3.5; at 256 within -4 to +1%:
+//            docs/layer-gpu.md item 38).
 enum class GpuPipeline { kStaged, kFused };
-constexpr int kFusedMaxTokens = 64;
+constexpr int kFusedMaxTokens = 128;
 const char* gpu_pipeline_name(GpuPipeline pipeline);
 
 struct GpuLayerConfig {
@@ -125,7 +125,8 @@ struct GpuLayerConfig {
   // the receive counts the buffer's slabs, which must be GEMM1's experts.)
   bool recv_ready = true;
   // The receive's CTAs then; 0: 8 where a rank holds one token (T_max = 1: its few rows need no
-  // more, and 8 more GEMM1 CTAs start beside it), 16 above (docs/layer-gpu.md item 30).
+  // more, and 8 more GEMM1 CTAs start beside it), else one per 4 tokens of T_max, from 16 up to
+  // 64 (docs/layer-gpu.md items 30 and 38: 16 CTAs took 89 us for 2046 rows at 256 tokens per rank).
   int recv_ctas = 0;
   // Fused, FP8: the combine send starts beside GEMM2 and sends each message as soon as GEMM2 has
   // stored its experts' rows (ep.h combine_send with y_ready, gemm.h set_early_trigger), on the

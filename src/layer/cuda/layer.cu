@@ -251,8 +251,11 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   // GEMM1 takes each expert's rows from the receive as they land.
   if (hand_offs && config.recv_ready) {
     // Automatic: at one token per rank 8 CTAs were 0.7% (DeepSeek-V3) and 3.5% (Qwen3.5) faster
-    // than 16 and 4 CTAs slower; at 8 tokens per rank 16 were 0.2-1.1% faster than 8 (run 53).
-    const int want = config.recv_ctas > 0 ? config.recv_ctas : s.t_max <= 1 ? 8 : 16;
+    // than 16 and 4 CTAs slower; at 8 tokens per rank 16 were 0.2-1.1% faster than 8 (run 53); at
+    // 128 and 256 tokens per rank 32 and 64 (runs 72, 76: 16 left GEMM1 waiting for the rows).
+    const int want = config.recv_ctas > 0 ? config.recv_ctas
+                     : s.t_max <= 1       ? 8
+                                          : std::clamp(s.t_max / 4, 16, 64);
     s.recv_ctas = std::min(want, ep_ctas);
     s.recv_ready = s.alloc<int32_t>(slabs + 2);
     MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
