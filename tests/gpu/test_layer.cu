@@ -695,6 +695,50 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   }
 }
 
+// The fused step at kFusedMaxTokens tokens per rank (above 64, where the receive takes more CTAs
+// and the merged shared expert more than one token block of the routed GEMMs) against the staged
+// step: routing, slots and recv_count identical, outputs within the layer bound, eagerly and from
+// a graph.
+TEST(GpuLayerFused, EqualsStagedAtTheFusedLimit) {
+  const Fixture& f = fixture();
+  const int P = 2, batch = P * gpu::kFusedMaxTokens, k = f.model.num_experts_per_token;
+  const uint64_t seed = 21;
+  const Placement placement = make_placement(P, true);
+  GpuRig staged(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, gpu::GpuPipeline::kStaged, true, 0,
+                size_t(4) << 20, f, true, true, true, {}, batch);
+  GpuRig fused(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true, true,
+               true, {}, batch);
+  ASSERT_EQ(staged.tokens(0), gpu::kFusedMaxTokens);
+  EXPECT_TRUE(fused.group->rank(0).config().self_slab) << "the fixture's shared expert fits a slab";
+  std::mt19937 rng(22);
+  for (bool graph : {false, true}) {
+    const auto x = random_tokens(batch, int(f.model.hidden_size), rng);
+    for (GpuRig* rig : {&staged, &fused}) {
+      rig->load(x, nullptr, nullptr);
+      if (graph) {
+        CapturedStep step(*rig, false);
+        rig->load(x, nullptr, nullptr);  // poison again: the capture ran nothing
+        step.replay();
+      } else {
+        rig->issue(false);
+        rig->check();
+      }
+    }
+    const std::string what = std::string("fused at the fused limit vs staged") + (graph ? ", graph" : "");
+    for (int r = 0; r < P; ++r) {
+      const size_t tk = size_t(staged.tokens(r)) * k;
+      EXPECT_EQ(download(fused.layers[r]->topk_idx(), tk), download(staged.layers[r]->topk_idx(), tk)) << what;
+      EXPECT_EQ(download(fused.layers[r]->topk_slot(), tk), download(staged.layers[r]->topk_slot(), tk)) << what;
+      const size_t e_loc = size_t(staged.layers[r]->num_local_experts());
+      EXPECT_EQ(download(fused.group->rank(r).recv_count(), e_loc), download(staged.group->rank(r).recv_count(), e_loc))
+          << what;
+    }
+    const double err = rel_error(fused.gather_out(), to_double(staged.gather_out()));
+    std::printf("[layer] %s: %.3e\n", what.c_str(), err);
+    EXPECT_LE(err, kLayerTolerance) << what;
+  }
+}
+
 // A peer that never sends, with GEMM1 already running beside the receive (recv_ready): the
 // receive times out and publishes zero rows, so the step ends (nothing waits for rows that will
 // not come) and check() names the rank, the peer and the step.

@@ -233,17 +233,19 @@ struct GpuRig {
   std::vector<DeviceArray<int32_t>> idx;
   std::vector<DeviceArray<float>> w;
   cudaStream_t stream{};
+  int batch = kBatch;  // B, all ranks together
 
   // share: a rig of the same P and placement whose layers' weights these layers use.
   // pipeline: GpuLayerConfig::pipeline (decode). staging_slots, move_chunk_bytes: the layers'
   // staged moves (GpuLayerConfig; 0: none). edit: any other change to the layers' GpuLayerConfig.
+  // batch_tokens: B (T_max = B / P rounded up).
   GpuRig(int num_ranks, gpu::EpMode m, const Placement& placement, uint64_t seed, const GpuRig* share = nullptr,
          gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged, bool merge_shared = true, int staging_slots = 0,
          size_t move_chunk_bytes = size_t(4) << 20, const Fixture& f = fixture(), bool expert_ready = true,
          bool recv_ready = true, bool combine_ready = true,
-         const std::function<void(gpu::GpuLayerConfig&)>& edit = {})
-      : fx(f), P(num_ranks), mode(m) {
-    const int t_max = (kBatch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
+         const std::function<void(gpu::GpuLayerConfig&)>& edit = {}, int batch_tokens = kBatch)
+      : fx(f), P(num_ranks), mode(m), batch(batch_tokens) {
+    const int t_max = (batch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
     group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline));
     gpu::GpuLayerConfig cfg;
     cfg.max_tokens = t_max;
@@ -270,13 +272,13 @@ struct GpuRig {
     layers.clear();
     cudaStreamDestroy(stream);
   }
-  int tokens(int r) const { return first_token(r + 1, P, kBatch) - first_token(r, P, kBatch); }
+  int tokens(int r) const { return first_token(r + 1, P, batch) - first_token(r, P, batch); }
 
   // Copies rank slices of x (and routing) in and poisons the outputs.
   void load(const std::vector<uint16_t>& all_x, const std::vector<int32_t>* all_idx, const std::vector<float>* all_w) {
     const int d = int(fx.model.hidden_size), k = fx.model.num_experts_per_token;
     for (int r = 0; r < P; ++r) {
-      const int t0 = first_token(r, P, kBatch);
+      const int t0 = first_token(r, P, batch);
       x[r].upload(all_x.data() + size_t(t0) * d, size_t(tokens(r)) * d);
       if (all_idx) {
         idx[r].upload(all_idx->data() + size_t(t0) * k, size_t(tokens(r)) * k);
@@ -289,7 +291,7 @@ struct GpuRig {
   // Issues one step of every rank on `stream` (all dispatches, all computes, all combines).
   void issue(bool caller_routing) {
     for (int r = 0; r < P; ++r)
-      layers[r]->dispatch(x[r].ptr, tokens(r), first_token(r, P, kBatch), stream, caller_routing ? idx[r].ptr : nullptr,
+      layers[r]->dispatch(x[r].ptr, tokens(r), first_token(r, P, batch), stream, caller_routing ? idx[r].ptr : nullptr,
                           caller_routing ? w[r].ptr : nullptr);
     for (int r = 0; r < P; ++r) layers[r]->compute(stream);
     for (int r = 0; r < P; ++r) layers[r]->combine(out[r].ptr, stream);
