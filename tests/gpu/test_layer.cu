@@ -296,6 +296,20 @@ struct CapturedStep {
   }
 };
 
+// One step of the rig on tokens x (its router's routing), eagerly or captured and replayed once;
+// the outputs poisoned first.
+void run_step(GpuRig& rig, const std::vector<uint16_t>& x, bool graph) {
+  rig.load(x, nullptr, nullptr);
+  if (graph) {
+    CapturedStep step(rig, false);
+    rig.load(x, nullptr, nullptr);  // poison again: the capture ran nothing
+    step.replay();
+  } else {
+    rig.issue(false);
+    rig.check();
+  }
+}
+
 // One step of P = 4 ranks captured once; replays with new tokens (router) and new caller routing.
 TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
   const Fixture& f = fixture();
@@ -635,15 +649,7 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   for (bool graph : {false, true}) {
     const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
     for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid, &combine_grid, &shared_first}) {
-      rig->load(x, nullptr, nullptr);
-      if (graph) {
-        CapturedStep step(*rig, false);
-        rig->load(x, nullptr, nullptr);  // poison again: the capture ran nothing
-        step.replay();
-      } else {
-        rig->issue(false);
-        rig->check();
-      }
+      run_step(*rig, x, graph);
     }
     for (GpuRig* rig : {&fused, &inline_shared}) {
       const std::string what = std::string(rig == &fused ? "fused" : "fused, shared expert in line") +
@@ -714,15 +720,7 @@ TEST(GpuLayerFused, EqualsStagedAtTheFusedLimit) {
   for (bool graph : {false, true}) {
     const auto x = random_tokens(batch, int(f.model.hidden_size), rng);
     for (GpuRig* rig : {&staged, &fused}) {
-      rig->load(x, nullptr, nullptr);
-      if (graph) {
-        CapturedStep step(*rig, false);
-        rig->load(x, nullptr, nullptr);  // poison again: the capture ran nothing
-        step.replay();
-      } else {
-        rig->issue(false);
-        rig->check();
-      }
+      run_step(*rig, x, graph);
     }
     const std::string what = std::string("fused at the fused limit vs staged") + (graph ? ", graph" : "");
     for (int r = 0; r < P; ++r) {
