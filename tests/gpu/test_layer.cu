@@ -310,6 +310,19 @@ void run_step(GpuRig& rig, const std::vector<uint16_t>& x, bool graph) {
   }
 }
 
+// Every rank of rig chose the experts and slots of ref's and received the same rows per expert.
+void expect_same_routing_as(const GpuRig& rig, const GpuRig& ref, const std::string& what) {
+  const int k = rig.fx.model.num_experts_per_token;
+  for (int r = 0; r < rig.P; ++r) {
+    const size_t tk = size_t(ref.tokens(r)) * k;
+    EXPECT_EQ(download(rig.layers[r]->topk_idx(), tk), download(ref.layers[r]->topk_idx(), tk)) << what;
+    EXPECT_EQ(download(rig.layers[r]->topk_slot(), tk), download(ref.layers[r]->topk_slot(), tk)) << what;
+    const size_t e_loc = size_t(ref.layers[r]->num_local_experts());
+    EXPECT_EQ(download(rig.group->rank(r).recv_count(), e_loc), download(ref.group->rank(r).recv_count(), e_loc))
+        << what;
+  }
+}
+
 // One step of P = 4 ranks captured once; replays with new tokens (router) and new caller routing.
 TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
   const Fixture& f = fixture();
@@ -625,7 +638,7 @@ TEST(GpuLayerErrors, BadInputIsReported) {
 // from a captured graph.
 TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   const Fixture& f = fixture();
-  const int P = 4, k = f.model.num_experts_per_token;
+  const int P = 4;
   const uint64_t seed = 9;
   const Placement placement = make_placement(P, true);
   GpuRig staged(P, gpu::EpMode::kLowLatency, placement, seed);
@@ -654,14 +667,7 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
     for (GpuRig* rig : {&fused, &inline_shared}) {
       const std::string what = std::string(rig == &fused ? "fused" : "fused, shared expert in line") +
                                " vs staged" + (graph ? ", graph" : "");
-      for (int r = 0; r < P; ++r) {
-        const size_t tk = size_t(staged.tokens(r)) * k;
-        EXPECT_EQ(download(rig->layers[r]->topk_idx(), tk), download(staged.layers[r]->topk_idx(), tk)) << what;
-        EXPECT_EQ(download(rig->layers[r]->topk_slot(), tk), download(staged.layers[r]->topk_slot(), tk)) << what;
-        const size_t e_loc = size_t(staged.layers[r]->num_local_experts());
-        EXPECT_EQ(download(rig->group->rank(r).recv_count(), e_loc), download(staged.group->rank(r).recv_count(), e_loc))
-            << what;
-      }
+      expect_same_routing_as(*rig, staged, what);
       const auto got = rig->gather_out(), want = staged.gather_out();
       size_t same = 0;
       for (size_t i = 0; i < got.size(); ++i) same += got[i] == want[i];
@@ -707,7 +713,7 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
 // a graph.
 TEST(GpuLayerFused, EqualsStagedAtTheFusedLimit) {
   const Fixture& f = fixture();
-  const int P = 2, batch = P * gpu::kFusedMaxTokens, k = f.model.num_experts_per_token;
+  const int P = 2, batch = P * gpu::kFusedMaxTokens;
   const uint64_t seed = 21;
   const Placement placement = make_placement(P, true);
   GpuRig staged(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, gpu::GpuPipeline::kStaged, true, 0,
@@ -723,14 +729,7 @@ TEST(GpuLayerFused, EqualsStagedAtTheFusedLimit) {
       run_step(*rig, x, graph);
     }
     const std::string what = std::string("fused at the fused limit vs staged") + (graph ? ", graph" : "");
-    for (int r = 0; r < P; ++r) {
-      const size_t tk = size_t(staged.tokens(r)) * k;
-      EXPECT_EQ(download(fused.layers[r]->topk_idx(), tk), download(staged.layers[r]->topk_idx(), tk)) << what;
-      EXPECT_EQ(download(fused.layers[r]->topk_slot(), tk), download(staged.layers[r]->topk_slot(), tk)) << what;
-      const size_t e_loc = size_t(staged.layers[r]->num_local_experts());
-      EXPECT_EQ(download(fused.group->rank(r).recv_count(), e_loc), download(staged.group->rank(r).recv_count(), e_loc))
-          << what;
-    }
+    expect_same_routing_as(fused, staged, what);
     const double err = rel_error(fused.gather_out(), to_double(staged.gather_out()));
     std::printf("[layer] %s: %.3e\n", what.c_str(), err);
     EXPECT_LE(err, kLayerTolerance) << what;
