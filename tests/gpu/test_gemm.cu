@@ -639,6 +639,12 @@ TEST(GemmMasked, BadArgumentsRejected) {
 // ---------------------------------------------------------------------------------------------
 // Masked with the SiLU·up + FP8 epilogue (the fused decode pipeline's GEMM1)
 
+// SiLU's gate table for the activation kernel, made once (kept to the process's end).
+const GpuActivation& silu_activation() {
+  static const gpu::ActivationTable* table = new gpu::ActivationTable(ref::Activation{});
+  return table->act();
+}
+
 // The gated plan's act must be the activation kernel's output on the plain plan's BF16 gate_up,
 // byte for byte, when both split K alike (the same accumulation); rows past masked_m untouched.
 struct GatedCheck {
@@ -657,7 +663,7 @@ GatedCheck run_gated_against_staged(MaskedCase& c, const std::vector<int32_t>& m
   MaskedGemm plain(p, c.buffers(), &cfg);
   plain.run(stream);
   gpu::launch_silu_mul_quant_masked(c.d_out.ptr, p.num_experts, p.max_m, inter, c.d_m.ptr, ref_act.ptr,
-                                    ref_scales.ptr, stream);
+                                    ref_scales.ptr, stream, {}, silu_activation());
   // Fused: one gated GEMM.
   MaskedGemmProblem gp = p;
   gp.epilogue = GemmEpilogue::kSiluMulFp8;
@@ -777,7 +783,7 @@ TEST(GemmGated, GraphReplayWithNewMaskedMAndData) {
     MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
     plain.run(stream);
     gpu::launch_silu_mul_quant_masked(c.d_out.ptr, p.num_experts, p.max_m, inter, c.d_m.ptr, ref_act.ptr,
-                                      ref_scales.ptr, stream);
+                                      ref_scales.ptr, stream, {}, silu_activation());
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<uint8_t> got = act.download(), want = ref_act.download();
     long differ = 0, unwritten = 0;

@@ -18,6 +18,7 @@
 
 #include "device_buffer.h"
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/gate_table.h"
 #include "kernels/cuda/gating.cuh"
 #include "kernels/cuda/silu_fp8.cuh"
 #include "moekit/bf16.h"
@@ -464,11 +465,47 @@ TEST(GpuActivation, DivisionIsIeee) {
   EXPECT_EQ(differ, 0u);
 }
 
+// The gate table (activation.cuh ActivationTable) against reference.h's own gate half, computed
+// here on the host for every bf16 gate, for both activations: the entries may differ only where
+// glibc's expf is not the correctly rounded exp (a handful of gates, printed); an entry in the wrong
+// place or a wrong formula would differ for most gates. And a GpuActivation without a table is
+// refused with the field's name.
+TEST(GpuActivation, GateTableIsTheReferencesGateHalf) {
+  const ref::Activation silu{}, swiglu{ref::Activation::Kind::kClampedSwiglu, 1.702f, 7.0f};
+  for (const ref::Activation& act : {silu, swiglu}) {
+    const gpu::ActivationTable table(act);
+    std::vector<float> got(kBf16Values);
+    MOEKIT_CUDA_CHECK(cudaMemcpy(got.data(), table.act().gate_table, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    int differ = 0;
+    for (int b = 0; b < kBf16Values; ++b) {
+      const float g = bf16_to_float(uint16_t(b));
+      // reference.h's formulas with up = 1 (silu_mul(g, 1) is the gate half times 1, exactly).
+      const float want = act.kind == ref::Activation::Kind::kSilu ? ref::silu_mul(g, 1.0f)
+                                                                   : ref::clamped_swiglu(g, 0.0f, act.alpha, act.limit);
+      const bool same = std::memcmp(&got[size_t(b)], &want, 4) == 0 || (std::isnan(got[size_t(b)]) && std::isnan(want));
+      if (!same && differ++ < 8)
+        std::printf("  gate %a (bits 0x%04x): table %a, reference %a\n", double(g), b, double(got[size_t(b)]),
+                    double(want));
+    }
+    std::printf("[layer] gate table (%s): %d of %d entries differ from the reference\n",
+                act.kind == ref::Activation::Kind::kSilu ? "silu" : "clamped swiglu", differ, kBf16Values);
+    EXPECT_LE(differ, 8);
+  }
+  try {
+    gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, GpuActivation{});
+    ADD_FAILURE() << "a GpuActivation without a gate table was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gate_table"), std::string::npos) << e.what();
+  }
+}
+
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past
 // masked_m untouched) on GEMM-like bf16 inputs: a small case, and one whose rows outnumber the
 // grid's warps times the items each loads at once (the kernel's loop turns more than once), with
-// one expert holding most of them.
+// one expert holding most of them. One gate in 5 is drawn over 2^-30 .. 2^10 in magnitude, so that
+// gates outside the table's shared-memory window (gate_table.h) are looked up in global memory.
 TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
+  const gpu::ActivationTable silu(ref::Activation{});
   struct Case {
     int E, M, inter;
     std::vector<int32_t> masked_m;
@@ -482,8 +519,12 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
     const MaskedLayout o{E, M, inter};
     std::mt19937 rng(9 + M);
     std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::uniform_real_distribution<float> log2_magnitude(-30.0f, 10.0f);
     std::vector<uint16_t> gate_up(o.out_elems(2 * inter));
     for (auto& v : gate_up) v = float_to_bf16(normal(rng));
+    for (size_t i = 0; i < gate_up.size(); i += 5)  // i % (2 inter) < inter: a gate; else an up, left as it is
+      if (i % (2 * size_t(inter)) < size_t(inter))
+        gate_up[i] = float_to_bf16((i % 2 ? -1.0f : 1.0f) * std::exp2(log2_magnitude(rng)));
     std::vector<uint8_t> want(o.a_elems(), 0xAB);
     std::vector<float> want_s(o.scale_elems(), -1.0f);
     ref::silu_mul_quant_masked(o, gate_up.data(), masked_m.data(), want.data(), want_s.data());
@@ -497,7 +538,7 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
     std::vector<float> ps(want_s.size(), -1.0f);
     dq.upload(pq.data(), pq.size());
     ds.upload(ps.data(), ps.size());
-    gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr);
+    gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr, {}, silu.act());
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     const auto got = dq.download(want.size());
     const auto got_s = ds.download(want_s.size());

@@ -1,13 +1,16 @@
 // FP8 quantisation kernels: the MoE layer's (activation.cuh) and the public ones of quant_gpu.h.
 // One warp per row; each lane holds 4 consecutive values of a 128-column group, so a group's amax
 // is one warp reduction (weight blocks: one CTA per 128x128 block).
-// The operations are the reference's, in its order: v = g / (1 + exp(-g)) * u in fp32,
-// scale = max(amax, kMinAmax) / 448, q = e4m3(v / scale) (fp8.h's rounding, IEEE division).
+// The operations are the reference's, in its order: v = g / (1 + exp(-g)) * u in fp32 (the gate
+// half g / (1 + exp(-g)) looked up: gate_table.h), scale = max(amax, kMinAmax) / 448,
+// q = e4m3(v / scale) (fp8.h's rounding, IEEE division).
 #include <algorithm>
 #include <cmath>
 
 #include "ep/cuda/ep_format.h"
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/gate_table.h"
+#include "kernels/cuda/gemm_host.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/silu_fp8.cuh"
 #include "kernels/cuda/warp_prefix.cuh"
@@ -38,21 +41,39 @@ __device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
   return packed;
 }
 
+// The CTA's window of the gate table (gate_table.h): two runs of the global table, 16 bytes per
+// copy. Called before the grid dependency wait: the table is written once, at set-up.
+__device__ void load_gate_window(const float* __restrict__ table, float* window) {
+  static_assert(kGateWindowHalf % 4 == 0 && kGateWindowFirstBits % 4 == 0, "4-entry copies stay in one run");
+  for (int i = threadIdx.x * 4; i < kGateWindow; i += blockDim.x * 4)
+    *reinterpret_cast<float4*>(window + i) = __ldg(reinterpret_cast<const float4*>(table + gate_window_bits(i)));
+}
+
+// act(gate, up) of one value from its bf16 bits: the gate half from the window or the table.
+__device__ __forceinline__ float activate(const GpuActivation& act, const float* window, uint16_t g, uint16_t u) {
+  const int i = gate_window_index(g);
+  const float gate_half = i >= 0 ? window[i] : __ldg(act.gate_table + g);
+  return __fmul_rn(gate_half, activation_up(act, bf16_to_float(u)));
+}
+
 // act(gate, up) of a lane's 4 values of a group (bf16 pairs as loaded).
-__device__ __forceinline__ void activate4(const GpuActivation& act, uint2 gv, uint2 uv, float (&v)[4]) {
-  v[0] = activate(act, bf16_to_float(uint16_t(gv.x)), bf16_to_float(uint16_t(uv.x)));
-  v[1] = activate(act, bf16_to_float(uint16_t(gv.x >> 16)), bf16_to_float(uint16_t(uv.x >> 16)));
-  v[2] = activate(act, bf16_to_float(uint16_t(gv.y)), bf16_to_float(uint16_t(uv.y)));
-  v[3] = activate(act, bf16_to_float(uint16_t(gv.y >> 16)), bf16_to_float(uint16_t(uv.y >> 16)));
+__device__ __forceinline__ void activate4(const GpuActivation& act, const float* window, uint2 gv, uint2 uv,
+                                          float (&v)[4]) {
+  v[0] = activate(act, window, uint16_t(gv.x), uint16_t(uv.x));
+  v[1] = activate(act, window, uint16_t(gv.x >> 16), uint16_t(uv.x >> 16));
+  v[2] = activate(act, window, uint16_t(gv.y), uint16_t(uv.y));
+  v[3] = activate(act, window, uint16_t(gv.y >> 16), uint16_t(uv.y >> 16));
 }
 
 // One 128-column group g of one row: gate_up [2 inter] -> out [inter] fp8, its scale to *scale.
-__device__ void silu_mul_quant_group(const GpuActivation& act, const uint16_t* __restrict__ gate_up, int inter, int g,
+__device__ void silu_mul_quant_group(const GpuActivation& act, const float* window,
+                                     const uint16_t* __restrict__ gate_up, int inter, int g,
                                      uint8_t* __restrict__ out, float* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int c = g * kQuantBlock + lane * 4;
   float v[4];
-  activate4(act, *reinterpret_cast<const uint2*>(gate_up + c), *reinterpret_cast<const uint2*>(gate_up + inter + c), v);
+  activate4(act, window, *reinterpret_cast<const uint2*>(gate_up + c),
+            *reinterpret_cast<const uint2*>(gate_up + inter + c), v);
   float scale;
   const uint32_t q = quantize_group(v, scale);
   *reinterpret_cast<uint32_t*>(out + c) = q;
@@ -69,15 +90,19 @@ __device__ void silu_mul_quant_group(const GpuActivation& act, const uint16_t* _
 // holding most rows of a skewed step had only its own CTAs. A run's row, group and expert come from
 // one division and one search, and its items step through them. Items dealt one by one over the
 // grid paid a 64-bit division and a search each; runs took the kernel from 44 to 38 us at 2048
-// tokens (with the shared reciprocal below; docs/layer-gpu.md item 36).
+// tokens (with the shared reciprocal below; docs/layer-gpu.md item 36). Each CTA first copies the
+// gate table's window into shared memory (16 KB), so the grid is what fits the GPU at once
+// (kActCtasPerSm per SM), not more: a second round of CTAs would copy it again.
 constexpr int kActItems = 4;
-constexpr int kActMaxCtas = 1024;  // at 64 registers 4 CTAs of 256 threads fit an SM: ~2 rounds on 132 SMs
+constexpr int kActCtasPerSm = 4;  // 256 threads of <= 64 registers and 16 KB of shared memory each
 
-__global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int num_experts, int max_m,
-                                             int inter, const int32_t* __restrict__ masked_m,
-                                             uint8_t* __restrict__ out, float* __restrict__ out_scales,
-                                             GpuActivation act, unsigned long long* stamp) {
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kActCtasPerSm)
+    silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int num_experts, int max_m, int inter,
+                                 const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
+                                 float* __restrict__ out_scales, GpuActivation act, unsigned long long* stamp) {
   extern __shared__ int row_start[];  // [E + 1]
+  __shared__ __align__(16) float window[kGateWindow];
+  load_gate_window(act.gate_table, window);
   begin_kernel(stamp);
   if (threadIdx.x < kWarp) warp_prefix(row_start, num_experts, [&](int e) { return min(max(masked_m[e], 0), max_m); });
   __syncthreads();
@@ -112,7 +137,7 @@ __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_u
     for (int u = 0; u < kActItems; ++u) {
       if (first + u >= items) break;
       float v[4], scale;
-      activate4(act, gv[u], uv[u], v);
+      activate4(act, window, gv[u], uv[u], v);
       const uint32_t q = quantize_group(v, scale);
       *reinterpret_cast<uint32_t*>(out + (size_t(e_of[u]) * max_m + m_of[u]) * inter + group[u] * kQuantBlock +
                                    lane * 4) = q;
@@ -122,20 +147,28 @@ __global__ void silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_u
   end_kernel(stamp);
 }
 
-__global__ void silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
-                                                 const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
-                                                 float* __restrict__ out_scales, GpuActivation act,
-                                                 unsigned long long* stamp) {
+// The contiguous kernel: blocks of 8 rows, dealt over a grid that fits the GPU at once (each CTA
+// copies the gate window once, as the masked kernel's).
+constexpr int kContiguousCtasPerSm = 8;  // 256 threads of <= 32 registers and 16 KB of shared memory each
+
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
+    silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
+                                     const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
+                                     float* __restrict__ out_scales, GpuActivation act, unsigned long long* stamp) {
+  __shared__ __align__(16) float window[kGateWindow];
+  load_gate_window(act.gate_table, window);
   begin_kernel(stamp);
-  const int m0 = blockIdx.x * kRowsPerBlock;
-  const int n = min(kRowsPerBlock, total_m - m0);
+  __syncthreads();  // the window
   const int groups = inter / kQuantBlock;
-  for (int item = threadIdx.x / kWarp; item < n * groups; item += kRowsPerBlock) {
-    const int m = m0 + item / groups, g = item % groups;
-    if (row_expert[m] < 0) continue;
-    // layout.h's contiguous offsets: row m at m K, scale (m, kb) at kb M_total + m.
-    silu_mul_quant_group(act, gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
-                         out_scales + size_t(g) * total_m + m);
+  for (int m0 = blockIdx.x * kRowsPerBlock; m0 < total_m; m0 += gridDim.x * kRowsPerBlock) {
+    const int n = min(kRowsPerBlock, total_m - m0);
+    for (int item = threadIdx.x / kWarp; item < n * groups; item += kRowsPerBlock) {
+      const int m = m0 + item / groups, g = item % groups;
+      if (row_expert[m] < 0) continue;
+      // layout.h's contiguous offsets: row m at m K, scale (m, kb) at kb M_total + m.
+      silu_mul_quant_group(act, window, gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
+                           out_scales + size_t(g) * total_m + m);
+    }
   }
   end_kernel(stamp);
 }
@@ -254,6 +287,12 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_kernel(const T*
   if (threadIdx.x == 0) scales[(b * (n / kQuantBlock) + rb) * (k / kQuantBlock) + cb] = scale;
 }
 
+void check_gate_table(const char* what, const GpuActivation& act) {
+  MOEKIT_CHECK(act.gate_table != nullptr && reinterpret_cast<uintptr_t>(act.gate_table) % 16 == 0,
+               fmtr("{}: GpuActivation::gate_table = {}, expected a 16-byte aligned device table (ActivationTable)",
+                    what, static_cast<const void*>(act.gate_table)));
+}
+
 // Host checks shared by the public launches: the vector loads need aligned rows.
 void check_quant_args(const char* what, const void* x, size_t x_align, const uint8_t* q, const float* scales,
                       int64_t batches, int64_t rows, int k) {
@@ -291,6 +330,13 @@ void launch_quantize_blocks_fp8(const T* w, int64_t batches, int n, int k, uint8
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
+// ActivationTable's entries: the gate half of every bf16 gate, by the functions the gated GEMM
+// epilogue calls (silu_fp8.cuh), so that the two paths give the same bits.
+__global__ void fill_gate_table_kernel(GpuActivation act, float* table) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b < kBf16Values) table[b] = activation_gate(act, bf16_to_float(uint16_t(b)));
+}
+
 }  // namespace
 
 void quantize_tokens_fp8(const uint16_t* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
@@ -318,9 +364,10 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
   MOEKIT_CHECK(num_experts > 0 && max_m > 0 && int64_t(num_experts) * max_m < (int64_t(1) << 31),
                fmtr("silu_mul_quant_masked: {} experts x M_max = {} rows, expected 1 .. 2^31 - 1 rows", num_experts,
                     max_m));
+  check_gate_table("silu_mul_quant_masked", act);
   const int64_t items = int64_t(num_experts) * max_m * (inter / kQuantBlock);
   const int64_t per_cta = int64_t(kRowsPerBlock) * kActItems;
-  const int ctas = int(std::min<int64_t>(kActMaxCtas, (items + per_cta - 1) / per_cta));
+  const int ctas = int(std::min<int64_t>(int64_t(kActCtasPerSm) * gemm_detail::num_sms(), (items + per_cta - 1) / per_cta));
   launch_kernel_ex(silu_mul_quant_masked_kernel, dim3(ctas), dim3(kRowsPerBlock * kWarp),
                    sizeof(int) * (num_experts + 1), stream, opt.pdl, gate_up, num_experts, max_m, inter, masked_m, out,
                    out_scales, act, opt.stamp);
@@ -330,7 +377,10 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
                                       uint8_t* out, float* out_scales, cudaStream_t stream, const LaunchOptions& opt,
                                       const GpuActivation& act) {
   if (total_m == 0) return;
-  launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3((total_m + kRowsPerBlock - 1) / kRowsPerBlock),
+  check_gate_table("silu_mul_quant_contiguous", act);
+  const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
+                                           (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
+  launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3(blocks),
                    dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter, row_expert, out,
                    out_scales, act, opt.stamp);
 }
@@ -342,5 +392,18 @@ void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int m
   launch_kernel_ex(quantize_tokens_kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, x,
                    num_tokens, hidden, max_m, out, out_scales, masked_m, opt.stamp);
 }
+
+ActivationTable::ActivationTable(const ref::Activation& act)
+    : act_{act.kind == ref::Activation::Kind::kClampedSwiglu, act.alpha, act.limit, nullptr} {
+  MOEKIT_CUDA_CHECK(cudaMalloc(&table_, kBf16Values * sizeof(float)));
+  fill_gate_table_kernel<<<kBf16Values / 256, 256>>>(act_, table_);
+  cudaError_t done = cudaGetLastError();
+  if (done == cudaSuccess) done = cudaStreamSynchronize(nullptr);
+  if (done != cudaSuccess) cudaFree(table_);
+  MOEKIT_CUDA_CHECK(done);
+  act_.gate_table = table_;
+}
+
+ActivationTable::~ActivationTable() { cudaFree(table_); }
 
 }  // namespace moekit::gpu

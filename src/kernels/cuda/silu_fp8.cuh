@@ -33,32 +33,42 @@ __device__ __forceinline__ double reciprocal_rn(float b) {
 __device__ __forceinline__ float div_by(float a, double reciprocal) { return __double2float_rn(double(a) * reciprocal); }
 __device__ __forceinline__ float div_rn(float a, float b) { return div_by(a, reciprocal_rn(b)); }
 
+// Each activation is its gate half times its up half in fp32, as the reference multiplies them.
 // SiLU(g)·u in the reference's order: g / (1 + exp(-g)) * u, in fp32. The reference calls glibc's
 // expf; fp64 exp rounded to fp32 is the correctly rounded expf, which glibc's (0.502 ulp) equals
 // except in rare halfway cases (docs/layer-gpu.md).
-__device__ __forceinline__ float silu_mul(float g, float u) {
+__device__ __forceinline__ float silu_gate(float g) {
   const float e = float(exp(double(-g)));
-  return __fmul_rn(div_rn(g, __fadd_rn(1.0f, e)), u);
+  return div_rn(g, __fadd_rn(1.0f, e));
+}
+__device__ __forceinline__ float silu_mul(float g, float u) { return __fmul_rn(silu_gate(g), u); }
+
+// reference.h's clamped_swiglu in its order: g = min(gate, limit), u = clamp(up, -limit, limit),
+// g / (1 + exp(-(alpha g))) * (u + 1), in fp32 (exp as silu_gate's; a NaN stays NaN).
+__device__ __forceinline__ float clamped_swiglu_gate(float gate, float alpha, float limit) {
+  const float g = gate > limit ? limit : gate;
+  const float e = float(exp(double(-__fmul_rn(alpha, g))));
+  return div_rn(g, __fadd_rn(1.0f, e));
+}
+__device__ __forceinline__ float clamped_swiglu_up(float up, float limit) {
+  return __fadd_rn(up > limit ? limit : (up < -limit ? -limit : up), 1.0f);
 }
 
 // An expert activation on the device (reference.h's ref::Activation): SiLU·up, or gpt-oss's
-// clamped SwiGLU with its constants as fp32.
+// clamped SwiGLU with its constants as fp32. The activation kernels take the gate half from
+// gate_table: activation_gate of every bf16 gate, made on the device (activation.cuh
+// ActivationTable), so a look-up gives the bits the functions above compute.
 struct GpuActivation {
   bool clamped_swiglu = false;
   float alpha = 0.0f, limit = 0.0f;
+  const float* gate_table = nullptr;  // [65536], indexed by the gate's bf16 bits
 };
 
-// reference.h's clamped_swiglu in its order: g = min(gate, limit), u = clamp(up, -limit, limit),
-// g / (1 + exp(-(alpha g))) * (u + 1), in fp32 (exp as silu_mul's; a NaN stays NaN).
-__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
-  const float g = gate > limit ? limit : gate;
-  const float u = up > limit ? limit : (up < -limit ? -limit : up);
-  const float e = float(exp(double(-__fmul_rn(alpha, g))));
-  return __fmul_rn(div_rn(g, __fadd_rn(1.0f, e)), __fadd_rn(u, 1.0f));
+__device__ __forceinline__ float activation_gate(const GpuActivation& a, float gate) {
+  return a.clamped_swiglu ? clamped_swiglu_gate(gate, a.alpha, a.limit) : silu_gate(gate);
 }
-
-__device__ __forceinline__ float activate(const GpuActivation& a, float gate, float up) {
-  return a.clamped_swiglu ? clamped_swiglu(gate, up, a.alpha, a.limit) : silu_mul(gate, up);
+__device__ __forceinline__ float activation_up(const GpuActivation& a, float up) {
+  return a.clamped_swiglu ? clamped_swiglu_up(up, a.limit) : up;
 }
 
 // quant.h's scale of a group whose largest magnitude is amax.

@@ -82,17 +82,6 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   return c;
 }
 
-
-namespace {
-
-// The activation's constants as the CPU layer takes them (layer_cpu.h activation_of), for the kernels.
-GpuActivation gpu_activation(const ActivationSpec& spec) {
-  const ref::Activation a = activation_of(spec);
-  return {a.kind == ref::Activation::Kind::kClampedSwiglu, a.alpha, a.limit};
-}
-
-}  // namespace
-
 GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
                          int placement_layer, EpBuffer& ep, const GpuLayerConfig& config,
                          const GpuMoeLayer* share_weights_with)
@@ -109,7 +98,6 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
                fmtr("model '{}': expert_format '{}', expected fp8 or mxfp4", model.name, model.expert_format));
   MOEKIT_CHECK(weights.is_mxfp4() == s.mxfp4, fmtr("layer weights are {}, model '{}' has expert_format {}",
                                                    weights.is_mxfp4() ? "MXFP4" : "FP8", model.name, model.expert_format));
-  s.activation = gpu_activation(model.activation);
   MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
                fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
                     weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
@@ -172,6 +160,12 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
     s.share_weights(*owner, phy2log);
   else
     s.upload_weights(weights, phy2log);
+  // The activation's table (the constants as the CPU layer takes them, layer_cpu.h activation_of).
+  const ref::Activation act = activation_of(model.activation);
+  const bool same_act = owner && owner->activation.clamped_swiglu == (act.kind == ref::Activation::Kind::kClampedSwiglu) &&
+                        owner->activation.alpha == act.alpha && owner->activation.limit == act.limit;
+  s.activation_table = same_act ? owner->activation_table : std::make_shared<const ActivationTable>(act);
+  s.activation = s.activation_table->act();
   // The replica table at a fixed stride (the most replicas any placement of these slots can
   // give an expert), so that set_placement() never changes what a captured graph points at.
   s.replicas.max_replicas = s.ec.num_slots - s.num_experts + 1;
@@ -390,7 +384,7 @@ void GpuMoeLayer::Impl::run_shared(const uint16_t* x, cudaStream_t stream) {
   shared1->run(stream);
   if (!gated)
     launch_silu_mul_quant_masked(s_gate_up, 1, t_pad, shared_inter, s_m, s_act, s_act_scales, stream,
-                                 launch(GpuStage::kSharedActivation));
+                                 launch(GpuStage::kSharedActivation), activation);
   shared2->run(stream);
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gating.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/silu_fp8.cuh"
@@ -49,7 +50,8 @@ struct GpuMoeLayer::Impl {
   bool mxfp4 = false;
   int rank = 0, d = 0, model_d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0,
       m_max = 0;
-  GpuActivation activation;
+  std::shared_ptr<const ActivationTable> activation_table;  // the owner's when sharing weights
+  GpuActivation activation;  // activation_table->act()
   int rows = 0, t_pad = 0;
   RouterParams router;
   ReplicaTable replicas;
