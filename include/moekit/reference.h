@@ -168,8 +168,10 @@ struct ExpertFp8 {
   const float* w2_scales = nullptr;  // [hidden/128, inter/128]
 };
 
-// Shared expert on x [num_tokens, hidden] fp32 -> out [num_tokens, hidden] bf16 bits.
-void shared_expert(const float* x, int num_tokens, const ExpertFp8& weights, uint16_t* out);
+// Shared expert on x [num_tokens, hidden] fp32 -> out [num_tokens, hidden] bf16 bits, with the
+// model's activation (that of its routed experts, as MoeWeightsF64's).
+void shared_expert(const float* x, int num_tokens, const ExpertFp8& weights, uint16_t* out,
+                   const Activation& act = {});
 
 // w fp8 [rows, cols] with 128x128 block scales [rows/128, cols/128] -> float64 [rows, cols]
 // (exact: an fp8 value times an fp32 scale fits in float64).

@@ -343,7 +343,7 @@ void CpuMoeLayer::forward(LocalEpGroup& group, int rank, int num_tokens, int64_t
     if (shared_inter_ > 0 && num_tokens > 0) {
       const ref::ExpertFp8 sw{d, shared_inter_, shared_w1_.data(), shared_w1_scales_.data(), shared_w2_.data(),
                               shared_w2_scales_.data()};
-      ref::shared_expert(me.x.data(), num_tokens, sw, me.shared_out.data());
+      ref::shared_expert(me.x.data(), num_tokens, sw, me.shared_out.data(), activation_);
     }
   });
   timed(times.combine, [&] {

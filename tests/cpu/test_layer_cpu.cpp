@@ -92,6 +92,17 @@ const Fixture& oss_fixture() {
   return f;
 }
 
+// The DeepSeek-style FP8 model with gpt-oss's clamped SwiGLU: the model's activation is also its
+// shared expert's.
+const char* kClampedModelJson = R"({
+  "name": "test-moe-clamped", "hidden_size": 256, "num_layers": 1, "num_moe_layers": 1,
+  "moe_intermediate_size": 128, "num_routed_experts": 16, "num_experts_per_token": 4,
+  "num_shared_experts": 1, "shared_intermediate_size": 128,
+  "total_params": 1e7, "active_params": 1e6, "weight_bytes_per_param": 1.0, "kv_bytes_per_token": 1024,
+  "router": {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "normalize_topk": true},
+  "activation": {"kind": "clamped_swiglu", "alpha": 1.702, "limit": 7.0}
+})";
+
 int first_token(int rank, int num_ranks, int num_tokens) { return (rank * num_tokens + num_ranks - 1) / num_ranks; }
 
 // One layer step over P ranks on the fixture's B tokens.
@@ -235,6 +246,18 @@ INSTANTIATE_TEST_SUITE_P(Layer, LayerRanks,
                                             ::testing::Values(EpProtocol::kLowLatency, EpProtocol::kNormal),
                                             ::testing::Bool()),
                          layer_case_name);
+
+// An FP8 model with another activation than SiLU·up: the routed and the shared experts both take
+// it (with SiLU·up in the shared expert the CPU layer read 0.43 from the oracle).
+TEST(Layer, Fp8ModelWithClampedSwigluMatchesOracle) {
+  const Fixture f(kClampedModelJson, "clamped");
+  for (const EpProtocol protocol : {EpProtocol::kLowLatency, EpProtocol::kNormal}) {
+    const LayerRun run = run_layer(2, protocol, identity_placement(16, 2), nullptr, nullptr, f);
+    const double err = error_vs_oracle(run, f);
+    EXPECT_LE(err, 3e-3) << (protocol == EpProtocol::kLowLatency ? "low latency" : "normal");
+    EXPECT_GT(err, 0.0);
+  }
+}
 
 // With replicas, hot experts' tokens are spread over several slots (several ranks).
 TEST(Layer, ReplicasServeTokens) {

@@ -150,22 +150,30 @@ TEST(MoeRef, Fp8PipelineMatchesOracle) {
   EXPECT_LE(err_fp32, err);  // the final bf16 rounding only adds error
 }
 
-// The shared expert against the oracle: one routed expert with weight 1 is the same function.
+// The shared expert against the oracle: one routed expert with weight 1 is the same function,
+// with SiLU·up and with gpt-oss's clamped SwiGLU (the model's activation applies to the shared
+// expert too; the two outputs must differ, or the activation was ignored).
 TEST(MoeRef, SharedExpertMatchesOracle) {
   const int d = 384, inter = 256, T = 5;
   Experts w(1, d, inter, 5);
   std::vector<float> x = random_tokens(T, d, 6);
-  std::vector<uint16_t> out(size_t(T) * d, 0xFFFF);
-  ref::shared_expert(x.data(), T, w.expert(0), out.data());
   std::vector<int32_t> idx(T, 0);
   std::vector<float> weights(T, 1.0f);
-  std::vector<double> got(out.size()), want(out.size());
-  for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_float(out[i]);
-  ref::MoeWeightsF64 mw{d, inter, 1, w.w1_f64.data(), w.w2_f64.data()};
-  ref::moe_layer_f64(x.data(), T, idx.data(), weights.data(), 1, mw, want.data());
-  const double err = ref::relative_frobenius_error(got.data(), want.data(), got.size());
-  EXPECT_LE(err, 3e-3);
-  EXPECT_GT(err, 0.0);
+  std::vector<std::vector<double>> outputs;
+  for (const ref::Activation act : {ref::Activation{}, ref::Activation{ref::Activation::Kind::kClampedSwiglu, 1.702f, 7.0f}}) {
+    std::vector<uint16_t> out(size_t(T) * d, 0xFFFF);
+    ref::shared_expert(x.data(), T, w.expert(0), out.data(), act);
+    std::vector<double> got(out.size()), want(out.size());
+    for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_float(out[i]);
+    ref::MoeWeightsF64 mw{d, inter, 1, w.w1_f64.data(), w.w2_f64.data()};
+    mw.activation = act;
+    ref::moe_layer_f64(x.data(), T, idx.data(), weights.data(), 1, mw, want.data());
+    const double err = ref::relative_frobenius_error(got.data(), want.data(), got.size());
+    EXPECT_LE(err, 3e-3) << (act.kind == ref::Activation::Kind::kSilu ? "silu" : "clamped swiglu");
+    EXPECT_GT(err, 0.0);
+    outputs.push_back(got);
+  }
+  EXPECT_GT(ref::relative_frobenius_error(outputs[0].data(), outputs[1].data(), outputs[0].size()), 0.1);
 }
 
 TEST(MoeRef, BadInputIsAnError) {

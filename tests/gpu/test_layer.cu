@@ -324,6 +324,32 @@ void expect_same_routing_as(const GpuRig& rig, const GpuRig& ref, const std::str
   }
 }
 
+// An FP8 model with gpt-oss's clamped SwiGLU and a shared expert: the GPU layer applies the
+// activation to the routed and the shared experts as the CPU layer does, staged and fused (where
+// GEMM1 must keep to the activation kernel: its fused epilogue computes SiLU·up only).
+TEST(GpuLayer, Fp8ClampedSwigluEqualsCpuLayer) {
+  ModelSpec m = load_model_spec("tiny-moe");
+  m.name += "-clamped";
+  m.activation = {"clamped_swiglu", 1.702, 7.0};
+  const Fixture f(m);
+  ASSERT_TRUE(f.weights.has_shared_experts());
+  const int P = 2;
+  const Placement placement = make_placement(P, false);
+  std::mt19937 rng(77);
+  const auto x = random_tokens(kBatch, int(m.hidden_size), rng);
+  const uint64_t seed = 11;
+  const CpuResult cpu = run_cpu(P, EpProtocol::kLowLatency, placement, x, nullptr, nullptr, seed, f);
+  for (const gpu::GpuPipeline pipeline : {gpu::GpuPipeline::kStaged, kFused}) {
+    GpuRig rig(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, pipeline, true, 0, size_t(4) << 20, f);
+    run_step(rig, x, false);
+    const std::string what = std::string("FP8 with clamped SwiGLU, ") + gpu::gpu_pipeline_name(pipeline);
+    expect_same_routing(rig, cpu, what, nullptr);
+    const double err = rel_error(rig.gather_out(), to_double(cpu.out));
+    std::printf("[layer] %s: GPU vs CPU layer %.3e\n", what.c_str(), err);
+    EXPECT_LE(err, kLayerTolerance) << what;
+  }
+}
+
 // One step of P = 4 ranks captured once; replays with new tokens (router) and new caller routing.
 TEST(GpuLayerGraph, ReplayWithNewDataAndRouting) {
   const Fixture& f = fixture();

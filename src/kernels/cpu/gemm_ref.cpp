@@ -291,7 +291,7 @@ void silu_mul_quant_contiguous(const ContiguousLayout& out_layout, const uint16_
   activation_quant_contiguous(Activation{}, out_layout, gate_up, row_expert, out, out_scales);
 }
 
-void shared_expert(const float* x, int num_tokens, const ExpertFp8& weights, uint16_t* out) {
+void shared_expert(const float* x, int num_tokens, const ExpertFp8& weights, uint16_t* out, const Activation& act) {
   const char* who = "shared_expert";
   MOEKIT_CHECK(num_tokens >= 0, fmt::format("{}: num_tokens = {}, expected >= 0", who, num_tokens));
   MOEKIT_CHECK(weights.hidden > 0 && weights.hidden % kQuantBlock == 0,
@@ -316,7 +316,7 @@ void shared_expert(const float* x, int num_tokens, const ExpertFp8& weights, uin
   const MaskedLayout h_layout{1, num_tokens, inter};
   std::vector<uint8_t> hq(h_layout.a_elems());
   std::vector<float> hs(h_layout.scale_elems());
-  silu_mul_quant_masked(h_layout, gate_up.data(), masked_m, hq.data(), hs.data());
+  activation_quant_masked(act, h_layout, gate_up.data(), masked_m, hq.data(), hs.data());
 
   grouped_gemm_masked(h_layout, hq.data(), hs.data(), masked_m, WeightLayout{1, d, inter}, weights.w2,
                       weights.w2_scales, out);

@@ -396,11 +396,13 @@ void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int m
 ActivationTable::ActivationTable(const ref::Activation& act)
     : act_{act.kind == ref::Activation::Kind::kClampedSwiglu, act.alpha, act.limit, nullptr} {
   MOEKIT_CUDA_CHECK(cudaMalloc(&table_, kBf16Values * sizeof(float)));
-  fill_gate_table_kernel<<<kBf16Values / 256, 256>>>(act_, table_);
-  cudaError_t done = cudaGetLastError();
-  if (done == cudaSuccess) done = cudaStreamSynchronize(nullptr);
-  if (done != cudaSuccess) cudaFree(table_);
-  MOEKIT_CUDA_CHECK(done);
+  try {  // the launch's own status (not an earlier error still pending), then the kernel's
+    launch_kernel_ex(fill_gate_table_kernel, dim3(kBf16Values / 256), dim3(256), 0, nullptr, false, act_, table_);
+    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  } catch (...) {
+    cudaFree(table_);
+    throw;
+  }
   act_.gate_table = table_;
 }
 

@@ -221,8 +221,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
   // The gated epilogue only where its tiles hold at most 32 tokens: at 64 (DeepSeek-V3 at 2048
   // tokens, EP8) its GEMM1 took 456 us against 365 + 63 for GEMM1 and the activation kernel
   // (stage clock, 2026-11-30), at 32 it saved 30-40 us per layer.
-  // (MXFP4 GEMMs have no SiLU·up epilogue, and gpt-oss's activation is not SiLU·up.)
-  if (s.fused && !s.mxfp4) {
+  // (MXFP4 GEMMs have no SiLU·up epilogue, and gpt-oss's activation is not SiLU·up: the epilogue
+  // computes SiLU·up only, so another activation keeps the activation kernel with FP8 weights too.)
+  if (s.fused && !s.mxfp4 && !s.activation.clamped_swiglu) {
     const MaskedGemmProblem g{slabs, 2 * s.inter, s.d, s.m_max, std::min(expected_m, s.m_max),
                               GemmEpilogue::kSiluMulFp8};
     s.gated = choose_masked_config(g, query_device().num_sms).block_m <= 32;
