@@ -491,6 +491,58 @@ TEST(GpuActivation, DivisionIsIeee) {
   EXPECT_EQ(differ, 0u);
 }
 
+// The contiguous activation kernel alone against reference.h: more rows than its grid's CTAs hold at
+// once (8 rows each, up to 8 CTAs per SM: its loop over row blocks turns more than once), padding
+// rows (row_expert = -1) left untouched, gates spread over 2^-30 .. 2^10 as in the masked case.
+TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
+  const gpu::ActivationTable silu(ref::Activation{});
+  int num_sms = 0;
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  const int inter = 256, total_m = 8 * 8 * num_sms * 2 + 40;
+  const ContiguousLayout o{total_m, inter};
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_real_distribution<float> log2_magnitude(-30.0f, 10.0f);
+  std::vector<uint16_t> gate_up(size_t(total_m) * 2 * inter);
+  for (auto& v : gate_up) v = float_to_bf16(normal(rng));
+  for (size_t i = 0; i < gate_up.size(); i += 5)
+    if (i % (2 * size_t(inter)) < size_t(inter))
+      gate_up[i] = float_to_bf16((i % 2 ? -1.0f : 1.0f) * std::exp2(log2_magnitude(rng)));
+  std::vector<int32_t> row_expert(total_m);
+  for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
+  std::vector<uint8_t> want(o.a_elems(), 0xAB);
+  std::vector<float> want_s(o.scale_elems(), -1.0f);
+  ref::silu_mul_quant_contiguous(o, gate_up.data(), row_expert.data(), want.data(), want_s.data());
+  DeviceArray<uint16_t> dg(gate_up.size());
+  DeviceArray<int32_t> dr(row_expert.size());
+  DeviceArray<uint8_t> dq(want.size());
+  DeviceArray<float> ds(want_s.size());
+  dg.upload(gate_up.data(), gate_up.size());
+  dr.upload(row_expert.data(), row_expert.size());
+  const std::vector<uint8_t> pq(want.size(), 0xAB);
+  const std::vector<float> ps(want_s.size(), -1.0f);
+  dq.upload(pq.data(), pq.size());
+  ds.upload(ps.data(), ps.size());
+  gpu::launch_silu_mul_quant_contiguous(dg.ptr, total_m, inter, dr.ptr, dq.ptr, ds.ptr, nullptr, {}, silu.act());
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = dq.download(want.size());
+  const auto got_s = ds.download(want_s.size());
+  size_t diff = 0, diff_s = 0, padding_written = 0;
+  for (int m = 0; m < total_m; ++m)
+    for (int c = 0; c < inter; ++c) {
+      const size_t i = o.a_offset(m) + c;
+      diff += got[i] != want[i];
+      padding_written += row_expert[m] < 0 && got[i] != 0xAB;
+    }
+  for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
+  std::printf("[layer] contiguous activation, %d rows: %zu of %zu fp8 bytes and %zu of %zu scales differ from the "
+              "reference\n", total_m, diff, got.size(), diff_s, got_s.size());
+  // As the masked case: glibc's expf and the correctly rounded one can differ in a rare halfway case.
+  EXPECT_LE(diff, 4 + got.size() / 1000);
+  EXPECT_LE(diff_s, 1 + got_s.size() / 1000);
+  EXPECT_EQ(padding_written, 0u);
+}
+
 // The gate table (activation.cuh ActivationTable) against reference.h's own gate half, computed
 // here on the host for every bf16 gate, for both activations: the entries may differ only where
 // glibc's expf is not the correctly rounded exp (a handful of gates, printed); an entry in the wrong
