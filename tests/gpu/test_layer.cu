@@ -546,8 +546,8 @@ TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
 // The gate table (activation.cuh ActivationTable) against reference.h's own gate half, computed
 // here on the host for every bf16 gate, for both activations: the entries may differ only where
 // glibc's expf is not the correctly rounded exp (a handful of gates, printed); an entry in the wrong
-// place or a wrong formula would differ for most gates. And a GpuActivation without a table is
-// refused with the field's name.
+// place or a wrong formula would differ for most gates. And bad launches (no table, inter not a
+// multiple of 128, too many experts) are refused with the value.
 TEST(GpuActivation, GateTableIsTheReferencesGateHalf) {
   const ref::Activation silu{}, swiglu{ref::Activation::Kind::kClampedSwiglu, 1.702f, 7.0f};
   for (const ref::Activation& act : {silu, swiglu}) {
@@ -569,12 +569,24 @@ TEST(GpuActivation, GateTableIsTheReferencesGateHalf) {
                 act.kind == ref::Activation::Kind::kSilu ? "silu" : "clamped swiglu", differ, kBf16Values);
     EXPECT_LE(differ, 8);
   }
-  try {
-    gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, GpuActivation{});
-    ADD_FAILURE() << "a GpuActivation without a gate table was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("gate_table"), std::string::npos) << e.what();
-  }
+  // Refused before anything is launched, naming the value.
+  const gpu::ActivationTable table(silu);
+  auto refused = [](const std::function<void()>& launch, const std::string& what) {
+    try {
+      launch();
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused([] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, {}); },
+          "GpuActivation::gate_table = ");
+  refused([&] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 100, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+          "inter = 100");
+  refused([&] { gpu::launch_silu_mul_quant_masked(nullptr, 5000, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+          "5000 experts");
+  refused([&] { gpu::launch_silu_mul_quant_contiguous(nullptr, 8, 0, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+          "inter = 0");
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past

@@ -95,6 +95,7 @@ __device__ void silu_mul_quant_group(const GpuActivation& act, const float* wind
 // (kActCtasPerSm per SM), not more: a second round of CTAs would copy it again.
 constexpr int kActItems = 4;
 constexpr int kActCtasPerSm = 4;  // 256 threads of <= 64 registers and 16 KB of shared memory each
+constexpr int kActMaxExperts = 4096;  // row_start's 16 KB beside the window
 
 __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kActCtasPerSm)
     silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int num_experts, int max_m, int inter,
@@ -287,7 +288,10 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_kernel(const T*
   if (threadIdx.x == 0) scales[(b * (n / kQuantBlock) + rb) * (k / kQuantBlock) + cb] = scale;
 }
 
-void check_gate_table(const char* what, const GpuActivation& act) {
+// The activation launches' shared checks: a table, and rows of whole 1x128 groups.
+void check_activation_args(const char* what, const GpuActivation& act, int inter) {
+  MOEKIT_CHECK(inter > 0 && inter % kQuantBlock == 0,
+               fmtr("{}: inter = {}, expected a positive multiple of {}", what, inter, kQuantBlock));
   MOEKIT_CHECK(act.gate_table != nullptr && reinterpret_cast<uintptr_t>(act.gate_table) % 16 == 0,
                fmtr("{}: GpuActivation::gate_table = {}, expected a 16-byte aligned device table (ActivationTable)",
                     what, static_cast<const void*>(act.gate_table)));
@@ -364,7 +368,10 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
   MOEKIT_CHECK(num_experts > 0 && max_m > 0 && int64_t(num_experts) * max_m < (int64_t(1) << 31),
                fmtr("silu_mul_quant_masked: {} experts x M_max = {} rows, expected 1 .. 2^31 - 1 rows", num_experts,
                     max_m));
-  check_gate_table("silu_mul_quant_masked", act);
+  check_activation_args("silu_mul_quant_masked", act, inter);
+  // The row prefix's shared memory beside the 16 KB window, within the 48 KB a launch gets unasked.
+  MOEKIT_CHECK(num_experts <= kActMaxExperts,
+               fmtr("silu_mul_quant_masked: {} experts, expected at most {}", num_experts, kActMaxExperts));
   const int64_t items = int64_t(num_experts) * max_m * (inter / kQuantBlock);
   const int64_t per_cta = int64_t(kRowsPerBlock) * kActItems;
   const int ctas = int(std::min<int64_t>(int64_t(kActCtasPerSm) * gemm_detail::num_sms(), (items + per_cta - 1) / per_cta));
@@ -377,7 +384,7 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
                                       uint8_t* out, float* out_scales, cudaStream_t stream, const LaunchOptions& opt,
                                       const GpuActivation& act) {
   if (total_m == 0) return;
-  check_gate_table("silu_mul_quant_contiguous", act);
+  check_activation_args("silu_mul_quant_contiguous", act, inter);
   const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
                                            (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
   launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3(blocks),
