@@ -292,7 +292,8 @@ std::unique_ptr<EpBuffer> connect_ep(const EpConfig& config, const EpProcessGrou
 std::vector<uint8_t> make_nccl_unique_id();
 
 // The launcher: forks one process per GPU (rank r uses device r), hands every rank the same NCCL
-// unique id (made in the parent, which never touches CUDA), runs body(group) in each, and
+// unique id (rank 0 makes it and publishes it in a shared page; the parent never touches NCCL or
+// CUDA, so forking stays safe), runs body(group) in each, and
 // returns the number of ranks that failed (threw, exited non-zero, crashed or passed
 // timeout_s; stragglers are killed). NCCL_NVLS_ENABLE=0 is set in every child.
 int launch_ranks(int num_ranks, double timeout_s, int (*body)(const EpProcessGroup& group, void* arg), void* arg);

@@ -33,7 +33,8 @@
 //                  the token was not sent to), so the result is deterministic. `add` [T, d] bf16 is
 //                  optional (the shared expert's output, as DeepEP's combine takes a bias).
 // Normal mode (prefill, the layout of layout.h's ContiguousLayout):
-//   normal_notify  validates as above (T <= T_max too: T_max is then the prefill chunk), exchanges
+//   normal_notify  checks T <= T_max (then the prefill chunk) and the slots as above (the finite x
+//                  and weights are normal_dispatch_send's checks), exchanges
 //                  counts first (the rows each peer will receive per local expert), waits for all of
 //                  them and returns the receive layout: each local expert's segment padded to a
 //                  multiple of block_m. The caller sizes its buffers from it (M_total changes per step).
