@@ -102,7 +102,7 @@ struct EpConfig {
   // Worst case of the contiguous layout: every token of every rank on min(k, E_loc) local
   // experts, plus block_m - 1 padding rows per expert.
   int64_t worst_case_rows() const;
-  int contiguous_rows() const;  // max_recv_rows, or worst_case_rows() when it is 0
+  int contiguous_rows() const;  // max_recv_rows, or worst_case_rows() when it is 0, rounded up to lcm(128, block_m)
   size_t message_bytes() const;
 
   // Throws moekit::Error naming the field, its value and what was expected.
@@ -214,7 +214,8 @@ class EpBuffer {
 
   // Programmatic dependent launch of this buffer's kernels from the next call on (off by
   // default): each kernel may be scheduled while the previous kernel on the stream finishes, and
-  // waits for it (griddepcontrol.wait) before reading anything, so results do not change; the
+  // waits for it (griddepcontrol.wait) before reading anything (the dispatch receive reads only
+  // behind the senders' flags instead), so results do not change; the
   // launch and ramp-up of each kernel hide under the tail of the one before (the fused decode
   // pipeline, layer.h). Keep it off where a receive of another EP group on another stream of the
   // same GPU must find free SMs while this buffer's kernels wait (two micro-batches on one GPU):

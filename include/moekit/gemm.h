@@ -49,8 +49,8 @@
 //
 // Requirements (checked when a plan is made, with the bad value in the message): N and K
 // multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
-// M_total a multiple of kContiguousAlign, all pointers non-null, device buffers 16-byte aligned,
-// a compute capability 9.0 device.
+// M_total a multiple of kContiguousAlign, all pointers non-null, device buffers 16-byte aligned.
+// The kernels need a compute capability 9.0 device (sm_90a); that is not checked here.
 //
 // Overlap with the previous kernel (programmatic dependent launch, off by default): with
 // set_overlap(kPreviousKernel) the kernel may be scheduled while the previous kernel on the
@@ -113,7 +113,8 @@ struct GemmConfig {
   bool swap_ab = false;  // weights on the MMA's M side, tokens on its N side (small M_e)
   int block_m = 0;       // tokens per tile (MMA N when swap_ab, else 64 · math warpgroups)
   int block_n = 0;       // weight rows (output columns) per tile: 128; 64 (masked swap-AB, 16 tokens);
-                         // 256 (contiguous, block_m 128, one CTA, no split-K: fewer stage bytes per FLOP;
+                         // 256 (normal orientation, block_m 128, contiguous or masked, one CTA, no split-K:
+                         // fewer stage bytes per FLOP;
                          // masked swap-AB up to 64 tokens, BF16 output, N a multiple of 256: two 128-row slabs)
   int num_stages = 0;    // shared-memory pipeline depth
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)

@@ -51,7 +51,7 @@
 // Errors. Host arguments (T > T_max, a rank's EpBuffer of the wrong shape or mode, hidden or
 // inter not multiples of 128, a placement that does not match the model and P) are
 // moekit::Error before anything runs. Device-side faults (a non-finite router logit, a caller's
-// expert id outside [0, E)) are recorded in the layer's status word; the step still completes
+// expert id outside [-1, E), -1 meaning no expert) are recorded in the layer's status word; the step still completes
 // (a bad entry becomes -1, no expert) so peers never wait, and check() throws naming the token,
 // the entry and the value. check() also runs the EpBuffer's check().
 #pragma once
@@ -75,12 +75,16 @@ struct ExpertMove;       // rebalance.h
 namespace moekit::gpu {
 
 // How a decode step's kernels follow each other (prefill always runs staged).
-//   kStaged: one kernel per stage, each starting when the one before has drained the GPU: the
-//            reference, bit for bit the pipeline every figure before the fused one was taken with.
+//   kStaged: one kernel per stage, each starting when the one before has drained the GPU (but
+//            GEMM1 and GEMM2, which start under the previous kernel's tail by programmatic
+//            dependent launch): the reference, bit for bit the pipeline every figure before the
+//            fused one was taken with.
 //   kFused:  the same data flow in fewer kernels that overlap their neighbours:
 //            - the gate's top-k selection and the replica choice are one kernel;
 //            - SiLU·up + FP8 happens in GEMM1's epilogue (gemm.h kSiluMulFp8, routed and shared
-//              experts), so GEMM1 writes the FP8 activations and the activation kernel is gone;
+//              experts) where its tiles hold at most 32 tokens, the weights are FP8 and the
+//              activation is SiLU·up: GEMM1 writes the FP8 activations and the activation kernel
+//              is gone; otherwise GEMM1 writes BF16 and the activation kernel runs;
 //            - the shared expert is no separate stage: when it has the routed experts' shapes
 //              it is local expert E_loc of the routed GEMMs (its weights slot E_loc, its rows the
 //              EP buffer's self slab, which the send fills: no kernel of its own); otherwise its
@@ -95,8 +99,8 @@ namespace moekit::gpu {
 //              SMs while it waits, so a fused layer is not for two micro-batches sharing one GPU.
 //            The outputs equal the staged pipeline's within the GEMM library's bound (the same
 //            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
-//            Decode steps of more than kFusedMaxTokens tokens per rank run staged even when fused
-//            is asked for: there the shared expert's rows (T per rank) take several token blocks of
+//            Layers whose T_max exceeds kFusedMaxTokens (fused_max_tokens) run staged even when
+//            fused is asked for (decided at construction): there the shared expert's rows (T per rank) take several token blocks of
 //            the routed GEMMs, each reading its weights again, and the staged side stream overlaps
 //            it as well under the dispatch (measured on an H200, EP8 rank, with the receive's
 //            automatic CTAs: at 128 tokens per rank fused 3% faster than staged for DeepSeek-V3 by
@@ -107,7 +111,7 @@ constexpr int kFusedMaxTokens = 128;
 const char* gpu_pipeline_name(GpuPipeline pipeline);
 
 struct GpuLayerConfig {
-  int max_tokens = 0;          // T_max per rank; must equal the EpBuffer's
+  int max_tokens = 0;          // T_max per rank: 1 .. the EpBuffer's T_max
   uint64_t replica_seed = 0;   // choose_replicas' hash seed (the CPU layer's replica_seed)
   int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: upper_typical_rows
                                // (gemm.h) of P T_max k rows over the slots
@@ -142,7 +146,7 @@ struct GpuLayerConfig {
   // steps at 8-64 tokens per rank; 1-3% slower at one token, where GEMM1 is one round of tiles
   // and the prefetch only delays the dispatch: docs/layer-gpu.md item 32).
   int shared_first = -1;
-  // Decode steps of more than this many tokens per rank run staged even when fused is asked for
+  // Layers whose T_max is above this many tokens per rank run staged even when fused is asked for
   // (kFusedMaxTokens above says why); the EpBuffer must come from layer_ep_config with the same
   // value, since the self slab follows it.
   int fused_max_tokens = kFusedMaxTokens;
@@ -306,7 +310,7 @@ class GpuMoeLayer {
   // the caller's stream, from the next step on (to measure what the overlap hides).
   void set_shared_overlap(bool on);
 
-  // Event timing of the stages of the next step issued (not capturable: for eager runs only).
+  // Event timing of the stages of every step issued while on (not capturable: for eager runs only).
   void set_timing(bool on);
   GpuStageTimes last_times() const;  // synchronises on the step's last event
 
@@ -335,7 +339,7 @@ class GpuMoeLayer {
   // The routed experts' intermediate buffers of the last step (device), in the EpBuffer's layout:
   // masked [E_loc, M_max, ...] (decode) or contiguous [rows, ...] (prefill; row_expert says which).
   struct ExpertBuffers {
-    const uint16_t* gate_up = nullptr;  // GEMM1 output, 2 inter columns (null: fused decode)
+    const uint16_t* gate_up = nullptr;  // GEMM1 output, 2 inter columns (null: GEMM1's SiLU·up epilogue)
     const uint8_t* act = nullptr;       // SiLU·up in FP8, inter columns
     const float* act_scales = nullptr;  // [E_loc, inter/128, M_max] or [inter/128, rows]
     const uint16_t* y = nullptr;        // GEMM2 output, d columns

@@ -6,7 +6,8 @@
 // Tokens (1x128 groups): x [batches, rows, k] -> q [batches, rows, k] and scales
 // [batches, k/128, rows], the MN-major order the grouped GEMMs and dispatch read (layout.h).
 // Weights (128x128 blocks): w [batches, n, k] -> q [batches, n, k] and scales
-// [batches, n/128, k/128]. k (and n for blocks) must be positive multiples of 128.
+// [batches, n/128, k/128]. k must be a positive multiple of 128, n (blocks) a multiple of 128
+// (0: nothing is launched).
 //
 // Non-finite input: the kernels cannot throw, so they report it. `first_bad`, when not null, is a
 // device word the caller sets to ~0ull first; a kernel that meets a NaN or infinity lowers it to

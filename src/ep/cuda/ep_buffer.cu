@@ -124,7 +124,8 @@ void EpConfig::validate() const {
   MOEKIT_CHECK(max_tokens >= 1 && max_tokens <= kMaxTokens,
                fmtr("EpConfig: max_tokens (T_max) = {}, expected 1..{}", max_tokens, kMaxTokens));
   MOEKIT_CHECK(hidden > 0 && hidden % kQuantBlock == 0 && hidden <= (1 << 20),
-               fmtr("EpConfig: hidden (d) = {}, expected a positive multiple of {}", hidden, kQuantBlock));
+               fmtr("EpConfig: hidden (d) = {}, expected a positive multiple of {} up to {}", hidden, kQuantBlock,
+                    1 << 20));
   MOEKIT_CHECK(num_slots >= 1 && num_slots <= kMaxSlots && num_slots % num_ranks == 0,
                fmtr("EpConfig: num_slots = {}, expected a multiple of num_ranks = {} in 1..{}", num_slots,
                            num_ranks, kMaxSlots));
