@@ -184,8 +184,8 @@ struct DualResult {
 };
 // Starts from the counts-only reference placement, then swaps slots between GPUs (inside a
 // node when hierarchical; replica counts kept) while the larger of the two normalised
-// per-GPU loads, max_g max(rows_g / mean_rows, recv_g / mean_recv_counts), goes down. Never
-// worse than the counts-only placement on that figure. balance_recv = false runs the same
+// per-GPU loads, max_g max(rows_g / mean_rows, recv_g / mean_recv_counts), goes down. With
+// balance_recv, never worse than the counts-only placement on that figure. balance_recv = false runs the same
 // search on rows alone (routed exactly), to tell the two effects apart.
 DualResult rebalance_dual(const RoutingTrace& trace, int num_slots, int num_groups, int num_nodes, int num_gpus,
                           uint64_t seed = 0, bool balance_recv = true);

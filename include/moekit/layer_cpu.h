@@ -112,7 +112,8 @@ class CpuMoeLayer {
   // their expert in the current placement (rebalance.h plan_moves), and every source is read
   // before any slot is written, as the GPU layer stages them. validate_moves() runs first:
   // a move that does not fit both placements is an Error and nothing changes. Returns the bytes
-  // copied (W1, W2 and their scales of each moved slot).
+  // copied (W1, W2 and their scales of each moved slot). FP8 experts only: a layer of MXFP4
+  // experts refuses any moves (as the GPU layer, which moves no MXFP4 weights while serving).
   int64_t apply_moves(const Placement& placement, const std::vector<ExpertMove>& moves);
 
   // The last step's receive side and expert outputs on `rank`, for tests. Low-latency: masked

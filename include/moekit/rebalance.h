@@ -18,7 +18,8 @@
 // when g >= 1 + min_gain and, when copy_bytes_per_s > 0, when the time it saves over
 // payback_steps steps pays for the time its copies take:
 //     mean_step_s * (1 - 1/g) * payback_steps >= max_gpu_bytes_in / copy_bytes_per_s
-// where mean_step_s is the mean step time passed to step() since the last decision started and
+// where mean_step_s is the mean step time passed to step() since the last decision started (or
+// the last plan was applied) and
 // max_gpu_bytes_in the bytes copied onto the GPU that receives the most (every GPU copies at the
 // same time, so the busiest one decides how long the moves take). Charging the whole copy time
 // is conservative: the copies run beside the steps and slow them only by their bandwidth share.
@@ -96,7 +97,8 @@ void validate(const RebalancerConfig& config);
 
 enum class RebalanceVerdict {
   kRebalance,     // the plan goes ahead
-  kUnchanged,     // the fewest-moves placement is the current one: nothing to move
+  kUnchanged,     // the plan has no moves: the fewest-moves placement is the current one, or
+                  // max_moves_per_gpu held back every changed layer
   kGainTooSmall,  // g < 1 + min_gain
   kMovesCostMore  // the copies cost more than the gain saves over payback_steps
 };

@@ -15,7 +15,8 @@
 // integer may be written 8, 8.0 or 8e0, never 8.5.
 //
 // Units: bytes, bytes per second (one direction), FLOP per second (dense), microseconds.
-// A model with num_routed_experts == 0 is dense (its MoE fields are 0 and it has no router).
+// A model with num_routed_experts == 0 is dense (its MoE fields are 0 and it has no router: a
+// "router" field is an Error).
 //
 // Fields for experts that differ from DeepSeek-style ones (gpt-oss) are optional; leaving them
 // out gives the DeepSeek-style default, and to_json writes them only when they differ from it:
@@ -26,7 +27,7 @@
 //   "activation": {"kind": "silu"} (default: SiLU(gate)·up)
 //               | {"kind": "clamped_swiglu", "alpha": A, "limit": L} (gpt-oss: A = 1.702, L = 7):
 //                 (clamp(up, -L, L) + 1)·g·sigmoid(A·g) with g = min(gate, L), gate clamped
-//                 from above only. A and L finite and > 0.
+//                 from above only. A and L in [1e-6, 1e6].
 //   "expert_bias": false (default) | true: every expert's gate/up and down projections add a bias
 //                  (gpt-oss; only the mxfp4 layout has them).
 //   router "logit_bias": false (default) | true: logits = x·W^T + b (gpt-oss's router is a linear

@@ -202,6 +202,9 @@ void run(const RunOptions& o) {
   MOEKIT_CHECK(spec.expert_format == "mxfp4" || (d % 128 == 0 && spec.moe_intermediate_size % 128 == 0),
                fmt::format("--model {}: hidden_size {} and moe_intermediate_size {} must be multiples of 128 (the FP8 "
                            "block size)", spec.name, d, spec.moe_intermediate_size));
+  MOEKIT_CHECK(!o.rebalance.on || spec.expert_format != "mxfp4",
+               fmt::format("--rebalance with --model {}: its experts are MXFP4, which move no weights while serving "
+                           "(FP8 models only)", spec.name));
   check_memory(o, spec, int(num_slots));
   std::optional<Routing> routing;
   if (!o.routing.empty()) routing = parse_routing(o.routing);

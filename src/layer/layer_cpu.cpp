@@ -233,6 +233,8 @@ EpConfig CpuMoeLayer::ep_config() const {
 }
 
 int64_t CpuMoeLayer::apply_moves(const Placement& placement, const std::vector<ExpertMove>& moves) {
+  MOEKIT_CHECK(!mxfp4_, fmt::format("CpuMoeLayer::apply_moves: model '{}' has MXFP4 experts, which move no weights "
+                                    "while serving (as on the GPU); {} moves refused", model_.name, moves.size()));
   validate_moves(*placement_, placement, placement_layer_, moves);
   const int e_loc = num_local_experts();
   // One slot's operands: W1 = [gate; up] [2 inter, d] and W2 [d, inter] in FP8, with 1x128 block scales.

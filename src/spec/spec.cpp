@@ -143,7 +143,8 @@ ModelSpec parse_model_spec(std::string_view json_text, std::string_view origin) 
                  fmt::format("{}: a dense model (num_routed_experts = 0) needs num_experts_per_token, num_moe_layers "
                              "and moe_intermediate_size = 0, got {}, {}, {}",
                              origin, m.num_experts_per_token, m.num_moe_layers, m.moe_intermediate_size));
-    if (r.has("router")) r.at("router");
+    MOEKIT_CHECK(!r.has("router"), fmt::format("{}: a dense model (num_routed_experts = 0) has no router; field "
+                                               "'router' given", origin));
   } else {
     MOEKIT_CHECK(m.num_experts_per_token >= 1,
                  fmt::format("{}: num_experts_per_token = {} must be >= 1", origin, m.num_experts_per_token));

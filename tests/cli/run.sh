@@ -137,6 +137,9 @@ if "$MOEKIT" run --model "$tmp/oss.json" --ep 2 --batch 8 --check > "$tmp/oss.tx
 else
   fail "gpt-oss-style run: exit $?"; cat "$tmp/stderr"
 fi
+# MXFP4 experts move no weights while serving: --rebalance is refused before anything is written.
+expect_error "gpt-oss-style --rebalance refused" "its experts are MXFP4" --model "$tmp/oss.json" --ep 4 \
+  --redundant 4 --rebalance --steps 4
 # A subset of its experts cannot be generated (one tensor holds them all); the shard refuses a NaN scale.
 "$MOEKIT" run --model "$tmp/oss.json" --ep 2 --batch 8 --save-weights "$tmp/oss-ckpt" > /dev/null 2>&1
 python3 - "$tmp/oss-ckpt" << 'P'

@@ -247,6 +247,23 @@ INSTANTIATE_TEST_SUITE_P(Layer, LayerRanks,
                                             ::testing::Bool()),
                          layer_case_name);
 
+// A layer of MXFP4 experts refuses moves (they would need its scale words and biases moved too,
+// and the GPU layer moves none while serving), naming the model, and keeps serving.
+TEST(Layer, Mxfp4LayerRefusesMoves) {
+  const Fixture& f = oss_fixture();
+  const int p = 4;
+  std::vector<double> load(16, 1.0);
+  for (int e = 8; e < 12; ++e) load[e] = 8.0;
+  const Placement before = redundant_placement(p), after = balanced_placement(load, 16, p);
+  const std::vector<ExpertMove> moves = plan_moves(before, after);
+  ASSERT_FALSE(moves.empty());
+  CpuLayerConfig cfg;
+  cfg.num_ranks = p;
+  cfg.max_tokens = kTokens / p;
+  CpuMoeLayer layer(f.model, f.weights, before, 0, cfg);
+  expect_error([&] { layer.apply_moves(after, moves); }, {"MXFP4", f.model.name});
+}
+
 // An FP8 model with another activation than SiLU·up: the routed and the shared experts both take
 // it (with SiLU·up in the shared expert the CPU layer read 0.43 from the oracle).
 TEST(Layer, Fp8ModelWithClampedSwigluMatchesOracle) {

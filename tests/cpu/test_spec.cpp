@@ -43,6 +43,15 @@ TEST(Spec, DeepSeekFigures) {
   EXPECT_FALSE(load_model_spec("llama-3-70b").is_moe());
 }
 
+// A dense model has no router: a "router" field is refused, not read and dropped.
+TEST(Spec, DenseModelWithRouterIsAnError) {
+  json j = json::parse(to_json(load_model_spec("llama-3-70b")));
+  ASSERT_FALSE(j.contains("router"));
+  EXPECT_NO_THROW(parse_model_spec(j.dump(), "t"));
+  j["router"] = {{"scoring", "nonsense"}};
+  expect_error([&] { parse_model_spec(j.dump(), "t"); }, {"t: a dense model", "'router' given"});
+}
+
 TEST(Spec, RoundTripThroughJson) {
   ModelSpec a = load_model_spec("qwen3.5-397b-a17b");
   ModelSpec b = parse_model_spec(to_json(a), "roundtrip");
