@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "device_buffer.h"
+#include "expect_error.h"
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gate_table.h"
 #include "kernels/cuda/gating.cuh"
@@ -491,9 +492,24 @@ TEST(GpuActivation, DivisionIsIeee) {
   EXPECT_EQ(differ, 0u);
 }
 
+// GEMM1-like bf16 output for the activation kernels, `rows` rows of [gate; up] (2 inter each):
+// normal(0, 2) values, and one entry in 5 of the gate halves drawn over 2^-30 .. 2^10 in magnitude,
+// so that gates outside the table's shared-memory window (gate_table.h) are looked up in global
+// memory.
+std::vector<uint16_t> random_gate_up(size_t rows, int inter, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_real_distribution<float> log2_magnitude(-30.0f, 10.0f);
+  std::vector<uint16_t> gate_up(rows * 2 * inter);
+  for (auto& v : gate_up) v = float_to_bf16(normal(rng));
+  for (size_t i = 0; i < gate_up.size(); i += 5)  // i % (2 inter) < inter: a gate; else an up, left as it is
+    if (i % (2 * size_t(inter)) < size_t(inter))
+      gate_up[i] = float_to_bf16((i % 2 ? -1.0f : 1.0f) * std::exp2(log2_magnitude(rng)));
+  return gate_up;
+}
+
 // The contiguous activation kernel alone against reference.h: more rows than its grid's CTAs hold at
 // once (8 rows each, up to 8 CTAs per SM: its loop over row blocks turns more than once), padding
-// rows (row_expert = -1) left untouched, gates spread over 2^-30 .. 2^10 as in the masked case.
+// rows (row_expert = -1) left untouched, inputs as in the masked case (random_gate_up).
 TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   int num_sms = 0;
@@ -501,13 +517,7 @@ TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
   const int inter = 256, total_m = 8 * 8 * num_sms * 2 + 40;
   const ContiguousLayout o{total_m, inter};
   std::mt19937 rng(31);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::uniform_real_distribution<float> log2_magnitude(-30.0f, 10.0f);
-  std::vector<uint16_t> gate_up(size_t(total_m) * 2 * inter);
-  for (auto& v : gate_up) v = float_to_bf16(normal(rng));
-  for (size_t i = 0; i < gate_up.size(); i += 5)
-    if (i % (2 * size_t(inter)) < size_t(inter))
-      gate_up[i] = float_to_bf16((i % 2 ? -1.0f : 1.0f) * std::exp2(log2_magnitude(rng)));
+  const std::vector<uint16_t> gate_up = random_gate_up(size_t(total_m), inter, rng);
   std::vector<int32_t> row_expert(total_m);
   for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
   std::vector<uint8_t> want(o.a_elems(), 0xAB);
@@ -571,29 +581,20 @@ TEST(GpuActivation, GateTableIsTheReferencesGateHalf) {
   }
   // Refused before anything is launched, naming the value.
   const gpu::ActivationTable table(silu);
-  auto refused = [](const std::function<void()>& launch, const std::string& what) {
-    try {
-      launch();
-      ADD_FAILURE() << "accepted: " << what;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  };
-  refused([] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, {}); },
-          "GpuActivation::gate_table = ");
-  refused([&] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 100, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
-          "inter = 100");
-  refused([&] { gpu::launch_silu_mul_quant_masked(nullptr, 5000, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
-          "5000 experts");
-  refused([&] { gpu::launch_silu_mul_quant_contiguous(nullptr, 8, 0, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
-          "inter = 0");
+  expect_error([] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, {}); },
+               {"GpuActivation::gate_table = "});
+  expect_error([&] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 100, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+               {"inter = 100"});
+  expect_error([&] { gpu::launch_silu_mul_quant_masked(nullptr, 5000, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+               {"5000 experts"});
+  expect_error([&] { gpu::launch_silu_mul_quant_contiguous(nullptr, 8, 0, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+               {"inter = 0"});
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past
 // masked_m untouched) on GEMM-like bf16 inputs: a small case, and one whose rows outnumber the
 // grid's warps times the items each loads at once (the kernel's loop turns more than once), with
-// one expert holding most of them. One gate in 5 is drawn over 2^-30 .. 2^10 in magnitude, so that
-// gates outside the table's shared-memory window (gate_table.h) are looked up in global memory.
+// one expert holding most of them (inputs: random_gate_up, gates in and outside the table's window).
 TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   struct Case {
@@ -608,13 +609,7 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
     const std::vector<int32_t>& masked_m = k.masked_m;
     const MaskedLayout o{E, M, inter};
     std::mt19937 rng(9 + M);
-    std::normal_distribution<float> normal(0.0f, 2.0f);
-    std::uniform_real_distribution<float> log2_magnitude(-30.0f, 10.0f);
-    std::vector<uint16_t> gate_up(o.out_elems(2 * inter));
-    for (auto& v : gate_up) v = float_to_bf16(normal(rng));
-    for (size_t i = 0; i < gate_up.size(); i += 5)  // i % (2 inter) < inter: a gate; else an up, left as it is
-      if (i % (2 * size_t(inter)) < size_t(inter))
-        gate_up[i] = float_to_bf16((i % 2 ? -1.0f : 1.0f) * std::exp2(log2_magnitude(rng)));
+    const std::vector<uint16_t> gate_up = random_gate_up(size_t(E) * M, inter, rng);
     std::vector<uint8_t> want(o.a_elems(), 0xAB);
     std::vector<float> want_s(o.scale_elems(), -1.0f);
     ref::silu_mul_quant_masked(o, gate_up.data(), masked_m.data(), want.data(), want_s.data());

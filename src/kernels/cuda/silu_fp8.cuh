@@ -83,6 +83,5 @@ __device__ __forceinline__ uint8_t fp8_quantize_by(float v, double scale_recipro
   const float q = div_by(v, scale_reciprocal);
   return isfinite(q) ? uint8_t(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) : float_to_fp8_e4m3(q);
 }
-__device__ __forceinline__ uint8_t fp8_quantize(float v, float scale) { return fp8_quantize_by(v, reciprocal_rn(scale)); }
 
 }  // namespace moekit
