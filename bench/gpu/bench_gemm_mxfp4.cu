@@ -9,8 +9,9 @@
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9).
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
-// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] (N: the MXFP4 masked
-// plans' ring depth, forced; a study knob, 0 = the heuristic's)
+// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C]
+// (study knobs, 0 = the heuristic's: N the MXFP4 masked plans' ring depth, C the CTAs per SM of
+// their 16-token tiles)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -81,6 +82,9 @@ struct Gemm {
 // --mx-stages: the ring depth of the MXFP4 masked plans with tiles of <= 32 tokens (0: the
 // heuristic's; larger tiles fit fewer stages and keep theirs).
 int g_mx_stages = 0;
+// --mx-ctas-per-sm: CTAs per SM of the MXFP4 masked plans with 16-token tiles (0: the heuristic's).
+// Their split-K stays the heuristic's, the same for 1 and 2 on this benchmark's shapes.
+int g_mx_ctas_per_sm = 0;
 
 std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
@@ -94,8 +98,11 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   b.masked_m = m;
   b.out = g.out;
   GemmConfig c = choose_masked_config(p, 132);
-  if (g.mx && g_mx_stages > 0 && c.block_m <= 32) {  // the decode tiles (larger ones fit fewer stages)
-    c.num_stages = g_mx_stages;
+  const bool stages = g.mx && g_mx_stages > 0 && c.block_m <= 32;  // the decode tiles (larger ones fit fewer)
+  const bool per_sm = g.mx && g_mx_ctas_per_sm > 0 && c.block_m == 16;
+  if (stages || per_sm) {
+    if (stages) c.num_stages = g_mx_stages;
+    if (per_sm) c.ctas_per_sm = g_mx_ctas_per_sm;
     c.num_ctas = 0;
     return std::make_unique<MaskedGemm>(p, b, &c);
   }
@@ -185,8 +192,9 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--mx-stages") && i + 1 < argc) g_mx_stages = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--mx-ctas-per-sm") && i + 1 < argc) g_mx_ctas_per_sm = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N]\n");
+      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C]\n");
       return 2;
     }
   }

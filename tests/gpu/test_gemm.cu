@@ -441,12 +441,7 @@ TEST(GemmMasked, GraphReplayWithNewMaskedMAndData) {
   MaskedGemm gemm(c.problem, c.buffers());
   cudaStream_t stream;
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  gemm.run(stream);
-  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(stream, [&] { gemm.run(stream); });
   std::uniform_int_distribution<int> d(0, 48);
   for (int replay = 0; replay < 4; ++replay) {
     if (replay > 0) {
@@ -456,13 +451,11 @@ TEST(GemmMasked, GraphReplayWithNewMaskedMAndData) {
       c.d_m.upload(masked_m);
     }
     c.poison();
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
     expect_good(c.check(masked_m), 3e-3, "graph replay " + std::to_string(replay));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // The previous kernel writes the GEMM's inputs and lets dependents launch at once; the GEMM,

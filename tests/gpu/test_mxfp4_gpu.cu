@@ -21,6 +21,7 @@
 #include "kernels/cuda/mxfp4_convert.cuh"
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
+#include "moekit/cuda_graph.h"
 #include "moekit/fp8.h"
 #include "moekit/gemm.h"
 #include "moekit/layout.h"
@@ -222,12 +223,46 @@ TEST(GemmMxfp4Masked, EveryTilePathAndSplitK) {
   MaskedCase c({6, 512, 1024, 136, 0}, rng);
   const std::vector<int32_t> masked_m = {0, 1, 17, 136, 64, 200};  // none, one, odd, full, block edge, clamped
   for (int bm : {16, 32, 64, 128})
-    for (int splits : {1, 3}) {
-      const GemmConfig cfg = forced(true, bm, splits);
-      for (bool bias : {false, true})
-        expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
-                                                           std::to_string(splits) + (bias ? " bias" : ""));
+    for (int splits : {1, 3})
+      for (int per_sm : {1, 2}) {
+        if (per_sm == 2 && bm != 16) continue;  // two CTAs per SM: 16-token tiles only
+        GemmConfig cfg = forced(true, bm, splits);
+        cfg.ctas_per_sm = per_sm;
+        for (bool bias : {false, true})
+          expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
+                                                             std::to_string(splits) + " ctas/SM " +
+                                                             std::to_string(per_sm) + (bias ? " bias" : ""));
+      }
+}
+
+TEST(GemmMxfp4Masked, TwoCtasPerSmGiveTheSameBits) {
+  // Two CTAs per SM change where a tile runs, not what it computes: with the same split-K, every
+  // output byte equals the one-CTA kernel's. DeepSeek-V3's GEMM2 shape, 8 experts of 0..16 rows
+  // (more tiles than either grid, so CTAs take several), and a split-K case with its reduction.
+  std::mt19937 rng(109);
+  MaskedCase c({8, 7168, 2048, 16, 16}, rng);
+  const std::vector<int32_t> masked_m = {16, 0, 1, 9, 16, 15, 3, 16};
+  for (int splits : {1, 4}) {
+    std::vector<uint16_t> out[2];
+    for (int per_sm : {1, 2}) {
+      GemmConfig cfg = forced(true, 16, splits);
+      cfg.ctas_per_sm = per_sm;
+      expect_good(c.run_once(masked_m, &cfg, true),
+                  "splits " + std::to_string(splits) + ", ctas/SM " + std::to_string(per_sm));
+      out[per_sm - 1] = c.d_out.download();
     }
+    EXPECT_TRUE(out[0] == out[1]) << "splits " << splits << ": two CTAs per SM changed output bytes";
+  }
+  // The plan fills in a grid of twice the SMs, and half an SM's shared memory still holds a ring
+  // at least 8 deep (docs/gemm-mxfp4.md run 18: 8 stages stream as fast as 16).
+  MaskedGemmProblem p = c.problem;
+  p.weights = WeightFormat::kMxfp4;
+  GemmConfig two = forced(true, 16, 1);
+  two.ctas_per_sm = 2;
+  MaskedGemm plan(p, c.buffers(true), &two);
+  EXPECT_EQ(plan.config().num_ctas, 2 * query_device().num_sms) << plan.config().to_string();
+  EXPECT_GE(plan.config().num_stages, 8) << plan.config().to_string();
+  EXPECT_NE(plan.config().to_string().find("(2 per SM)"), std::string::npos) << plan.config().to_string();
 }
 
 TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
@@ -283,33 +318,34 @@ TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
 }
 
 TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
+  // The heuristic's plan, and 16-token tiles at two CTAs per SM.
   std::mt19937 rng(104);
   MaskedCase c({5, 384, 768, 48, 16}, rng);
   MaskedGemmProblem p = c.problem;
   p.weights = WeightFormat::kMxfp4;
-  MaskedGemm gemm(p, c.buffers(true));
-  cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  gemm.run(stream);
-  MOEKIT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MOEKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  std::uniform_int_distribution<int> m(0, 48);
-  for (int rep = 0; rep < 3; ++rep) {
-    std::vector<int32_t> masked_m(5);
-    for (auto& x : masked_m) x = m(rng);
-    c.new_activations(rng);
-    c.d_m.upload(masked_m);
-    c.d_out.poison(0xFF);
-    MOEKIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    expect_good(c.check(masked_m, true), "graph replay " + std::to_string(rep));
+  GemmConfig two = forced(true, 16, 1);
+  two.ctas_per_sm = 2;
+  const GemmConfig* configs[] = {nullptr, &two};
+  for (const GemmConfig* cfg : configs) {
+    MaskedGemm gemm(p, c.buffers(true), cfg);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    {
+      const CapturedGraph graph(stream, [&] { gemm.run(stream); });
+      std::uniform_int_distribution<int> m(0, 48);
+      for (int rep = 0; rep < 3; ++rep) {
+        std::vector<int32_t> masked_m(5);
+        for (auto& x : masked_m) x = m(rng);
+        c.new_activations(rng);
+        c.d_m.upload(masked_m);
+        c.d_out.poison(0xFF);
+        graph.launch(stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        expect_good(c.check(masked_m, true), gemm.config().to_string() + ", graph replay " + std::to_string(rep));
+      }
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
-  MOEKIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  MOEKIT_CUDA_CHECK(cudaGraphDestroy(graph));
-  MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
@@ -336,6 +372,20 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   normal.block_m = 64;
   normal.block_n = 128;
   expect_error([&] { MaskedGemm g(p, c.buffers(false), &normal); }, {"swap-AB with block_n = 128"});
+  GemmConfig two = forced(true, 32, 1);  // two CTAs per SM: 16-token tiles only
+  two.ctas_per_sm = 2;
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &two); }, {"(2 per SM)", "2 with masked 16-token tiles"});
+  two.block_m = 16;
+  two.ctas_per_sm = 3;
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &two); }, {"(3 per SM)", "ctas_per_sm = 1, or 2"});
+  two.ctas_per_sm = 2;
+  expect_error([&] { MaskedGemm g(c.problem, [&] {  // FP8 weights: one CTA per SM only
+                       MaskedGemmBuffers f = c.buffers(false);
+                       f.w_mx_scales = nullptr;
+                       f.w_scales = c.d_as.ptr;
+                       return f;
+                     }(), &two); },
+               {"ctas_per_sm = 1 with FP8 weights"});
   MaskedGemmProblem fp8 = c.problem;  // FP8 weights with an MXFP4-only buffer
   MaskedGemmBuffers fb = c.buffers(true);
   fb.w_mx_scales = nullptr;

@@ -21,7 +21,8 @@
 // measured 6-7% slower than single CTAs once the epilogue stopped stalling, and equal before
 // (docs/gemm.md, runs 9-11); they stay available as a forced config.
 // MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above up to 128 tokens per block,
-// contiguous with blocks of 128 tokens.
+// contiguous with blocks of 128 tokens. Two CTAs per SM (16-token blocks) are a forced config until
+// measured (docs/gemm-mxfp4.md run 22).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -128,8 +129,8 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   long tiles = token_blocks * ((cols + cfg.block_n - 1) / cfg.block_n);
   // block_n = 64 (swap-AB, 16 tokens) fills the last wave better but measured slower once the
   // GEMMs overlap (docs/gemm.md, run 7): not chosen here, available as a forced config.
-  cfg.num_splits = gemm_detail::choose_splits(tiles, num_sms, p.k / 128);
-  cfg.num_ctas = num_sms;
+  cfg.num_ctas = num_sms * cfg.ctas_per_sm;
+  cfg.num_splits = gemm_detail::choose_splits(tiles, cfg.num_ctas, p.k / 128);
   return cfg;
 }
 

@@ -1,6 +1,7 @@
 // Host pieces shared by the GEMM plans (gemm_host.cuh).
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -14,8 +15,9 @@ namespace moekit {
 std::string GemmConfig::to_string() const {
   std::ostringstream os;
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
-     << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas
-     << " smem=" << smem_bytes;
+     << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas;
+  if (ctas_per_sm != 1) os << " (" << ctas_per_sm << " per SM)";
+  os << " smem=" << smem_bytes;
   return os.str();
 }
 
@@ -107,6 +109,30 @@ int num_sms() {
   MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
   MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
   return v;
+}
+
+int smem_per_cta(int ctas_per_sm) {
+  MOEKIT_CHECK(ctas_per_sm == 1 || ctas_per_sm == 2,
+               "GEMM config: ctas_per_sm = " + std::to_string(ctas_per_sm) + "; expected 1 or 2");
+  if (ctas_per_sm == 1) return max_smem_per_block();
+  int dev = 0, per_sm = 0, reserved = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  return std::min(max_smem_per_block(), per_sm / ctas_per_sm - reserved);
+}
+
+void check_residency(const void* kernel, const GemmConfig& cfg, int threads, int launch_regs) {
+  cudaFuncAttributes attr{};
+  MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  MOEKIT_CHECK(attr.numRegs >= launch_regs,
+               "GEMM config " + cfg.to_string() + ": the kernel was compiled to " + std::to_string(attr.numRegs) +
+                   " registers per thread; its warpgroups' setmaxnreg split needs " + std::to_string(launch_regs));
+  int resident = 0;
+  MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, cfg.smem_bytes));
+  MOEKIT_CHECK(resident >= cfg.ctas_per_sm, "GEMM config " + cfg.to_string() + ": " + std::to_string(resident) +
+                                                " CTA(s) fit on an SM, expected ctas_per_sm = " +
+                                                std::to_string(cfg.ctas_per_sm));
 }
 
 void allow_smem(const void* kernel, int smem_bytes) {

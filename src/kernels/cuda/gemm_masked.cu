@@ -17,6 +17,7 @@ namespace {
 template <class F>
 void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
   const std::string bad = "masked GEMM config " + cfg.to_string() + " is not compiled; expected ";
+  MOEKIT_CHECK(cfg.ctas_per_sm == 1, bad + "ctas_per_sm = 1 with FP8 weights");
   if (epilogue == GemmEpilogue::kSiluMulFp8) {
     MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128 for the SiLU·up epilogue");
     MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 for the SiLU·up epilogue");
