@@ -183,7 +183,7 @@ std::vector<int32_t> replay_masked_m(int E, int max_m, int replay, std::mt19937&
 void expect_graph_replays(MaskedCase& c, const GemmConfig& cfg, std::mt19937& rng, const std::string& what) {
   MaskedGemm gemm(c.problem, c.buffers(), &cfg);
   cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
   const CapturedGraph graph(stream, [&] { gemm.run(stream); });
   for (int replay = 0; replay < 3; ++replay) {
     const std::vector<int32_t> m = replay_masked_m(c.problem.num_experts, c.problem.max_m, replay, rng);
@@ -440,7 +440,7 @@ TEST(GemmMasked, GraphReplayWithNewMaskedMAndData) {
   c.d_m.upload(masked_m);
   MaskedGemm gemm(c.problem, c.buffers());
   cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
   const CapturedGraph graph(stream, [&] { gemm.run(stream); });
   std::uniform_int_distribution<int> d(0, 48);
   for (int replay = 0; replay < 4; ++replay) {
@@ -488,7 +488,7 @@ TEST(GemmMasked, OverlapWithPreviousKernelInGraph) {
     MaskedGemm gemm(c.problem, c.buffers(), cfg);
     gemm.set_overlap(overlap);
     cudaStream_t stream;
-    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -758,7 +758,7 @@ TEST(GemmGated, GraphReplayWithNewMaskedMAndData) {
   gated.set_overlap(Overlap::kPreviousKernel);
   MaskedGemm plain(p, c.buffers(), &gated.config());
   cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   MOEKIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -851,7 +851,7 @@ TEST(GemmExpertReady, PairInGraphEqualsGridWait) {
   p1.epilogue = GemmEpilogue::kSiluMulFp8;
   const MaskedGemmProblem p2{E, d, inter, max_m, 8};
   cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
   GemmConfig wide2 = forced(true, 16, 1);  // GEMM2 in 256-row swap-AB tiles
   wide2.block_n = 256;
   for (auto [cfg1, cfg2] : {std::pair{forced(true, 16, 1), (const GemmConfig*)nullptr},
@@ -956,7 +956,7 @@ struct LandingRig {
   explicit LandingRig(std::mt19937& rng)
       : c({E, n, k, max_m, 8}, rng), a(c.d_a.count), a_s(c.d_as.count), m(E), ready(E + 2), out(c.d_out.count) {
     MOEKIT_CUDA_CHECK(cudaMemset(ready.ptr, 0, sizeof(int32_t) * (E + 2)));
-    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
   }
   ~LandingRig() { cudaStreamDestroy(stream); }
   std::unique_ptr<MaskedGemm> waiting_gemm(const GemmConfig& cfg, bool last_first = false) {

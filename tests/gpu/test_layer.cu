@@ -589,6 +589,13 @@ TEST(GpuActivation, GateTableIsTheReferencesGateHalf) {
                {"5000 experts"});
   expect_error([&] { gpu::launch_silu_mul_quant_contiguous(nullptr, 8, 0, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
                {"inter = 0"});
+  // Even with nothing to do: a missing table is the caller's bug whatever the rows.
+  expect_error([] { gpu::launch_silu_mul_quant_masked(nullptr, 0, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, {}); },
+               {"GpuActivation::gate_table = "});
+  expect_error([] { gpu::launch_silu_mul_quant_contiguous(nullptr, 0, 128, nullptr, nullptr, nullptr, nullptr, {}, {}); },
+               {"GpuActivation::gate_table = "});
+  expect_error([&] { gpu::launch_silu_mul_quant_contiguous(nullptr, -3, 128, nullptr, nullptr, nullptr, nullptr, {}, table.act()); },
+               {"total_m = -3"});
 }
 
 // The activation kernel alone, bit for bit against reference.h (masked layout, rows past

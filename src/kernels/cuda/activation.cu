@@ -363,12 +363,12 @@ void quantize_blocks_fp8(const float* w, int64_t batches, int n, int k, uint8_t*
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
                                   const LaunchOptions& opt, const GpuActivation& act) {
+  check_activation_args("silu_mul_quant_masked", act, inter);
   if (num_experts == 0 || max_m == 0) return;
   // The kernel counts rows (every expert's, added up) in 32-bit integers.
   MOEKIT_CHECK(num_experts > 0 && max_m > 0 && int64_t(num_experts) * max_m < (int64_t(1) << 31),
                fmtr("silu_mul_quant_masked: {} experts x M_max = {} rows, expected 1 .. 2^31 - 1 rows", num_experts,
                     max_m));
-  check_activation_args("silu_mul_quant_masked", act, inter);
   // The row prefix's shared memory beside the 16 KB window, within the 48 KB a launch gets unasked.
   MOEKIT_CHECK(num_experts <= kActMaxExperts,
                fmtr("silu_mul_quant_masked: {} experts, expected at most {}", num_experts, kActMaxExperts));
@@ -383,8 +383,9 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
                                       uint8_t* out, float* out_scales, cudaStream_t stream, const LaunchOptions& opt,
                                       const GpuActivation& act) {
-  if (total_m == 0) return;
   check_activation_args("silu_mul_quant_contiguous", act, inter);
+  MOEKIT_CHECK(total_m >= 0, fmtr("silu_mul_quant_contiguous: total_m = {}, expected >= 0", total_m));
+  if (total_m == 0) return;
   const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
                                            (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
   launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3(blocks),

@@ -130,9 +130,12 @@ void check_residency(const void* kernel, const GemmConfig& cfg, int threads, int
                    " registers per thread; its warpgroups' setmaxnreg split needs " + std::to_string(launch_regs));
   int resident = 0;
   MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, cfg.smem_bytes));
-  MOEKIT_CHECK(resident >= cfg.ctas_per_sm, "GEMM config " + cfg.to_string() + ": " + std::to_string(resident) +
-                                                " CTA(s) fit on an SM, expected ctas_per_sm = " +
-                                                std::to_string(cfg.ctas_per_sm));
+  MOEKIT_CHECK(resident >= cfg.ctas_per_sm,
+               "GEMM config " + cfg.to_string() + ": " + std::to_string(resident) + " CTA(s) of " +
+                   std::to_string(threads) + " threads, " + std::to_string(attr.numRegs) + " registers each and " +
+                   std::to_string(cfg.smem_bytes) + " + " + std::to_string(attr.sharedSizeBytes) +
+                   " B of shared memory fit on an SM, expected ctas_per_sm = " + std::to_string(cfg.ctas_per_sm) +
+                   " (fewer stages would fit)");
 }
 
 void allow_smem(const void* kernel, int smem_bytes) {
