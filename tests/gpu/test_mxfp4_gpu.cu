@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -266,6 +267,15 @@ TEST(GemmMxfp4Masked, TwoCtasPerSmGiveTheSameBits) {
   EXPECT_EQ(plan.config().num_ctas, 2 * query_device().num_sms) << plan.config().to_string();
   EXPECT_GE(plan.config().num_stages, 8) << plan.config().to_string();
   EXPECT_NE(plan.config().to_string().find("(2 per SM)"), std::string::npos) << plan.config().to_string();
+  // The study knob over the heuristic's plans (the layers' too): 2 or 1, anything else refused.
+  EXPECT_EQ(MaskedGemm(p, c.buffers(true)).config().ctas_per_sm, 1);
+  setenv("MOEKIT_MXFP4_CTAS_PER_SM", "2", 1);
+  const MaskedGemm knob(p, c.buffers(true));
+  EXPECT_EQ(knob.config().ctas_per_sm, 2) << knob.config().to_string();
+  EXPECT_EQ(knob.config().num_ctas, 2 * query_device().num_sms) << knob.config().to_string();
+  setenv("MOEKIT_MXFP4_CTAS_PER_SM", "3", 1);
+  expect_error([&] { MaskedGemm g(p, c.buffers(true)); }, {"MOEKIT_MXFP4_CTAS_PER_SM = '3'", "expected 1 or 2"});
+  unsetenv("MOEKIT_MXFP4_CTAS_PER_SM");
 }
 
 TEST(GemmMxfp4Masked, FewKBlocksPerTile) {

@@ -97,6 +97,15 @@ void maybe_print_config(const char* kind, const std::string& problem, const Gemm
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
 }
 
+void apply_mxfp4_ctas_knob(GemmConfig& cfg) {
+  const char* env = std::getenv("MOEKIT_MXFP4_CTAS_PER_SM");
+  if (env == nullptr || env[0] == '\0' || !cfg.swap_ab || cfg.block_m != 16) return;
+  const std::string v = env;
+  MOEKIT_CHECK(v == "1" || v == "2", "MOEKIT_MXFP4_CTAS_PER_SM = '" + v + "'; expected 1 or 2 (or unset)");
+  cfg.ctas_per_sm = v[0] - '0';
+  cfg.num_ctas = cfg.ctas_per_sm * num_sms();
+}
+
 int max_smem_per_block() {
   int dev = 0, v = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));

@@ -30,6 +30,10 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 // no split-K, and `cols` output columns in an even number of weight blocks.
 void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
+// MOEKIT_MXFP4_CTAS_PER_SM = 1 or 2: a study knob over the heuristic's CTAs per SM for the MXFP4
+// masked plans with 16-token tiles (GemmConfig::ctas_per_sm), so that a layer or a benchmark can
+// be measured both ways from one build; split-K stays the heuristic's. Unset: nothing changes.
+void apply_mxfp4_ctas_knob(GemmConfig& cfg);
 int max_smem_per_block();
 int num_sms();
 // The dynamic shared memory one CTA may take when ctas_per_sm CTAs share an SM: the opt-in maximum

@@ -122,6 +122,7 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_masked_config(p, num_sms());
+  if (config == nullptr && mxfp4) apply_mxfp4_ctas_knob(im.cfg);
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
