@@ -250,7 +250,7 @@ Result run_mode(const Options& o, EpMode mode, int tokens, cudaStream_t s) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   const Options o = parse(argc, argv);
   cudaStream_t s;
   MOEKIT_CUDA_CHECK(cudaStreamCreate(&s));
@@ -321,4 +321,7 @@ int main(int argc, char** argv) {
   }
   cudaStreamDestroy(s);
   return 0;
+} catch (const std::exception& e) {  // a CUDA error or bad input: a message, not std::terminate
+  std::fprintf(stderr, "bench_ep: error: %s\n", e.what());
+  return 2;
 }

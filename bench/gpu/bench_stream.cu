@@ -273,7 +273,7 @@ void wide_swap_gemm2(uint8_t* const* w, Time&& time, Report&& report) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   std::string json_path;
   bool wide_only = false;    // --wide-only: the copy and wide_swap_gemm2's section only
   bool gemms_only = false;   // --gemms-only: the copy and the GEMMs on the same bytes only (for ncu)
@@ -491,4 +491,7 @@ int main(int argc, char** argv) {
   for (auto& p : w) cudaFree(p);
   cudaFree(queue);
   return 0;
+} catch (const std::exception& e) {  // a CUDA error or bad input: a message, not std::terminate
+  std::fprintf(stderr, "bench_stream: error: %s\n", e.what());
+  return 2;
 }

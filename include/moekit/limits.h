@@ -23,6 +23,9 @@ inline constexpr int64_t kMaxPlanBatch = int64_t(1) << 53;  // plan --batch: dou
 inline constexpr int64_t kMaxContext = int64_t(1) << 30;    // plan --context, tokens of KV cache per sequence
 inline constexpr int64_t kMaxTrials = int64_t(1) << 22;     // simulate --trials and --steps
 inline constexpr int kMaxThreads = 1024;                    // simulate --threads
+// simulate's work, trials x batch x topk expert picks: each flag is bounded alone, but
+// kMaxTrials x kMaxBatch picks would take weeks. 2^34 picks take minutes on one core.
+inline constexpr int64_t kMaxSimulatePicks = int64_t(1) << 34;
 // Entries of one per-layer table: layers x experts of a load matrix, layers x slots of phy2log,
 // layers x experts x replicas of log2phy, tokens x GPUs of the dual-load search. 2^26 entries
 // are 256 MB of int32.

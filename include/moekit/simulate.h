@@ -54,17 +54,23 @@ struct Routing {
 // the expected forms.
 Routing parse_routing(std::string_view s);
 std::string to_string(const Routing& r);
-// Unnormalised weight of each expert; validates the routing against E (H <= E). For drift, the
-// weights of its first phase (steps 0 … PERIOD−1).
+// The weight of each expert, relative: scaled by a power of two so that the largest is in
+// [1, 2) (exact, and the sum of E weights stays finite for any R); validates the routing
+// against E (H <= E). For drift, the weights of its first phase (steps 0 … PERIOD−1).
 std::vector<double> expert_weights(const Routing& r, int num_experts);
+// The natural log of each weight, finite for every routing parse_routing() accepts: weights
+// such as zipf:1000's (i + 1)^−1000 underflow to 0 as doubles, their logs do not. The sampler
+// draws by them where the plain weights have lost the ratios, so that the samples follow the
+// routing's law for every S and R that parse_routing() accepts.
+std::vector<double> expert_log_weights(const Routing& r, int num_experts);
 // The rotation of the expert ids at `step`: ⌊step/PERIOD⌋·H mod E for drift, 0 otherwise.
 int routing_shift(const Routing& r, int num_experts, int64_t step);
 // The weights at `step`: expert_weights() rotated by routing_shift().
 std::vector<double> expert_weights_at(const Routing& r, int num_experts, int64_t step);
 
 // Bounds (moekit/limits.h): E <= kMaxExperts, P <= kMaxRanks, B <= kMaxBatch, trials and
-// trace steps <= kMaxTrials, trace layers <= kMaxLayers, threads <= kMaxThreads; past them an
-// Error names the value.
+// trace steps <= kMaxTrials, trace layers <= kMaxLayers, threads <= kMaxThreads, and for
+// simulate() trials x B x k <= kMaxSimulatePicks; past them an Error names the value.
 struct SimulateInput {
   int num_experts = 0;  // E
   int topk = 0;         // k

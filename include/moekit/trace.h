@@ -25,9 +25,10 @@ struct RoutingTrace {
   int num_tokens(int layer, int step) const { return int(layers[layer][step].size()) / topk; }
 };
 
-// Validates: E in [1, kMaxExperts], k in [1, E], P in [1, kMaxRanks], at most kMaxLayers
-// layers and kMaxTableEntries layers x experts (moekit/limits.h); every index in [0, E); every
-// step's size a multiple of k and of P tokens. Errors name the layer, step, token and value.
+// Validates: E in [1, kMaxExperts], k in [1, E], P in [1, kMaxRanks], at least one layer and at
+// most kMaxLayers, kMaxTableEntries layers x experts (moekit/limits.h); at least one step in
+// every layer; every index in [0, E), the k indices of a token distinct; every step's size a
+// multiple of k and of P tokens. Errors name the layer, step, token and value.
 // read_trace() also names the file and the field; an id must be an integer-valued number.
 void validate_trace(const RoutingTrace& trace);
 RoutingTrace read_trace(const std::string& path);

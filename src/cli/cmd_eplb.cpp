@@ -45,6 +45,8 @@ double skew(const T* row, int n) {
 void run(const EplbArgs& a) {
   MOEKIT_CHECK(a.load.empty() != a.trace.empty(), "eplb: give exactly one of --load FILE or --trace FILE");
   MOEKIT_CHECK(a.tolerance >= 0 && a.tolerance < 1, fmt::format("eplb: --tolerance {} must be in [0, 1)", a.tolerance));
+  check_output_option(a.out, "--out", {{a.load, "--load"}, {a.trace, "--trace"}, {a.current, "--current"},
+                                       {a.model, "--model"}});
   std::optional<RoutingTrace> trace;
   std::vector<std::vector<double>> weight;
   if (!a.trace.empty()) {
@@ -188,7 +190,7 @@ void add_eplb_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("eplb", "Expert placement (EPLB): replicate and pack experts over GPUs");
   static EplbArgs a;
   cmd->add_option("--load", a.load, "loads per layer: JSON {\"layers\": [[...], ...]} or CSV, one line per layer");
-  cmd->add_option("--trace", a.trace,
+  auto* trace = cmd->add_option("--trace", a.trace,
                   "routing trace (moekit simulate --save-trace): balances GEMM rows and received "
                   "tokens");
   cmd->add_option("--slots", a.slots, "physical expert slots per layer (experts + redundant), a multiple of --gpus")
@@ -196,15 +198,19 @@ void add_eplb_command(CLI::App& app) {
   cmd->add_option("--groups", a.groups, "expert groups (consecutive id ranges)")->required();
   cmd->add_option("--nodes", a.nodes, "nodes")->required();
   cmd->add_option("--gpus", a.gpus, "GPUs in all")->required();
-  cmd->add_option("--current", a.current, "current placement JSON: move as few replicas as possible");
+  auto* current = cmd->add_option("--current", a.current, "current placement JSON: move as few replicas as possible");
+  // The options of one mode are refused without it, rather than read and ignored.
   cmd->add_option("--tolerance", a.tolerance,
                   "with --current: worst-layer balancedness may trail a fresh rebalance "
-                  "by this fraction (default 0.01)");
+                  "by this fraction (default 0.01)")
+      ->needs(current);
   cmd->add_flag("--worst-layer", a.worst_layer,
                 "with --current: hold only the worst layer to the tolerance, not every "
-                "layer (fewer moves, slower good layers)");
-  cmd->add_option("--model", a.model, "model spec (name or JSON) for the bytes of one expert");
-  cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)")->check(kUint64);
+                "layer (fewer moves, slower good layers)")
+      ->needs(current);
+  cmd->add_option("--model", a.model, "with --current: model spec (name or JSON) for the bytes of one expert moved")
+      ->needs(current);
+  cmd->add_option("--seed", a.seed, "seed of the token -> replica choice (with --trace)")->check(kUint64)->needs(trace);
   cmd->add_option("--out", a.out, "write the placement JSON to this file");
   cmd->add_flag("--json", a.json_stdout, "print the placement JSON on stdout instead of the table");
   cmd->callback([] { run(a); });

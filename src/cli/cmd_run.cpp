@@ -460,8 +460,11 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--batch", o.batch, "tokens B of the step, all ranks together")->capture_default_str();
   cmd->add_option("--layers", o.layers, "MoE layers L")->capture_default_str();
   cmd->add_option("--first-layer", o.first_layer, "index of the first layer in the checkpoint")->capture_default_str();
-  cmd->add_option("--weights", o.weights, "checkpoint (safetensors file or directory); default: random weights");
-  cmd->add_option("--save-weights", o.save_weights, "write the random weights into this directory and keep them");
+  auto* weights =
+      cmd->add_option("--weights", o.weights, "checkpoint (safetensors file or directory); default: random weights");
+  cmd->add_option("--save-weights", o.save_weights,
+                  "write the random weights into this directory (new, empty, or an earlier --save-weights') and keep them")
+      ->excludes(weights);
   cmd->add_option("--routing", o.routing,
                   "uniform | zipf:S | hot:H:R | drift:H:R:PERIOD instead of the router (synthetic skew)");
   cmd->add_option("--protocol", o.protocol, "low-latency (decode, masked) | normal (prefill, contiguous)")->capture_default_str();

@@ -120,9 +120,7 @@ void run_simulate(const SimulateOptions& o) {
   std::optional<RoutingTrace> trace;
   const int64_t steps = o.steps.value_or(o.trials);
   if (!o.save_trace.empty()) {
-    std::filesystem::path dir = std::filesystem::path(o.save_trace).parent_path();
-    MOEKIT_CHECK(dir.empty() || std::filesystem::is_directory(dir),
-                 fmt::format("--save-trace '{}': the folder '{}' does not exist", o.save_trace, dir.string()));
+    check_output_option(o.save_trace, "--save-trace", {{o.model, "--model"}});
     trace = sample_trace(in, o.layers, steps);
   }
   SimulateResult r;

@@ -4,7 +4,10 @@
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <string_view>
+#include <utility>
 
 namespace moekit::cli {
 
@@ -19,6 +22,18 @@ inline const CLI::Validator kUint64(
                  : "'" + s + "' is not an integer in [0, 18446744073709551615]";
     },
     "UINT64");
+
+// An output option's path, checked before any work, so that a bad one costs nothing and prints
+// nothing: a folder that does not exist, a directory or a device where a file goes
+// (resolve_output_path), or one of the command's own input files (inputs: {path, option}) is an
+// Error naming the option. Nothing is checked for an empty path (the option was not given).
+void check_output_option(const std::string& path, std::string_view option,
+                         std::initializer_list<std::pair<std::string_view, std::string_view>> inputs = {});
+
+// Adds to every option of every subcommand of `app` the checks CLI11 does not make: a value is
+// not empty, not an option name, and a number is decimal (no octal "010", no "0x"). Call it once
+// every command is added.
+void check_option_values(CLI::App& app);
 
 void add_spec_command(CLI::App& app);
 void add_plan_command(CLI::App& app);

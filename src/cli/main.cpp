@@ -18,10 +18,15 @@ int main(int argc, char** argv) {
   moekit::cli::add_eplb_command(app);
   moekit::cli::add_run_command(app);
   moekit::cli::add_bench_command(app);
+  moekit::cli::check_option_values(app);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::Success& e) {  // --help
     return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // Bad input has one exit status, whoever finds it (CLI11's own codes are 101..117).
+    fmt::print(stderr, "moekit: error: {}\nRun with --help for more information.\n", e.what());
+    return 2;
   } catch (const moekit::Error& e) {
     moekit::cli::wait_if_interrupted();
     fmt::print(stderr, "moekit: error: {}\n", e.what());

@@ -16,34 +16,45 @@
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/limits.h"
 #include "moekit/reference.h"
 #include "moekit/weights.h"
 
 namespace moekit::cli {
 
 void add_rebalance_options(CLI::App* cmd, RebalanceRunOptions& o) {
-  cmd->add_flag("--rebalance", o.on,
+  // Every other option here is refused without --rebalance, rather than read and ignored.
+  auto* on = cmd->add_flag("--rebalance", o.on,
                 "serve many steps of a routing trace and rebalance while serving (rebalance.h): per step the "
                 "max/mean rows per GPU, the decisions, the bytes moved and the step time");
   cmd->add_option("--trace", o.trace, "--rebalance: the routing trace (moekit simulate --save-trace); default: "
-                                      "--routing sampled for --steps steps of --batch tokens");
-  cmd->add_option("--steps", o.steps, "--rebalance: steps sampled from --routing when no --trace is given (200)");
-  cmd->add_option("--window", o.window, "--rebalance: steps of expert counts the loads cover")->capture_default_str();
-  cmd->add_option("--interval", o.interval, "--rebalance: steps between two decisions")->capture_default_str();
+                                      "--routing sampled for --steps steps of --batch tokens")
+      ->needs(on);
+  cmd->add_option("--steps", o.steps, "--rebalance: steps sampled from --routing when no --trace is given (200)")
+      ->needs(on);
+  cmd->add_option("--window", o.window, "--rebalance: steps of expert counts the loads cover")->capture_default_str()
+      ->needs(on);
+  cmd->add_option("--interval", o.interval, "--rebalance: steps between two decisions")->capture_default_str()
+      ->needs(on);
   cmd->add_option("--min-gain", o.min_gain, "--rebalance: the gate's least predicted end-to-end gain (0.02: 2%)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(on);
   cmd->add_option("--balanceable-share", o.share,
                   "--rebalance: share f of the step the placement can speed up (1: the step is MoE layers only)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(on);
   cmd->add_option("--lag", o.lag, "--rebalance: pick each decision up exactly this many steps after it starts "
                                   "(reproducible runs); 0: whenever the host thread is done")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(on);
   cmd->add_option("--copy-gbps", o.copy_gbps,
                   "--rebalance: GB/s the weight copies may take (the gate prices moves with it; CUDA: the copies' "
                   "bytes per step); 0: moves cost nothing and copy at once")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(on);
   cmd->add_option("--payback", o.payback, "--rebalance: steps a rebalance's gain must pay its copies back in")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(on);
 }
 
 RoutingTrace rebalance_trace(const RebalanceRunOptions& o, const Routing& routing, const ModelSpec& model,
@@ -55,7 +66,7 @@ RoutingTrace rebalance_trace(const RebalanceRunOptions& o, const Routing& routin
     t = read_trace(o.trace);
   } else {
     const int64_t steps = o.steps.value_or(200);
-    MOEKIT_CHECK(steps >= 1, fmt::format("--steps {}: expected >= 1", steps));
+    MOEKIT_CHECK(steps >= 1 && steps <= kMaxTrials, fmt::format("--steps {}: expected 1 .. {}", steps, kMaxTrials));
     MOEKIT_CHECK(batch % num_ranks == 0,
                  fmt::format("--rebalance: --batch {} must be a multiple of --ep {} (the sampled trace spreads a "
                              "step's tokens evenly)", batch, num_ranks));
@@ -269,8 +280,8 @@ void run_rebalance(const RebalanceRunInput& in) {
   cfg.payback_steps = o.payback;
   // One replica's weights: W1 [2 inter, d] and W2 [d, inter] in FP8 with their 128x128 block scales.
   cfg.expert_bytes = 3.0 * inter * d + 3.0 * (inter / 128) * (d / 128) * 4;
-  MOEKIT_CHECK(std::isfinite(o.copy_gbps) && o.copy_gbps >= 0,
-               fmt::format("--copy-gbps {}: expected >= 0 (0: the moves cost nothing)", o.copy_gbps));
+  MOEKIT_CHECK(std::isfinite(o.copy_gbps * 1e9) && o.copy_gbps >= 0,
+               fmt::format("--copy-gbps {}: expected a finite rate >= 0 GB/s (0: the moves cost nothing)", o.copy_gbps));
   cfg.copy_bytes_per_s = o.copy_gbps * 1e9;
   try {
     validate(cfg);
@@ -279,7 +290,14 @@ void run_rebalance(const RebalanceRunInput& in) {
                             o.window, o.interval, o.min_gain, o.share, o.lag, o.payback, e.what()));
   }
   const Placement start = repeat_layer(*in.placement, L);
-  Rebalancer rebalancer(start, cfg);
+  const auto make_rebalancer = [&] {
+    try {
+      return Rebalancer(start, cfg);
+    } catch (const Error& e) {  // the window's memory: name the flag
+      throw Error(fmt::format("--window {}: {}", o.window, e.what()));
+    }
+  };
+  Rebalancer rebalancer = make_rebalancer();
   std::unique_ptr<RebalanceBackend> backend;
   if (in.backend == "cuda") {
 #ifdef MOEKIT_WITH_CUDA

@@ -5,8 +5,10 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "io/file_io.h"
 #include "io/json_read.h"
@@ -23,17 +25,94 @@ std::string read_text(const std::string& path, const char* what) {
   return read_regular_file(path, fmt::format("{} file", what));
 }
 
+// The whitespace a load file may hold around its values: spaces and tabs in a line, and the
+// line ends ("\n", "\r\n"). Other control bytes (NUL, form feed, ESC, ...) are refused.
+bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; }
+
 std::string trim(const std::string& s) {
   size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  while (b < e && is_blank(s[b])) ++b;
+  while (e > b && is_blank(s[e - 1])) --e;
   return s.substr(b, e - b);
+}
+
+// `s` cut to kMaxQuotedChars bytes, each byte outside printable ASCII written as \xNN, so that an
+// error message shows exactly what is in the file and prints nothing raw to the terminal.
+std::string printable(std::string_view s) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < kMaxQuotedChars; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    out += c >= 0x20 && c < 0x7f ? std::string(1, char(c)) : fmt::format("\\x{:02X}", unsigned(c));
+  }
+  return s.size() > kMaxQuotedChars ? out + "..." : out;
+}
+
+// Line and column (both from 1) of byte `pos` of `text`.
+std::pair<int64_t, int64_t> line_and_column(const std::string& text, size_t pos) {
+  const size_t line_start = pos == 0 ? 0 : text.rfind('\n', pos - 1) + 1;  // npos + 1 = 0 on the first line
+  return {int64_t(std::count(text.begin(), text.begin() + pos, '\n')) + 1, int64_t(pos - line_start) + 1};
+}
+
+// A CSV load file is printable text: strtod would stop at a NUL byte without a word ("5\0abc"
+// read as 5, a file of NULs as one load), and no other control byte belongs in a number.
+void check_csv_bytes(const std::string& text, const std::string& path) {
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    const bool line_end = c == '\n' || (c == '\r' && (i + 1 == text.size() || text[i + 1] == '\n'));
+    if ((c >= 0x20 && c != 0x7f) || c == '\t' || line_end) continue;
+    const auto [line, column] = line_and_column(text, i);
+    throw Error(fmt::format("'{}' line {} column {}: control byte \\x{:02X}, expected printable text (numbers, commas, "
+                            "spaces, tabs, '#' comments and line ends)",
+                            path, line, column, unsigned(c)));
+  }
+}
+
+// Whether `s` is [+-]digits[.digits][(e|E)[+-]digits] with digits on at least one side of the
+// point, or nan / inf / infinity in any case with an optional sign: the numbers strtod reads,
+// less hexadecimal ("0x10", "0x1p3"). NaN and inf are let through for validate_loads() to
+// refuse by name, as it refuses them in JSON.
+bool is_decimal_number(std::string_view s) {
+  size_t i = 0;
+  auto digits = [&] {
+    const size_t from = i;
+    while (i < s.size() && s[i] >= '0' && s[i] <= '9') ++i;
+    return i - from;
+  };
+  if (i < s.size() && (s[i] == '+' || s[i] == '-')) ++i;
+  std::string word(s.substr(i));
+  std::transform(word.begin(), word.end(), word.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  if (word == "nan" || word == "inf" || word == "infinity") return true;
+  size_t n = digits();
+  if (i < s.size() && s[i] == '.') ++i, n += digits();
+  if (n == 0) return false;
+  if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
+    ++i;
+    if (i < s.size() && (s[i] == '+' || s[i] == '-')) ++i;
+    if (digits() == 0) return false;
+  }
+  return i == s.size();
+}
+
+// The load in `field` (trimmed, non-empty); `where()` (called on failure only) names it.
+template <class Where>
+double parse_csv_load(const std::string& field, Where&& where) {
+  MOEKIT_CHECK(is_decimal_number(field),
+               fmt::format("{} is '{}', expected a number (decimal digits with an optional sign, decimal point and "
+                           "exponent, as 12, 0.5 or 1e6)",
+                           where(), printable(field)));
+  return std::strtod(field.c_str(), nullptr);  // the whole field: it holds no NUL and no hex
 }
 
 std::vector<std::vector<double>> loads_from_json(const std::string& text, const std::string& path) {
   json j = parse_json(text, fmt::format("'{}'", path));
   MOEKIT_CHECK(j.is_object() && j.contains("layers") && j["layers"].is_array(),
                fmt::format("'{}': expected {{\"layers\": [[load, ...], ...]}}", path));
+  {
+    // Refuse other keys, as a spec does: a typo such as "layer" next to "layers" is a mistake.
+    JsonFields f(j, fmt::format("'{}'", path));
+    f.at("layers");
+    f.reject_unknown();
+  }
   const json& layers = j["layers"];
   MOEKIT_CHECK(layers.size() <= size_t(kMaxLayers),
                fmt::format("'{}': {} layers exceed the limit of {}", path, layers.size(), kMaxLayers));
@@ -55,44 +134,76 @@ std::vector<std::vector<double>> loads_from_json(const std::string& text, const 
   return w;
 }
 
+// One layer per line, loads separated by commas, spaces and tabs around a load ignored; blank
+// lines and lines starting with '#' skipped. Errors name the line, the column and the field.
 std::vector<std::vector<double>> loads_from_csv(const std::string& text, const std::string& path) {
+  check_csv_bytes(text, path);
   std::vector<std::vector<double>> w;
-  std::istringstream lines(text);
-  std::string line;
-  for (int line_no = 1; std::getline(lines, line); ++line_no) {
-    line = trim(line);
-    if (line.empty() || line[0] == '#') continue;
+  size_t line_start = 0;
+  for (int64_t line_no = 1; line_start < text.size(); ++line_no) {
+    size_t line_end = text.find('\n', line_start);
+    if (line_end == std::string::npos) line_end = text.size();
+    const std::string_view line(text.data() + line_start, line_end - line_start);
+    line_start = line_end + 1;
+    const std::string trimmed = trim(std::string(line));
+    if (trimmed.empty() || trimmed[0] == '#') continue;
     MOEKIT_CHECK(w.size() < size_t(kMaxLayers),
                  fmt::format("'{}' line {}: more than the limit of {} layers", path, line_no, kMaxLayers));
     auto& row = w.emplace_back();
-    std::istringstream fields(line);
-    std::string field;
-    while (std::getline(fields, field, ',')) {
-      field = trim(field);
+    for (size_t from = 0;;) {
+      const size_t comma = std::min(line.find(',', from), line.size());
+      const std::string field = trim(std::string(line.substr(from, comma - from)));
       MOEKIT_CHECK(row.size() < size_t(kMaxExperts), fmt::format("'{}' line {}: layer {} holds more than the limit of {} "
                                                                "expert loads",
                                                                path, line_no, w.size() - 1, kMaxExperts));
-      MOEKIT_CHECK(!field.empty(), fmt::format("'{}' line {}: load of layer {} expert {} is missing", path, line_no,
-                                               w.size() - 1, row.size()));
-      char* end = nullptr;
-      double v = std::strtod(field.c_str(), &end);
-      MOEKIT_CHECK(end && *end == '\0',
-                   fmt::format("'{}' line {}: load of layer {} expert {} is '{}', expected a number", path, line_no,
-                               w.size() - 1, row.size(), quote_text(field)));
-      row.push_back(v);
+      auto where = [&] {
+        size_t column = from;
+        while (column < comma && is_blank(line[column])) ++column;
+        return fmt::format("'{}' line {} column {} (field {}): load of layer {} expert {}", path, line_no, column + 1,
+                           row.size(), w.size() - 1, row.size());
+      };
+      MOEKIT_CHECK(!field.empty(), fmt::format("{} is missing{}", where(), comma == line.size() && from > 0
+                                                                               ? " (trailing comma)"
+                                                                               : ""));
+      row.push_back(parse_csv_load(field, where));
+      if (comma == line.size()) break;
+      from = comma + 1;
     }
-    MOEKIT_CHECK(line.back() != ',', fmt::format("'{}' line {}: load of layer {} expert {} is missing (trailing comma)",
-                                                 path, line_no, w.size() - 1, row.size()));
   }
   return w;
+}
+
+// A placement's optional summary fields must agree with its phy2log, from which the placement
+// is built: a file whose fields disagree was edited by hand or is not what it claims to be.
+void check_declared(JsonFields& f, const char* key, int64_t actual, const char* actual_is) {
+  if (!f.has(key)) return;
+  const int64_t declared = f.integer<int64_t>(key, 0, std::numeric_limits<int64_t>::max());
+  MOEKIT_CHECK(declared == actual, fmt::format("{} = {} does not match the data: {} {}", f.field_name(key), declared,
+                                               actual_is, actual));
+}
+
+void check_replica_count(JsonFields& f, const Placement& p) {
+  if (!f.has("replica_count")) return;
+  const json& rows = f.array("replica_count", kMaxLayers);
+  MOEKIT_CHECK(int(rows.size()) == p.num_layers, fmt::format("{} holds {} layers, phy2log {}", f.field_name("replica_count"),
+                                                             rows.size(), p.num_layers));
+  for (int l = 0; l < p.num_layers; ++l) {
+    const int32_t* count = p.replica_count_row(l);
+    const std::vector<int32_t> want(count, count + p.num_experts);
+    MOEKIT_CHECK(rows[l].is_array() && rows[l] == json(want),
+                 fmt::format("{} layer {} = {} does not match phy2log, which gives {}", f.field_name("replica_count"), l,
+                             quote(rows[l]), quote(json(want))));
+  }
 }
 
 }  // namespace
 
 std::vector<std::vector<double>> read_loads(const std::string& path) {
-  const std::string text = trim(read_text(path, "load"));
-  MOEKIT_CHECK(!text.empty(), fmt::format("load file '{}' is empty", path));
-  auto w = text[0] == '{' ? loads_from_json(text, path) : loads_from_csv(text, path);
+  const std::string text = read_text(path, "load");
+  const std::string content = trim(text);
+  MOEKIT_CHECK(!content.empty(), fmt::format("load file '{}' is empty", path));
+  // The whole text either way, so that a CSV error's line and column are the file's.
+  auto w = content[0] == '{' ? loads_from_json(text, path) : loads_from_csv(text, path);
   try {
     validate_loads(w);
   } catch (const Error& e) {
@@ -105,6 +216,13 @@ Placement read_placement(const std::string& path) {
   const std::string origin = fmt::format("placement '{}'", path);
   json j = parse_json(read_text(path, "placement"), origin);
   JsonFields f(j, origin);
+  // "format" is optional (placements written by hand may lack it), but another kind of file is
+  // refused, as read_trace() refuses one that is not "moekit-trace".
+  if (f.has("format")) {
+    const std::string format = f.str("format");
+    MOEKIT_CHECK(format == "moekit-placement", fmt::format("{}: field 'format' = \"{}\" must be \"moekit-placement\"",
+                                                           origin, quote_text(format)));
+  }
   const int num_experts = f.integer<int>("num_experts", 1, kMaxExperts);
   const int num_groups = f.integer<int>("num_groups", 1, kMaxExperts);
   const int num_nodes = f.integer<int>("num_nodes", 1, kMaxRanks);
@@ -113,6 +231,8 @@ Placement read_placement(const std::string& path) {
   MOEKIT_CHECK(!rows.empty() && rows[0].is_array() && !rows[0].empty(), fmt::format("{}: phy2log is empty", origin));
   const int num_layers = int(rows.size());
   const size_t num_slots = rows[0].size();
+  check_declared(f, "num_layers", num_layers, "phy2log holds");
+  check_declared(f, "num_slots", int64_t(num_slots), "phy2log layer 0 holds");
   MOEKIT_CHECK(num_slots <= size_t(kMaxSlots),
                fmt::format("{}: phy2log layer 0 has {} slots, more than the limit of {}", origin, num_slots, kMaxSlots));
   MOEKIT_CHECK(int64_t(num_layers) * int64_t(num_slots) <= kMaxTableEntries,
@@ -133,6 +253,14 @@ Placement read_placement(const std::string& path) {
     p = placement_from_phy2log(flat, num_layers, num_experts, int(num_slots), num_groups, num_nodes, num_gpus);
   } catch (const Error& e) {
     throw Error(fmt::format("{}: {}", origin, e.what()));
+  }
+  check_declared(f, "max_replicas", p.max_replicas, "the most replicated expert of phy2log has");
+  check_replica_count(f, p);
+  if (f.has("policy")) {
+    const std::string policy = f.str("policy"), want = p.hierarchical() ? "hierarchical" : "global";
+    MOEKIT_CHECK(policy == want, fmt::format("{}: field 'policy' = \"{}\", but num_groups = {} and num_nodes = {} give "
+                                             "the {} policy",
+                                             origin, quote_text(policy), num_groups, num_nodes, want));
   }
   if (!f.has("log2phy")) return p;
   // Keep the file's replica order after checking it names exactly each expert's slots.

@@ -16,6 +16,14 @@ LoadRecorder::LoadRecorder(int num_layers, int num_experts, int window, double f
   MOEKIT_CHECK(num_layers > 0 && num_experts > 0,
                fmt::format("LoadRecorder: {} layers x {} experts, expected both > 0", num_layers, num_experts));
   const size_t cells = size_t(num_layers) * num_experts;
+  // The window keeps every step's counts: bounded, so that a huge window is a message, not a
+  // std::bad_alloc that names nothing.
+  constexpr double kMaxWindowBytes = double(uint64_t(1) << 32);
+  const double ring_bytes = double(std::max(window, 0)) * double(cells) * sizeof(int64_t);
+  MOEKIT_CHECK(ring_bytes <= kMaxWindowBytes,
+               fmt::format("LoadRecorder: a window of {} steps over {} layers x {} experts keeps {:.1f} GB of counts; "
+                           "expected at most {:.1f} GB (a shorter window, or decay)",
+                           window, num_layers, num_experts, ring_bytes / 1e9, kMaxWindowBytes / 1e9));
   open_.assign(cells, 0);
   total_.assign(cells, 0.0);
   if (window_ > 0) ring_.assign(size_t(window_) * cells, 0);

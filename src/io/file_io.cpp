@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "moekit/check.h"
@@ -88,14 +89,18 @@ ReadFd open_regular_file(const std::string& path, std::string_view what) {
 std::string read_regular_file(const std::string& path, std::string_view what) {
   const ReadFd fd = open_regular_file(path, what);
   std::string text;
-  text.reserve(size_t(fd.size()));
-  char buf[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw Error(fmt::format("reading {} '{}' failed: {}", what, path, std::strerror(errno)));
-    if (n == 0) break;
-    text.append(buf, size_t(n));
+  try {
+    text.reserve(size_t(fd.size()));
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw Error(fmt::format("reading {} '{}' failed: {}", what, path, std::strerror(errno)));
+      if (n == 0) break;
+      text.append(buf, size_t(n));
+    }
+  } catch (const std::bad_alloc&) {  // a message that names the file, not "std::bad_alloc"
+    throw Error(fmt::format("reading {} '{}' ({:.2f} GB) ran out of memory", what, path, double(fd.size()) / 1e9));
   }
   return text;
 }
@@ -110,9 +115,50 @@ bool is_directory_or_regular_file(const std::string& path, std::string_view what
 
 // ---- writing ----------------------------------------------------------------------------------
 
+std::string resolve_output_path(const std::string& path, std::string_view what) {
+  MOEKIT_CHECK(!path.empty(), fmt::format("cannot write {}: the path is empty", what));
+  namespace fs = std::filesystem;
+  // Follow symlinks to the file they name (at most 40, the kernel's own limit): the rename would
+  // replace the link itself.
+  std::string target = path;
+  struct stat st {};
+  for (int hops = 0;; ++hops) {
+    if (::lstat(target.c_str(), &st) != 0) {
+      if (errno != ENOENT) throw Error(fmt::format("cannot write {} '{}': {}", what, path, open_error(errno)));
+      // A new file: its folder must exist.
+      const fs::path parent = fs::path(target).parent_path();
+      struct stat dir {};
+      const std::string shown = parent.empty() ? "." : parent.string();
+      if (::stat(shown.c_str(), &dir) != 0)
+        throw Error(errno == ENOENT
+                        ? fmt::format("cannot write {} '{}': the folder '{}' does not exist", what, path, shown)
+                        : fmt::format("cannot write {} '{}': its folder '{}': {}", what, path, shown, open_error(errno)));
+      if (!S_ISDIR(dir.st_mode))
+        throw Error(fmt::format("cannot write {} '{}': '{}' is not a folder", what, path, shown));
+      return target;
+    }
+    if (!S_ISLNK(st.st_mode)) break;
+    if (hops == 40) throw Error(fmt::format("cannot write {} '{}': {}", what, path, open_error(ELOOP)));
+    const fs::path link = fs::read_symlink(target);
+    target = (link.is_absolute() ? link : fs::path(target).parent_path() / link).string();
+  }
+  // Rename over a device, a FIFO or a socket would replace the node (as root: /dev/null), and over
+  // a directory it fails only after the work is done.
+  if (!S_ISREG(st.st_mode)) {
+    const std::string shown = target == path ? "" : fmt::format(" (a link to '{}')", target);
+    throw Error(fmt::format("cannot write {} '{}'{}: {}", what, path, shown, kind_error(st.st_mode)));
+  }
+  return target;
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {}, sb {};
+  return !a.empty() && !b.empty() && ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 &&
+         sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
 OutputFile::OutputFile(std::string path, std::string_view what)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), what_(what) {
-  MOEKIT_CHECK(!path_.empty(), fmt::format("cannot write {}: the path is empty", what_));
+    : path_(resolve_output_path(path, what)), tmp_path_(path_ + ".tmp"), what_(what) {
   // A stale .tmp from an interrupted run (or a FIFO or symlink put there) is replaced, never
   // written through: unlink, then create exclusively.
   if (::unlink(tmp_path_.c_str()) != 0 && errno != ENOENT)

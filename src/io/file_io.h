@@ -13,7 +13,9 @@
 // through OutputFile, which writes "<path>.tmp" and renames it over <path> only once complete
 // and flushed to disk (fsync of the file, then of its directory). An interrupted write leaves
 // the previous <path> untouched and at most a stale "<path>.tmp", never a truncated <path>.
-// A stale "<path>.tmp" (or a symlink or FIFO of that name) is removed and created afresh.
+// A stale "<path>.tmp" (or a symlink or FIFO of that name) is removed and created afresh. A
+// <path> that is a symlink is written through (the file it names is replaced, not the link);
+// one that is, or leads to, anything but a regular file is refused before anything is written.
 //
 // Interrupts: paths registered with InterruptCleanup (temporary checkpoint directories, the
 // ".tmp" files being written) are removed by remove_interrupt_paths(), which the command line
@@ -54,7 +56,19 @@ std::string read_regular_file(const std::string& path, std::string_view what);
 // a FIFO, a symlink loop, no permission) is an Error "cannot open {what} '{path}': {reason}".
 bool is_directory_or_regular_file(const std::string& path, std::string_view what);
 
-// Writes <path>.tmp; commit() moves it over <path>. Destroyed uncommitted, the .tmp is removed.
+// The file an output to `path` writes: `path` itself, or where its symlinks lead. An Error
+// "cannot write {what} '{path}': ..." when that is not a regular file (a directory, a device, a
+// FIFO, a socket: the final rename would replace it) or, for a new file, when its folder does not
+// exist. Commands call it before any work, so that a bad output path costs nothing; OutputFile
+// calls it again.
+std::string resolve_output_path(const std::string& path, std::string_view what);
+
+// True when both paths exist and name the same file (after symlinks): an output that would
+// replace one of the command's own inputs.
+bool same_file(const std::string& a, const std::string& b);
+
+// Writes <path>.tmp; commit() moves it over <path>, where `path` is resolve_output_path's.
+// Destroyed uncommitted, the .tmp is removed.
 class OutputFile {
  public:
   OutputFile(std::string path, std::string_view what);

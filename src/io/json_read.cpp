@@ -15,7 +15,7 @@ namespace {
 // so that every error can say where it happened.
 class BoundedBuilder {
  public:
-  BoundedBuilder(json& root, std::string_view origin) : root_(root), origin_(origin) {}
+  BoundedBuilder(json& root, std::string_view origin, JsonKeys keys) : root_(root), origin_(origin), keys_(keys) {}
 
   bool null() { return value(nullptr); }
   bool boolean(bool v) { return value(v); }
@@ -29,7 +29,12 @@ class BoundedBuilder {
   bool end_object() { return close(); }
   bool end_array() { return close(); }
   bool key(json::string_t& k) {
-    object_element_ = &(*stack_.back())[k];
+    json& object = *stack_.back();
+    if (keys_ == JsonKeys::unique && object.contains(k))
+      throw Error(fmt::format("{}: key '{}' appears twice in the object{}, expected each key once (a repeat would "
+                              "silently replace the first)",
+                              origin_, quote_text(k, kMaxQuotedNameChars), where_or_top()));
+    object_element_ = &object[k];
     frames_.back().key = k;
     return true;
   }
@@ -99,9 +104,14 @@ class BoundedBuilder {
     }
     return path.empty() ? std::string() : " at " + quote_text(path);
   }
+  std::string where_or_top() const {
+    const std::string w = where();
+    return w.empty() ? std::string(" at the top level") : w;
+  }
 
   json& root_;
   std::string_view origin_;
+  JsonKeys keys_;
   std::vector<json*> stack_;  // the open arrays and objects
   std::vector<Frame> frames_;
   json* object_element_ = nullptr;
@@ -137,9 +147,9 @@ void append_quoted(const json& v, std::string& out, size_t limit) {
 
 }  // namespace
 
-json parse_json(std::string_view text, std::string_view origin) {
+json parse_json(std::string_view text, std::string_view origin, JsonKeys keys) {
   json root;
-  BoundedBuilder builder(root, origin);
+  BoundedBuilder builder(root, origin, keys);
   json::sax_parse(text, &builder);
   return root;
 }

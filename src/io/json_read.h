@@ -24,8 +24,14 @@
 
 namespace moekit {
 
+// Whether an object may repeat a key. moekit's own formats (spec, trace, load file, placement)
+// refuse a repeat: nlohmann keeps the last one, so a file with two "layers" would be read as one
+// of them without a word. A safetensors header and an index.json keep the last one, as the
+// `safetensors` package and Python's json module do (docs/weights.md).
+enum class JsonKeys { unique, last_wins };
+
 // `text` parsed; `origin` (e.g. "trace 'steps.json'") starts every error message.
-nlohmann::json parse_json(std::string_view text, std::string_view origin);
+nlohmann::json parse_json(std::string_view text, std::string_view origin, JsonKeys keys = JsonKeys::unique);
 
 // `v` as compact JSON (ASCII, control characters escaped), cut to kMaxQuotedChars plus "...".
 std::string quote(const nlohmann::json& v);

@@ -264,7 +264,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   // value too deep, and its tree quotes a bad metadata value by a short prefix. The member walk
   // below then sees what a finished tree cannot (repeated keys, every entry of a repeated name).
   {
-    const nlohmann::json tree = parse_json(text, fmt::format("safetensors file '{}': header", path));
+    const nlohmann::json tree =
+        parse_json(text, fmt::format("safetensors file '{}': header", path), JsonKeys::last_wins);
     if (tree.is_object() && tree.contains("__metadata__") && tree["__metadata__"].is_object())
       for (const auto& [k, v] : tree["__metadata__"].items())
         MOEKIT_CHECK(v.is_string(), fmt::format("safetensors file '{}': __metadata__ entry '{}' = {} is not a string",
@@ -475,7 +476,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
   struct stat st {};
   if (::lstat(index_path.c_str(), &st) == 0 || errno != ENOENT) {  // there is something of that name: read it
     const nlohmann::json j =
-        parse_json(read_regular_file(index_path, "checkpoint index"), fmt::format("checkpoint index '{}'", index_path));
+        parse_json(read_regular_file(index_path, "checkpoint index"), fmt::format("checkpoint index '{}'", index_path),
+                   JsonKeys::last_wins);  // as transformers' json.load reads it
     MOEKIT_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
                  fmt::format("checkpoint index '{}': expected an object with \"weight_map\": {{tensor: file}}", index_path));
     for (const auto& [name, file] : j["weight_map"].items()) {

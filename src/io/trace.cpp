@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 #include "io/file_io.h"
 #include "io/json_read.h"
@@ -25,6 +26,13 @@ void validate_trace(const RoutingTrace& t) {
   MOEKIT_CHECK(int64_t(t.layers.size()) * t.num_experts <= kMaxTableEntries,
                fmt::format("trace: {} layers x {} experts exceed the limit of {} load entries", t.layers.size(),
                            t.num_experts, kMaxTableEntries));
+  // A trace with no step has no loads: every statistic taken from it would be 0 / 0.
+  MOEKIT_CHECK(!t.layers.empty(), std::string("trace: holds no layers, expected at least one layer of steps"));
+  for (size_t l = 0; l < t.layers.size(); ++l)
+    MOEKIT_CHECK(!t.layers[l].empty(), fmt::format("trace: layer {} holds no steps, expected at least one", l));
+  // taken[e] == token number + 1 while expert e is in the token's top-k: ids must be distinct.
+  std::vector<int64_t> taken(size_t(t.num_experts), 0);
+  int64_t token_number = 0;
   for (size_t l = 0; l < t.layers.size(); ++l)
     for (size_t s = 0; s < t.layers[l].size(); ++s) {
       const auto& step = t.layers[l][s];
@@ -35,10 +43,17 @@ void validate_trace(const RoutingTrace& t) {
       MOEKIT_CHECK(tokens % t.num_ranks == 0,
                    fmt::format("trace: layer {} step {} has {} tokens, not a multiple of num_ranks = {}", l, s, tokens,
                                t.num_ranks));
-      for (size_t i = 0; i < step.size(); ++i)
+      for (size_t i = 0; i < step.size(); ++i) {
+        if (i % t.topk == 0) ++token_number;
         MOEKIT_CHECK(step[i] >= 0 && step[i] < t.num_experts,
                      fmt::format("trace: layer {} step {} token {} expert id {} out of range [0, {})", l, s,
                                  i / t.topk, step[i], t.num_experts));
+        MOEKIT_CHECK(taken[step[i]] != token_number,
+                     fmt::format("trace: layer {} step {} token {} lists expert id {} twice, expected topk = {} distinct "
+                                 "experts",
+                                 l, s, i / t.topk, step[i], t.topk));
+        taken[step[i]] = token_number;
+      }
     }
 }
 

@@ -20,6 +20,7 @@
 #include "moekit/check.h"
 #include "moekit/mxfp4.h"
 #include "moekit/quant.h"
+#include "moekit/safetensors.h"
 
 namespace moekit {
 
@@ -498,10 +499,43 @@ RandomWeightsPlan plan_random_weights(const ModelSpec& spec, const RandomWeights
   return plan;
 }
 
+namespace {
+
+// A directory the generator may write into: new, empty, or holding only what an earlier run of it
+// left (its shards, which carry kGeneratorName, its index, and .tmp files of either). Anything
+// else may be a real checkpoint, whose index the generator would remove and whose shards
+// ("model-00001-of-000NN.safetensors") it would overwrite.
+void check_generator_directory(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(dir, ec))) return;
+  MOEKIT_CHECK(fs::is_directory(dir, ec), fmt::format("random weights: '{}' exists and is not a directory", dir));
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const auto refuse = [&](std::string_view why) {
+      throw Error(fmt::format("random weights: directory '{}' holds '{}', {}; the generator would replace what is "
+                              "there: give a new or empty directory",
+                              dir, name, why));
+    };
+    if (name == kIndexFileName || (name.ends_with(".tmp") && name.starts_with("model"))) continue;
+    if (!name.ends_with(".safetensors") || !it->is_regular_file()) refuse("which moekit's generator did not write");
+    const SafetensorsFile file = SafetensorsFile::open(it->path().string());
+    const auto gen = file.metadata().find("generator");
+    if (gen == file.metadata().end())
+      refuse("a safetensors file without a generator in its metadata (moekit's generator did not write it)");
+    if (gen->second != kGeneratorName)
+      refuse(fmt::format("a safetensors file written by '{}', not by moekit's generator", gen->second));
+  }
+  MOEKIT_CHECK(!ec, fmt::format("random weights: cannot list directory '{}': {}", dir, ec.message()));
+}
+
+}  // namespace
+
 RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeightsOptions& o, const std::string& dir,
                                        const std::function<void(uint64_t, uint64_t)>& progress) {
   namespace fs = std::filesystem;
   const RandomWeightsPlan plan = plan_random_weights(spec, o);
+  check_generator_directory(dir);
   std::error_code ec;
   fs::create_directories(dir, ec);
   MOEKIT_CHECK(fs::is_directory(dir), fmt::format("random weights: cannot create directory '{}': {}", dir, ec.message()));

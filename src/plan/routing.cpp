@@ -2,6 +2,7 @@
 // "drift:H:R:PERIOD" and the weight of each expert (see include/moekit/simulate.h).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 
@@ -98,7 +99,25 @@ std::vector<double> expert_weights(const Routing& r, int num_experts) {
                                                          r.hot_count, num_experts));
     for (int i = 0; i < r.hot_count; ++i) w[i] = r.hot_ratio;
   }
+  // Scaled by a power of two so that the largest is in [1, 2): exact, so every ratio stays what
+  // it was, and no sum of them overflows (8 weights of hot:8:1e308 sum to inf unscaled).
+  const int scale = std::ilogb(*std::max_element(w.begin(), w.end()));
+  for (double& x : w) x = std::ldexp(x, -scale);
   return w;
+}
+
+std::vector<double> expert_log_weights(const Routing& r, int num_experts) {
+  check_routing(r);
+  MOEKIT_CHECK(num_experts >= 1, fmt::format("experts E = {} must be >= 1", num_experts));
+  std::vector<double> lw(num_experts, 0.0);
+  if (r.kind == Routing::Kind::zipf)
+    for (int i = 0; i < num_experts; ++i) lw[i] = -r.zipf_s * std::log(double(i + 1));
+  if (r.kind == Routing::Kind::hot || r.kind == Routing::Kind::drift) {
+    MOEKIT_CHECK(r.hot_count <= num_experts, fmt::format("--routing {}: H = {} hot experts exceeds E = {}", to_string(r),
+                                                         r.hot_count, num_experts));
+    for (int i = 0; i < r.hot_count; ++i) lw[i] = std::log(r.hot_ratio);
+  }
+  return lw;
 }
 
 int routing_shift(const Routing& r, int num_experts, int64_t step) {

@@ -61,7 +61,8 @@ uint64_t uniform_below(std::mt19937_64& rng, uint64_t n) {
 // the taken experts) it draws from the untaken ones directly, which has the same law.
 class TopkSampler {
  public:
-  TopkSampler(const std::vector<double>& weights, int topk) : k_(topk), weights_(weights) {
+  TopkSampler(const std::vector<double>& weights, std::vector<double> log_weights, int topk)
+      : k_(topk), weights_(weights), log_weights_(std::move(log_weights)) {
     const int E = int(weights.size());
     uniform_ = std::all_of(weights.begin(), weights.end(), [&](double w) { return w == weights[0]; });
     perm_.resize(E);
@@ -134,23 +135,36 @@ class TopkSampler {
     return uniform01(rng) < keep_[column] ? column : alias_[column];
   }
 
+  // Draws from the untaken experts by their weights. The plain weights serve while the largest
+  // untaken one is at least 2^-958: a weight that underflowed (below 2^-1022) is then under 2^-64
+  // of it, which no 53-bit draw can tell from 0. Below that (zipf:1000's tail, hot:1:1e300's
+  // cold experts once the hot one is taken) the ratios are lost, and the weights relative to the
+  // largest untaken one are taken from their logs instead.
   int draw_untaken(std::mt19937_64& rng) {
+    double largest = 0, largest_log = -HUGE_VAL;
+    for (size_t e = 0; e < weights_.size(); ++e)
+      if (taken_stamp_[e] != stamp_)
+        largest = std::max(largest, weights_[e]), largest_log = std::max(largest_log, log_weights_[e]);
+    const bool plain = largest >= 0x1p-958;
+    auto weight = [&](size_t e) { return plain ? weights_[e] : std::exp(log_weights_[e] - largest_log); };
     double left = 0;
     int last = -1;
     for (size_t e = 0; e < weights_.size(); ++e)
-      if (taken_stamp_[e] != stamp_) left += weights_[e], last = int(e);
+      if (taken_stamp_[e] != stamp_) left += weight(e), last = int(e);
     double u = uniform01(rng) * left;
     for (size_t e = 0; e < weights_.size(); ++e) {
       if (taken_stamp_[e] == stamp_) continue;
-      if (u < weights_[e]) return int(e);
-      u -= weights_[e];
+      const double w = weight(e);
+      if (u < w) return int(e);
+      u -= w;
     }
     return last;  // u ran past the end by rounding
   }
 
   int k_;
   bool uniform_ = true;
-  std::vector<double> weights_;
+  std::vector<double> weights_;      // expert_weights(): the largest in [1, 2), so their sum is finite
+  std::vector<double> log_weights_;  // expert_log_weights(), unscaled
   std::vector<int32_t> perm_;
   std::vector<double> keep_;
   std::vector<int> alias_;
@@ -213,7 +227,7 @@ class Worker {
   explicit Worker(const SimulateInput& in, int64_t samples_per_step = 1)
       : in_(in),
         samples_per_step_(samples_per_step),
-        sampler_(expert_weights(in.routing, in.num_experts), in.topk),
+        sampler_(expert_weights(in.routing, in.num_experts), expert_log_weights(in.routing, in.num_experts), in.topk),
         experts_per_rank_(in.num_experts / in.num_ranks),
         loads_(in.num_experts),
         rank_stamp_(in.num_ranks, 0),
@@ -365,6 +379,13 @@ std::vector<int32_t> sample_step(const SimulateInput& in, int64_t sample_index) 
 
 SimulateResult simulate(const SimulateInput& in, const ProgressFn& progress) {
   validate(in);
+  // Each of trials and batch is bounded alone (validate); their product is the run time.
+  // trials <= 2^22, batch <= 2^24 and topk <= 2^16: the product fits in an int64.
+  const int64_t picks = in.trials * in.batch * in.topk;
+  MOEKIT_CHECK(picks <= kMaxSimulatePicks,
+               fmt::format("--trials = {} x --batch = {} x topk = {} = {} expert picks, more than the limit of {} "
+                           "(2^34, minutes of work); lower --trials or --batch",
+                           in.trials, in.batch, in.topk, picks, kMaxSimulatePicks));
   // Chunks of a fixed size (not one per thread) keep the merge order, and so every digit of
   // the result, independent of the thread count.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(256, (1 << 20) / (in.batch * in.topk)));

@@ -36,6 +36,15 @@ std::string checked_name(JsonFields& r) {
   MOEKIT_CHECK(!name.empty(), fmt::format("{}: field 'name' must not be empty", r.origin()));
   MOEKIT_CHECK(name.size() <= kMaxNameBytes, fmt::format("{}: field 'name' = \"{}\" is longer than {} bytes", r.origin(),
                                                          quote_text(name), kMaxNameBytes));
+  // The name is printed (moekit plan, spec, run): a control character would reach the terminal
+  // raw (ESC starts a terminal command, a newline forges a line of output).
+  for (size_t i = 0; i < name.size(); ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    MOEKIT_CHECK(c >= 0x20 && c != 0x7f,
+                 fmt::format("{}: field 'name' = \"{}\" holds the control character 0x{:02X} at byte {}, expected "
+                             "printable text",
+                             r.origin(), quote_text(name), unsigned(c), i));
+  }
   return name;
 }
 

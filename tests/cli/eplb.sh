@@ -116,4 +116,37 @@ else
   pass "missing --groups is rejected"
 fi
 
+# --- where the placement goes: checked before anything is read or printed ---------------------
+ok=(--load "$tmp/ok4.json" --slots 4 --groups 1 --nodes 1 --gpus 2)
+bad_out() {  # bad_out NAME FRAGMENT OUT: exit 2, FRAGMENT on stderr, nothing on stdout
+  "$MOEKIT" eplb "${ok[@]}" --json --out "$3" > "$tmp/stdout" 2> "$tmp/stderr"
+  local rc=$?
+  if [ $rc -ne 2 ] || ! grep -qF -- "$2" "$tmp/stderr" || [ -s "$tmp/stdout" ]; then
+    fail "$1: exit $rc, stdout $(wc -c < "$tmp/stdout") bytes"; cat "$tmp/stderr"
+  else pass "$1"; fi
+}
+mkfifo "$tmp/fifo.json"
+mkdir -p "$tmp/outdir"
+bad_out "--out a FIFO is refused (a rename would replace the node)" "is a FIFO" "$tmp/fifo.json"
+bad_out "--out a directory is refused before the work" "is a directory" "$tmp/outdir"
+bad_out "--out in a missing folder is refused before the work" "does not exist" "$tmp/nope/p.json"
+bad_out "--out the --load file is refused" "is the file --load" "$tmp/ok4.json"
+if [ "$(cat "$tmp/ok4.json")" = '{"layers": [[1, 2, 3, 4]]}' ]; then pass "the --load file is untouched"
+else fail "the --load file was replaced"; fi
+echo old > "$tmp/target.json"
+ln -s target.json "$tmp/link.json"
+if "$MOEKIT" eplb "${ok[@]}" --out "$tmp/link.json" > /dev/null 2>&1 && [ -L "$tmp/link.json" ] &&
+   python3 -c "import json,sys; json.load(open(sys.argv[1]))['phy2log']" "$tmp/target.json"; then
+  pass "--out a symlink writes the file it names and keeps the link"
+else fail "--out a symlink"; ls -l "$tmp/link.json" "$tmp/target.json"; fi
+# The options of one mode are refused without it.
+expect_error "--worst-layer without --current" "--worst-layer requires --current" "${ok[@]}" --worst-layer
+expect_error "--tolerance without --current" "--tolerance requires --current" "${ok[@]}" --tolerance 0.1
+expect_error "--seed without --trace" "--seed requires --trace" "${ok[@]}" --seed 3
+# Values are decimal, given, and never the next option.
+expect_error "octal-looking --gpus" "'010': write integers in decimal" --load "$tmp/ok4.json" --slots 4 --groups 1 --nodes 1 --gpus 010
+expect_error "hexadecimal --slots" "'0x4': write numbers in decimal" --load "$tmp/ok4.json" --slots 0x4 --groups 1 --nodes 1 --gpus 2
+expect_error "empty --tolerance" "--tolerance: an empty value" "${ok[@]}" --current "$tmp/ok4.json" --tolerance ""
+expect_error "--load= swallowing the next option" "'--slots' is an option, not a value" --load= --slots 4 --groups 1 --nodes 1 --gpus 2
+
 finish "eplb CLI"

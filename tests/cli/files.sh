@@ -117,7 +117,29 @@ done
 # --- an interrupted --save-weights --------------------------------------------------------------
 # The second run removes the first run's index, is stopped while writing, and the directory is then
 # refused: without an index its files would open as a checkpoint holding the first run's seed.
+# Only a directory of the generator's own files is written again: one holding anything else (a
+# real checkpoint's shards have the same names) is refused before anything in it changes.
 run_ok "save weights" "$tmp/r1.txt" run --model tiny-moe --layers 2 --save-weights "$tmp/w" --seed 1
+mkdir "$tmp/real"
+"$MOEKIT" run --model tiny-moe --layers 2 --save-weights "$tmp/real" --seed 1 > /dev/null 2>&1
+python3 - "$tmp/real" << 'P'
+import json, os, struct, sys
+d = sys.argv[1]
+for name in os.listdir(d):  # the same shards, as a checkpoint written by someone else
+    if name.endswith(".safetensors"):
+        with open(os.path.join(d, name), "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            header["__metadata__"]["generator"] = "someone else"
+            text = json.dumps(header, separators=(",", ":")).encode()
+            assert len(text) <= n, "the new header is longer than the old one"
+            f.seek(8); f.write(text.ljust(n))
+P
+before=$(cd "$tmp/real" && ls -l --time-style=full-iso | md5sum)
+expect_error "--save-weights over a checkpoint moekit did not write" "written by 'someone else'" run --model tiny-moe --layers 2 --save-weights "$tmp/real"
+expect_error "--save-weights over a file moekit did not write" "which moekit's generator did not write" run --model tiny-moe --layers 2 --save-weights "$tmp"
+if [ "$(cd "$tmp/real" && ls -l --time-style=full-iso | md5sum)" = "$before" ]; then pass "the refused directory is untouched"
+else fail "the refused directory changed"; fi
 "$MOEKIT" run --model tiny-moe --layers 2 --save-weights "$tmp/w" --seed 2 > /dev/null 2>&1 &
 pid=$!
 if wait_for "$tmp/w/*.tmp" $pid; then

@@ -178,23 +178,30 @@ if command -v gnuplot > /dev/null; then
 else
   echo "skip plot checks: gnuplot is not installed"
 fi
-# --- a spec's name never runs a command: backquotes, $(...), newlines and quotes in the model
-# and GPU names reach plan.gp as inert characters (the script text is checked with or without
-# gnuplot; the plots, and that no payload ran, where gnuplot is installed) ---
+# --- a spec's name never runs a command: backquotes, $(...) and quotes in the model and GPU names
+# reach plan.gp as inert characters (the script text is checked with or without gnuplot; the plots,
+# and that no payload ran, where gnuplot is installed); a control character (a newline, ESC) in a
+# name is refused by the spec reader, and plot-rank's JSON, which is no spec, keeps its newlines ---
 python3 - "$tmp" << 'P'
 import json, sys
 tmp = sys.argv[1]
 m = json.load(open(f"{tmp}/toy-moe.json"))
-m["name"] = 'm`touch PWNED-backquote` $(touch PWNED-dollar) "q" \'s\' @m {x}\nsystem "touch PWNED-newline"\n#'
+m["name"] = 'm`touch PWNED-backquote` $(touch PWNED-dollar) "q" \'s\' @m {x}; system "touch PWNED-system" #'
 json.dump(m, open(f"{tmp}/evil-moe.json", "w"))
+m["name"] = 'm\nsystem "touch PWNED-newline"\n#'
+json.dump(m, open(f"{tmp}/ctl-moe.json", "w"))
 g = json.load(open(f"{tmp}/toy-gpu.json"))
-g["name"] = "g`touch PWNED-gpu`\nsystem 'touch PWNED-gpu-newline'\nprint \"\\\" `touch PWNED-escape`"
+g["name"] = "g`touch PWNED-gpu`; system 'touch PWNED-gpu-system'; print \"\\\" `touch PWNED-escape`"
 json.dump(g, open(f"{tmp}/evil-gpu.json", "w"))
+g["name"] = "g\x1b[31mred"
+json.dump(g, open(f"{tmp}/ctl-gpu.json", "w"))
 rows = [{"model": "x`touch PWNED-rank`'\nsystem 'touch PWNED-rank-newline'\n", "routing": "uniform", "eplb": False,
          "batch": b, "step_us": 100.0 * b, "floor_us": 50.0 * b} for b in (1, 8, 64)]
 json.dump({"rows": rows}, open(f"{tmp}/evil-rank.json", "w"))
 P
 mkdir -p "$tmp/cwd"
+expect_error "a newline in a model's name is refused" "holds the control character 0x0A" plan --model "$tmp/ctl-moe.json"
+expect_error "ESC in a GPU's name is refused" "holds the control character 0x1B" plan --gpu "$tmp/ctl-gpu.json"
 evil=(plan --model "$tmp/evil-moe.json" --gpu "$tmp/evil-gpu.json" --ep 4 --batch 1..64)
 (cd "$tmp/cwd" && PATH=/nonexistent "$MOEKIT" "${evil[@]}" --plot "$tmp/evil-script" > /dev/null 2>&1)
 (cd "$tmp/cwd" && PATH=/nonexistent "$MOEKIT" plan --model "$tmp/toy-moe.json" --gpu "$tmp/toy-gpu.json" --ep 4 \
@@ -203,7 +210,7 @@ gp="$tmp/evil-script/plan.gp"
 if [ -f "$gp" ] && ! grep '^set title' "$gp" | grep -q '[`$@{}\\]' &&
    [ "$(wc -l < "$gp")" = "$(wc -l < "$tmp/plain-script/plan.gp")" ] &&
    [ "$(grep -c '^set title "[A-Za-z0-9 .,:()=+/_?-]*" noenhanced$' "$gp")" = 2 ] &&
-   grep -q '^set title "m?touch PWNED-backquote? ?(touch PWNED-dollar) ?q? ?s? ?m ?x??system ?touch' "$gp"; then
+   grep -q '^set title "m?touch PWNED-backquote? ?(touch PWNED-dollar) ?q? ?s? ?m ?x?? system ?touch' "$gp"; then
   pass "hostile spec names: plan.gp holds them as inert text, no line added"
 else
   fail "hostile spec names: plan.gp holds them as inert text, no line added"; grep -n title "$gp"
@@ -241,7 +248,7 @@ expect_error "ep 0" "--ep = 0 must be >= 1" plan --ep 0
 expect_error "ep negative" "--ep = -4 must be >= 1" plan --ep -4
 expect_error "ep not a number" "--ep" plan --ep abc
 expect_error "ep not dividing E" "--ep = 7 must divide num_routed_experts = 256" plan --ep 7
-expect_error "empty batch list" "--batch is empty" plan --batch ""
+expect_error "empty batch list" "--batch: an empty value" plan --batch ""
 expect_error "batch 0" "batch 0 must be >= 1" plan --batch 0,8
 expect_error "negative batch" "batch -3 must be >= 1" plan --batch=-3
 expect_error "batch not a number" "'x' is not an integer" plan --batch 8,x

@@ -119,7 +119,7 @@ expect_run_error "interval 0" "interval_steps = 0 must be >= 1" "${R[@]}" --step
 expect_run_error "min gain" "min_gain = -1" "${R[@]}" --steps 3 --min-gain -1
 expect_run_error "balanceable share" "balanceable_share = 2" "${R[@]}" --steps 3 --balanceable-share 2
 expect_run_error "negative copy speed" "--copy-gbps -1" "${R[@]}" --steps 3 --copy-gbps -1
-expect_run_error "steps 0" "--steps 0: expected >= 1" "${R[@]}" --steps 0
+expect_run_error "steps 0" "--steps 0: expected 1 .. 4194304" "${R[@]}" --steps 0
 expect_run_error "batch not a multiple of ep" "--batch 30 must be a multiple of --ep 4" "${R[@]}" --batch 30
 expect_run_error "drift period 0" "PERIOD (steps between two drifts) must be >= 1" "${R[@]}" --routing drift:2:4:0
 expect_run_error "drift malformed" "expected drift:H:R:PERIOD" "${R[@]}" --routing drift:2:4

@@ -160,4 +160,9 @@ expect_error "NaN scale byte named" "expert 0 row 1 block 0 holds the e8m0 byte 
 grep -qF "(bound 0.003: docs/design.md §Numerics and their bounds)" "$tmp/check.txt" &&
   pass "--check cites its bound's section" || { fail "--check cites its bound's section"; cat "$tmp/check.txt" "$tmp/stderr"; }
 
+# The options of one mode are refused without it, rather than read and ignored.
+expect_error "--window without --rebalance" "--window requires --rebalance" --model tiny-moe --window 0
+expect_error "--copy-gbps without --rebalance" "--copy-gbps requires --rebalance" --model tiny-moe --copy-gbps -5
+expect_error "--save-weights with --weights" "excludes --save-weights" --model tiny-moe --weights "$tmp" --save-weights "$tmp/x"
+
 finish "run CLI"

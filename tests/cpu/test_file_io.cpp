@@ -167,7 +167,46 @@ TEST(OutputFile, TheOldFileStaysUntilTheNewOneIsComplete) {
 
   // A write that cannot start names the output.
   expect_error([&] { write_file_atomically((dir / "no" / "such" / "dir.json").string(), "x", "placement file"); },
-               {"cannot write placement file", "dir.json", "no such file or directory"});
+               {"cannot write placement file", "dir.json", "the folder", "does not exist"});
+}
+
+TEST(OutputFile, WritesThroughSymlinksAndRefusesWhatIsNoFile) {
+  // The final rename replaces whatever <path> is: a symlink would lose its target's update, and a
+  // device node (as root: /dev/null) or a FIFO would be replaced by a regular file.
+  const fs::path dir = test_dir();
+  write_file(dir / "target.json", "old");
+  fs::create_symlink("target.json", dir / "link.json");
+  fs::create_symlink(dir / "link.json", dir / "link2.json");  // a chain, absolute
+  write_file_atomically((dir / "link2.json").string(), "new", "placement file");
+  EXPECT_TRUE(fs::is_symlink(dir / "link.json"));
+  EXPECT_TRUE(fs::is_symlink(dir / "link2.json"));
+  EXPECT_EQ(read_file(dir / "target.json"), "new");
+  fs::create_symlink("missing.json", dir / "dangling.json");  // a link to a new file: the file is made
+  write_file_atomically((dir / "dangling.json").string(), "made", "placement file");
+  EXPECT_TRUE(fs::is_symlink(dir / "dangling.json"));
+  EXPECT_EQ(read_file(dir / "missing.json"), "made");
+
+  make_fifo(dir / "fifo.json");
+  fs::create_directory(dir / "folder.json");
+  fs::create_symlink("fifo.json", dir / "to-fifo.json");
+  expect_error([&] { write_file_atomically((dir / "fifo.json").string(), "x", "placement file"); },
+               {"cannot write placement file", "fifo.json", "is a FIFO"});
+  expect_error([&] { write_file_atomically((dir / "folder.json").string(), "x", "placement file"); },
+               {"folder.json", "is a directory"});
+  expect_error([&] { write_file_atomically((dir / "to-fifo.json").string(), "x", "placement file"); },
+               {"to-fifo.json", "(a link to", "is a FIFO"});
+  EXPECT_TRUE(fs::is_fifo(dir / "fifo.json"));
+  EXPECT_FALSE(fs::exists(dir / "fifo.json.tmp"));
+  fs::create_symlink("loop.json", dir / "loop.json");
+  expect_error([&] { write_file_atomically((dir / "loop.json").string(), "x", "placement file"); },
+               {"loop.json", "symlink loop"});
+  expect_error([&] { write_file_atomically("", "x", "placement file"); }, {"the path is empty"});
+
+  // same_file: one file under two names, not two files, not a missing one.
+  EXPECT_TRUE(same_file((dir / "target.json").string(), (dir / "link.json").string()));
+  EXPECT_FALSE(same_file((dir / "target.json").string(), (dir / "missing.json").string()));
+  EXPECT_FALSE(same_file((dir / "target.json").string(), (dir / "nothing.json").string()));
+  EXPECT_FALSE(same_file("", ""));
 }
 
 TEST(OutputFile, TracesAreWrittenThroughATemporaryFile) {

@@ -359,3 +359,129 @@ TEST(HostileFiles, CountsAreBoundedBeforeAllocating) {
   big.layers.assign(1, std::vector<std::vector<int32_t>>(1, std::vector<int32_t>(16385, 0)));
   expect_error([&] { rebalance_dual(big, 4096, 1, 1, 4096); }, {"16385 tokens x 4096 GPUs exceed the limit of 67108864"});
 }
+
+// ---- Strict readers: what a reader used to take without a word -------------------------------
+
+// A CSV load is plain decimal text: strtod stopped at a NUL ("5\0abc" read as 5, a file of NULs
+// as one load) and took hex ("0x10") and hex floats ("0x1p3").
+TEST(StrictReaders, CsvLoadsArePlainDecimalText) {
+  const fs::path dir = test_dir();
+  std::string p = write_file(dir / "nul.csv", std::string("5\0abc,7\n", 8));
+  expect_error([&] { read_loads(p); }, {p, "line 1 column 2", "control byte \\x00", "expected printable text"});
+  p = write_file(dir / "nuls.csv", std::string(4096, '\0'));
+  expect_error([&] { read_loads(p); }, {p, "line 1 column 1", "control byte \\x00"});
+  p = write_file(dir / "ff.csv", "1,2\f,3\n");
+  expect_error([&] { read_loads(p); }, {p, "line 1 column 4", "control byte \\x0C"});
+  p = write_file(dir / "cr.csv", "1,2\r3\n");
+  expect_error([&] { read_loads(p); }, {p, "line 1 column 4", "control byte \\x0D"});
+  p = write_file(dir / "hex.csv", "# loads\n1,2\n3,0x10\n");
+  expect_error([&] { read_loads(p); }, {p, "line 3 column 3 (field 1)", "layer 1 expert 1 is '0x10'", "expected a number"});
+  p = write_file(dir / "hexfloat.csv", "0x1p3,1\n");
+  expect_error([&] { read_loads(p); }, {p, "line 1 column 1 (field 0)", "layer 0 expert 0 is '0x1p3'"});
+  p = write_file(dir / "inner.csv", "1, 2 3 ,4\n");
+  expect_error([&] { read_loads(p); }, {p, "line 1 column 4 (field 1)", "is '2 3'"});
+  p = write_file(dir / "utf8.csv", "1,\xC3\xA9,3\n");
+  expect_error([&] { read_loads(p); }, {p, "is '\\xC3\\xA9'"});
+  for (const char* bad : {"1e", "e5", ".", "+", "1.2.3", "--1", "1e+", "1d0"}) {
+    p = write_file(dir / "bad.csv", std::string("1,") + bad + "\n");
+    expect_error([&] { read_loads(p); }, {p, "layer 0 expert 1 is '" + std::string(bad) + "'"});
+  }
+  // NaN and inf are numbers the range check refuses by name, as before.
+  p = write_file(dir / "nan.csv", "1,nan\n");
+  expect_error([&] { read_loads(p); }, {p, "layer 0 expert 1 is nan"});
+  // What the docs allow: signs, decimal points, exponents, spaces and tabs around a load,
+  // CRLF line ends, comments and blank lines.
+  p = write_file(dir / "ok.csv", "# layer 0\r\n1, 2.5 ,\t3e2, .5\r\n\n  # layer 1\n4,5.,6E-1,+7\n");
+  EXPECT_EQ(read_loads(p), (std::vector<std::vector<double>>{{1, 2.5, 300, 0.5}, {4, 5, 0.6, 7}}));
+  p = write_file(dir / "last.csv", "1,2");  // no final line end
+  EXPECT_EQ(read_loads(p), (std::vector<std::vector<double>>{{1, 2}}));
+}
+
+// Load JSON is as strict as a spec: a repeated key (nlohmann keeps the last one) and an
+// unknown key are refused; so is a repeated key in a spec, a trace and a placement.
+TEST(StrictReaders, JsonRefusesRepeatedAndUnknownKeys) {
+  const fs::path dir = test_dir();
+  std::string p = write_file(dir / "twice.json", R"({"layers": [[1, 2]], "layers": [[3, 4]]})");
+  expect_error([&] { read_loads(p); }, {p, "key 'layers' appears twice", "at the top level"});
+  p = write_file(dir / "typo.json", R"({"layers": [[1, 2]], "layer": [[3, 4]]})");
+  expect_error([&] { read_loads(p); }, {p, "unknown field 'layer'"});
+  p = write_file(dir / "notes.json", R"({"layers": [[1, 2]], "notes": "from a run", "source": "x"})");
+  EXPECT_EQ(read_loads(p), (std::vector<std::vector<double>>{{1, 2}}));
+  expect_error([] { parse_json(R"({"router": {"a": 1, "b": {"c": 2}, "a": 3}})", "m.json"); },
+               {"m.json: key 'a' appears twice in the object at router"});
+  expect_error([] { parse_json(R"({"layers": [{"x": 1, "x": 1}]})", "l.json"); }, {"key 'x' appears twice", "at layers[0]"});
+  p = write_file(dir / "t.json", R"({"format": "moekit-trace", "num_experts": 8, "topk": 1, "num_experts": 9, )"
+                                 R"("num_ranks": 1, "layers": [[[[0]]]]})");
+  expect_error([&] { read_trace(p); }, {p, "key 'num_experts' appears twice"});
+  p = write_file(dir / "p.json", R"({"num_experts": 2, "num_groups": 1, "num_nodes": 1, "num_gpus": 1, )"
+                                 R"("phy2log": [[0, 1]], "phy2log": [[1, 0]]})");
+  expect_error([&] { read_placement(p); }, {p, "key 'phy2log' appears twice"});
+  // A safetensors header keeps the last of a repeated key, as the safetensors package does.
+  EXPECT_EQ(parse_json(R"({"a": 1, "a": 2})", "h", JsonKeys::last_wins)["a"], 2);
+}
+
+// A token's top-k experts are distinct, and a trace without steps has no loads to balance.
+TEST(StrictReaders, TracesNeedDistinctExpertsAndSteps) {
+  const fs::path dir = test_dir();
+  auto trace = [&](const std::string& layers) {
+    return write_file(dir / "t.json",
+                      R"({"format": "moekit-trace", "num_experts": 8, "topk": 2, "num_ranks": 1, "layers": )" + layers + "}");
+  };
+  std::string p = trace("[[[[0, 1], [2, 5]], [[4, 6], [3, 3]]]]");
+  expect_error([&] { read_trace(p); }, {p, "layer 0 step 1 token 1 lists expert id 3 twice", "topk = 2 distinct"});
+  p = trace("[[]]");
+  expect_error([&] { read_trace(p); }, {p, "layer 0 holds no steps"});
+  p = trace("[[[[0, 1]]], []]");
+  expect_error([&] { read_trace(p); }, {p, "layer 1 holds no steps"});
+  p = trace("[]");
+  expect_error([&] { read_trace(p); }, {p, "holds no layers"});
+  // The same id in two tokens, or twice in one step, is fine.
+  p = trace("[[[[3, 1], [1, 3]]]]");
+  EXPECT_EQ(read_trace(p).layers[0][0], (std::vector<int32_t>{3, 1, 1, 3}));
+  RoutingTrace t;
+  t.num_experts = 4;
+  t.topk = 2;
+  t.layers = {{{0, 0}}};
+  expect_error([&] { validate_trace(t); }, {"trace: layer 0 step 0 token 0 lists expert id 0 twice"});
+}
+
+// A placement's declared fields must agree with its phy2log.
+TEST(StrictReaders, PlacementFieldsMatchTheData) {
+  const fs::path dir = test_dir();
+  // 1 layer, 4 experts, 4 slots on 2 GPUs, identity: the fields eplb writes, each replaced in turn.
+  const json good = json::parse(R"({"format": "moekit-placement", "policy": "hierarchical", "num_layers": 1,
+      "num_experts": 4, "num_slots": 4, "num_groups": 1, "num_nodes": 1, "num_gpus": 2, "max_replicas": 1,
+      "phy2log": [[0, 1, 2, 3]], "replica_count": [[1, 1, 1, 1]], "log2phy": [[[0], [1], [2], [3]]]})");
+  auto with = [&](const std::string& key, const json& v) {
+    json j = good;
+    j[key] = v;
+    return write_file(dir / "p.json", j.dump());
+  };
+  std::string p = with("format", "moekit-placement");
+  EXPECT_EQ(read_placement(p).num_slots, 4);
+  p = with("format", "moekit-trace");
+  expect_error([&] { read_placement(p); }, {p, "field 'format' = \"moekit-trace\" must be \"moekit-placement\""});
+  p = with("format", 3);
+  expect_error([&] { read_placement(p); }, {p, "field 'format' = 3 must be a string"});
+  p = with("num_slots", 8);
+  expect_error([&] { read_placement(p); }, {p, "field 'num_slots' = 8 does not match the data: phy2log layer 0 holds 4"});
+  p = with("num_layers", 2);
+  expect_error([&] { read_placement(p); }, {p, "field 'num_layers' = 2 does not match the data: phy2log holds 1"});
+  p = with("max_replicas", 1000000000);
+  expect_error([&] { read_placement(p); },
+               {p, "field 'max_replicas' = 1000000000 does not match the data", "the most replicated expert of phy2log has 1"});
+  p = with("replica_count", json::parse("[[9, 9, 9, 9]]"));
+  expect_error([&] { read_placement(p); },
+               {p, "field 'replica_count' layer 0 = [9,9,9,9] does not match phy2log, which gives [1,1,1,1]"});
+  p = with("replica_count", json::parse("[[1, 1, 1, 1], [1, 1, 1, 1]]"));
+  expect_error([&] { read_placement(p); }, {p, "field 'replica_count' holds 2 layers, phy2log 1"});
+  p = with("policy", "global");
+  expect_error([&] { read_placement(p); }, {p, "field 'policy' = \"global\"", "give the hierarchical policy"});
+  p = with("num_slots", -1);
+  expect_error([&] { read_placement(p); }, {p, "field 'num_slots' = -1 must be >= 0"});
+  // Each is optional: a placement written by hand may give phy2log alone.
+  json bare = good;
+  for (const char* key : {"format", "policy", "num_layers", "num_slots", "max_replicas", "replica_count", "log2phy"})
+    bare.erase(key);
+  EXPECT_EQ(read_placement(write_file(dir / "bare.json", bare.dump())).num_slots, 4);
+}

@@ -181,6 +181,39 @@ TEST(SimulateExact, ExtremeWeightsUseTheExactFallback) {
   EXPECT_NEAR(x.coverage, 0.75 + 0.25 * (1 - std::pow(1 - 1 / (1 + std::pow(4.0 / 3, 30)), 3)), 1e-9);
 }
 
+// Routing parameters at the ends of their range keep their law. hot:8:1e308's weights sum to
+// inf as doubles (the alias table then drew every expert alike); zipf:1000's weights of experts
+// 2 and up underflow to 0 (the untaken fallback then always took the last expert).
+TEST(SimulateExact, ExtremeRoutingParametersKeepTheirLaw) {
+  // Experts 0-7 are the hot ones, 10^308 times as likely: every pick is one of them, and they
+  // all sit on rank 0 of 2, so S0 is exactly 2 and every token reaches one rank.
+  SimulateResult r = simulate(sim_input(16, 2, 2, 4, 200, "hot:8:1e308", 5));
+  EXPECT_DOUBLE_EQ(r.s0.simulated, 2.0);
+  EXPECT_DOUBLE_EQ(r.dedup_targets.simulated, 1.0);
+  for (int64_t i = 0; i < 20; ++i)
+    for (int32_t e : sample_step(sim_input(16, 2, 2, 64, 200, "hot:8:1e308", 5), i)) EXPECT_LT(e, 8) << "sample " << i;
+  // zipf:1000: each next expert is 2^1000 times likelier than the one after, so every token
+  // takes experts 0, 1, 2, 3 (the chance of anything else is below 10^-120).
+  const std::vector<double> lw = expert_log_weights(parse_routing("zipf:1000"), 8);
+  EXPECT_DOUBLE_EQ(lw[7], -1000 * std::log(8.0));
+  EXPECT_EQ(expert_weights(parse_routing("zipf:1000"), 8)[7], 0.0);  // as plain doubles
+  // hot:8:1e308's weights, scaled by 2^-1023, keep the ratio 1e308 exactly and sum to a finite value.
+  const std::vector<double> hot = expert_weights(parse_routing("hot:8:1e308"), 16);
+  EXPECT_EQ(hot[0] / hot[15], 1e308);
+  EXPECT_TRUE(std::isfinite(std::accumulate(hot.begin(), hot.end(), 0.0)));
+  const SimulateInput z = sim_input(8, 4, 2, 32, 200, "zipf:1000", 3);
+  for (int64_t i = 0; i < 20; ++i) {
+    const std::vector<int32_t> idx = sample_step(z, i);
+    for (size_t t = 0; t < idx.size(); t += 4)
+      EXPECT_EQ(std::set<int32_t>(idx.begin() + t, idx.begin() + t + 4), (std::set<int32_t>{0, 1, 2, 3}))
+          << "sample " << i << " token " << t / 4;
+  }
+  r = simulate(z);
+  // Experts 0-3 sit on rank 0 of 2: all of a token's picks land there, and half the experts are hit.
+  EXPECT_DOUBLE_EQ(r.s0.simulated, 2.0);
+  EXPECT_DOUBLE_EQ(r.coverage.simulated, 0.5);
+}
+
 // ---- Large uniform cases against the closed forms ----------------------------------------------
 
 TEST(SimulateUniform, CoverageDedupAndCvAgreeWithTheClosedForms) {
@@ -308,12 +341,13 @@ TEST(SimulateParse, Routing) {
   EXPECT_EQ(h.hot_count, 4);
   EXPECT_DOUBLE_EQ(h.hot_ratio, 3.5);
   EXPECT_EQ(to_string(h), "hot:4:3.5");
-  // Weights: zipf (i + 1)^−s, hot first H experts × R.
+  // Weights: zipf (i + 1)^−s, hot first H experts × R, scaled by a power of two to put the
+  // largest in [1, 2).
   std::vector<double> w = expert_weights(parse_routing("zipf:2"), 3);
   EXPECT_DOUBLE_EQ(w[0], 1.0);
   EXPECT_DOUBLE_EQ(w[1], 0.25);
   EXPECT_DOUBLE_EQ(w[2], 1.0 / 9);
-  EXPECT_EQ(expert_weights(h, 6), (std::vector<double>{3.5, 3.5, 3.5, 3.5, 1, 1}));
+  EXPECT_EQ(expert_weights(h, 6), (std::vector<double>{1.75, 1.75, 1.75, 1.75, 0.5, 0.5}));  // 3.5 : 1, / 2
   expect_error([] { parse_routing("gauss"); }, {"'gauss' is unknown", "uniform, zipf:S or hot:H:R"});
   expect_error([] { parse_routing("zipf:"); }, {"is not a number"});
   expect_error([] { parse_routing("zipf:-1"); }, {"zipf:-1", ">= 0"});
@@ -332,12 +366,12 @@ TEST(SimulateParse, DriftRouting) {
   EXPECT_DOUBLE_EQ(d.hot_ratio, 4.5);
   EXPECT_EQ(d.drift_period, 10);
   EXPECT_EQ(to_string(d), "drift:2:4.5:10");
-  EXPECT_EQ(expert_weights(d, 6), (std::vector<double>{4.5, 4.5, 1, 1, 1, 1}));
+  EXPECT_EQ(expert_weights(d, 6), (std::vector<double>{1.125, 1.125, 0.25, 0.25, 0.25, 0.25}));  // 4.5 : 1, / 4
   EXPECT_EQ(routing_shift(d, 6, 9), 0);
   EXPECT_EQ(routing_shift(d, 6, 10), 2);
   EXPECT_EQ(routing_shift(d, 6, 29), 4);
   EXPECT_EQ(routing_shift(d, 6, 30), 0);  // (3 * 2) mod 6
-  EXPECT_EQ(expert_weights_at(d, 6, 25), (std::vector<double>{1, 1, 1, 1, 4.5, 4.5}));
+  EXPECT_EQ(expert_weights_at(d, 6, 25), (std::vector<double>{0.25, 0.25, 0.25, 0.25, 1.125, 1.125}));
   EXPECT_EQ(routing_shift(parse_routing("hot:2:4.5"), 6, 25), 0);
   expect_error([] { parse_routing("drift:2:3"); }, {"'drift:2:3'", "expected drift:H:R:PERIOD"});
   expect_error([] { parse_routing("drift:2:3:x"); }, {"PERIOD 'x' is not an integer"});
@@ -382,4 +416,16 @@ TEST(SimulateParse, BadInputIsNamed) {
   expect_error([] { simulate(sim_input(256, 8, 0, 64, 10)); }, {"--ranks = 0"});
   expect_error([] { sample_trace(sim_input(256, 8, 8, 12, 10), 1, 10); }, {"--batch = 12", "multiple of --ranks = 8"});
   expect_error([] { sample_trace(sim_input(256, 8, 8, 16, 10), 0, 10); }, {"--layers = 0"});
+}
+
+// Trials and batch are bounded alone, and their product too: 2^22 trials of 2^24 tokens top-8
+// would take weeks.
+TEST(SimulateParse, WorkIsBounded) {
+  expect_error([] { simulate(sim_input(256, 8, 8, int64_t(1) << 24, int64_t(1) << 22)); },
+               {"--trials = 4194304 x --batch = 16777216 x topk = 8 = 562949953421312 expert picks",
+                "more than the limit of 17179869184", "lower --trials or --batch"});
+  // Just past the bound: 1025 x 2^21 x 8 = 2^34 + 2^24.
+  expect_error([] { simulate(sim_input(256, 8, 8, int64_t(1) << 21, 1025)); }, {"--trials = 1025", "--batch = 2097152"});
+  // One sample is one sample: sample_step (moekit run's routing) does not count the trials.
+  EXPECT_EQ(sample_step(sim_input(16, 8, 1, 1 << 16, int64_t(1) << 22), 0).size(), size_t(8) << 16);
 }

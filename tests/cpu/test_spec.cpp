@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
 
 #include "expect_error.h"
 #include "moekit/check.h"
@@ -243,4 +245,23 @@ TEST(Spec, RejectsBadExpertFields) {
   j["router"]["num_groups"] = 1;
   j["router"]["topk_groups"] = 1;
   EXPECT_EQ(parse_model_spec(j.dump(), "t").activation.kind, "clamped_swiglu");
+}
+
+// The name is printed to the terminal (moekit plan, spec): no control character may reach it.
+TEST(Spec, RejectsControlCharactersInTheName) {
+  for (const auto& [name, code, at] : {std::tuple{std::string("deep\x1b[31mseek"), "0x1B", "byte 4"},
+                                       std::tuple{std::string("a\nb"), "0x0A", "byte 1"},
+                                       std::tuple{std::string("x\x7f"), "0x7F", "byte 1"},
+                                       std::tuple{std::string("\0z", 2), "0x00", "byte 0"}}) {
+    json j = deepseek();
+    j["name"] = name;
+    expect_error([&] { parse_model_spec(j.dump(), "m.json"); },
+                 {"m.json: field 'name'", "control character " + std::string(code), at, "expected printable text"});
+    json g = h200();
+    g["name"] = name;
+    expect_error([&] { parse_gpu_spec(g.dump(), "g.json"); }, {"g.json: field 'name'", "control character"});
+  }
+  json j = deepseek();
+  j["name"] = "DeepSeek-V3 (671B, \xC3\xA9t\xC3\xA9)";  // UTF-8 is printable text
+  EXPECT_EQ(parse_model_spec(j.dump(), "m.json").name, j["name"]);
 }
