@@ -103,6 +103,9 @@ struct SimulateResult {
 // done/total samples; called from the calling thread about every 100 ms, and once at the end.
 using ProgressFn = std::function<void(int64_t done, int64_t total)>;
 
+// The checks simulate() starts with (the bounds above, and trials x B x k <= kMaxSimulatePicks),
+// alone: a caller that does other work first (simulate --save-trace samples the trace) asks here.
+void check_simulate_work(const SimulateInput& in);
 SimulateResult simulate(const SimulateInput& input, const ProgressFn& progress = {});
 
 // The top-k indices of sample i, row-major [B][k]: the samples simulate() draws. Sample i is

@@ -176,7 +176,10 @@ struct RandomWeightsPlan {
 // the size. Errors for a dense spec or options outside the spec.
 RandomWeightsPlan plan_random_weights(const ModelSpec& spec, const RandomWeightsOptions& options);
 
-// Writes the planned shards and model.safetensors.index.json into `dir` (created if missing).
+// Writes the planned shards and model.safetensors.index.json into `dir` (created if missing). `dir`
+// must be new, empty, or hold only an earlier run's files (shards with the generator's metadata,
+// its index, their .tmp files), which are removed first; anything else is an Error naming the file,
+// since a real checkpoint's shards have the same names.
 // `progress(bytes_done, bytes_total)` is called after each tensor when given. Returns the plan.
 RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeightsOptions& options, const std::string& dir,
                                        const std::function<void(uint64_t, uint64_t)>& progress = {});

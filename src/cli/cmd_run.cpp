@@ -485,6 +485,8 @@ void add_run_command(CLI::App& app) {
     if (o.backend == "cuda")
       throw Error("--backend cuda: this moekit binary was built without CUDA (MOEKIT_WITH_CUDA=OFF or no nvcc); "
                   "use --backend cpu, or build with CUDA on a machine with nvcc");
+#else
+    if (o.backend == "cuda") require_cuda_device();  // before gigabytes of random weights are written
 #endif
     run(o);
   });

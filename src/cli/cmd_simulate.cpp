@@ -117,6 +117,7 @@ void run_simulate(const SimulateOptions& o) {
 
   // The trace is sampled first, so that a bad --batch/--layers/--steps or a missing folder
   // fails before the statistics are printed.
+  check_simulate_work(in);  // before the trace's sampling, which is work too
   std::optional<RoutingTrace> trace;
   const int64_t steps = o.steps.value_or(o.trials);
   if (!o.save_trace.empty()) {

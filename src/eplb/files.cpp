@@ -254,7 +254,15 @@ Placement read_placement(const std::string& path) {
   } catch (const Error& e) {
     throw Error(fmt::format("{}: {}", origin, e.what()));
   }
-  check_declared(f, "max_replicas", p.max_replicas, "the most replicated expert of phy2log has");
+  // max_replicas is log2phy's row width: at least the most replicated expert's count, and may be
+  // wider (rows padded with -1, as a spliced placement's or DeepSeek's maxlogcnt).
+  if (f.has("max_replicas")) {
+    const int64_t declared = f.integer<int64_t>("max_replicas", 0, std::numeric_limits<int64_t>::max());
+    MOEKIT_CHECK(declared >= p.max_replicas && declared <= int64_t(num_slots),
+                 fmt::format("{} = {} does not match the data: the most replicated expert of phy2log has {}, and a "
+                             "layer has {} slots",
+                             f.field_name("max_replicas"), declared, p.max_replicas, num_slots));
+  }
   check_replica_count(f, p);
   if (f.has("policy")) {
     const std::string policy = f.str("policy"), want = p.hierarchical() ? "hierarchical" : "global";

@@ -561,6 +561,15 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
   const fs::path index_path = fs::path(dir) / kIndexFileName;
   fs::remove(index_path, ec);
   MOEKIT_CHECK(!ec, fmt::format("random weights: cannot remove the old '{}': {}", index_path.string(), ec.message()));
+  // An earlier run's shards (all the generator's: check_generator_directory) go too: one with
+  // more shards would otherwise leave files the new index does not name.
+  std::vector<fs::path> old_shards;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".safetensors") old_shards.push_back(it->path());
+  for (const fs::path& f : old_shards) {
+    fs::remove(f, ec);
+    MOEKIT_CHECK(!ec, fmt::format("random weights: cannot remove the old '{}': {}", f.string(), ec.message()));
+  }
   sync_directory(dir);
   size_t next_item = 0;
   uint64_t done = 0;

@@ -377,7 +377,7 @@ std::vector<int32_t> sample_step(const SimulateInput& in, int64_t sample_index) 
   return out;
 }
 
-SimulateResult simulate(const SimulateInput& in, const ProgressFn& progress) {
+void check_simulate_work(const SimulateInput& in) {
   validate(in);
   // Each of trials and batch is bounded alone (validate); their product is the run time.
   // trials <= 2^22, batch <= 2^24 and topk <= 2^16: the product fits in an int64.
@@ -386,6 +386,10 @@ SimulateResult simulate(const SimulateInput& in, const ProgressFn& progress) {
                fmt::format("--trials = {} x --batch = {} x topk = {} = {} expert picks, more than the limit of {} "
                            "(2^34, minutes of work); lower --trials or --batch",
                            in.trials, in.batch, in.topk, picks, kMaxSimulatePicks));
+}
+
+SimulateResult simulate(const SimulateInput& in, const ProgressFn& progress) {
+  check_simulate_work(in);
   // Chunks of a fixed size (not one per thread) keep the merge order, and so every digit of
   // the result, independent of the thread count.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(256, (1 << 20) / (in.batch * in.topk)));

@@ -38,12 +38,16 @@ std::string checked_name(JsonFields& r) {
                                                          quote_text(name), kMaxNameBytes));
   // The name is printed (moekit plan, spec, run): a control character would reach the terminal
   // raw (ESC starts a terminal command, a newline forges a line of output).
+  // C1 controls (U+0080..U+009F, UTF-8 0xC2 0x80..0x9F) too: U+009B is a terminal's CSI.
   for (size_t i = 0; i < name.size(); ++i) {
     const auto c = static_cast<unsigned char>(name[i]);
-    MOEKIT_CHECK(c >= 0x20 && c != 0x7f,
-                 fmt::format("{}: field 'name' = \"{}\" holds the control character 0x{:02X} at byte {}, expected "
+    const auto next = i + 1 < name.size() ? static_cast<unsigned char>(name[i + 1]) : 0u;
+    const bool c1 = c == 0xC2 && next >= 0x80 && next <= 0x9F;
+    MOEKIT_CHECK(c >= 0x20 && c != 0x7f && !c1,
+                 fmt::format("{}: field 'name' = \"{}\" holds the control character {} at byte {}, expected "
                              "printable text",
-                             r.origin(), quote_text(name), unsigned(c), i));
+                             r.origin(), quote_text(name),
+                             c1 ? fmt::format("U+{:04X}", next) : fmt::format("0x{:02X}", unsigned(c)), i));
   }
   return name;
 }

@@ -115,8 +115,8 @@ for sig in TERM INT; do
 done
 
 # --- an interrupted --save-weights --------------------------------------------------------------
-# The second run removes the first run's index, is stopped while writing, and the directory is then
-# refused: without an index its files would open as a checkpoint holding the first run's seed.
+# The second run removes the first run's index and shards, is stopped while writing its one
+# shard, and the directory, now without a checkpoint, is refused rather than read.
 # Only a directory of the generator's own files is written again: one holding anything else (a
 # real checkpoint's shards have the same names) is refused before anything in it changes.
 run_ok "save weights" "$tmp/r1.txt" run --model tiny-moe --layers 2 --save-weights "$tmp/w" --seed 1
@@ -145,7 +145,7 @@ pid=$!
 if wait_for "$tmp/w/*.tmp" $pid; then
   kill -s TERM $pid
   wait $pid
-  expect_error_in "an interrupted --save-weights is refused" 60 "holds an interrupted write" run --model tiny-moe --layers 2 --weights "$tmp/w"
+  expect_error_in "an interrupted --save-weights is refused" 60 "holds neither model.safetensors.index.json nor" run --model tiny-moe --layers 2 --weights "$tmp/w"
   if compgen -G "$tmp/w/*.tmp" > /dev/null; then fail "the interrupted shard's .tmp is left"; else pass "the interrupted shard's .tmp is removed"; fi
 else
   wait $pid

@@ -470,6 +470,10 @@ TEST(StrictReaders, PlacementFieldsMatchTheData) {
   p = with("max_replicas", 1000000000);
   expect_error([&] { read_placement(p); },
                {p, "field 'max_replicas' = 1000000000 does not match the data", "the most replicated expert of phy2log has 1"});
+  p = with("max_replicas", 0);
+  expect_error([&] { read_placement(p); }, {p, "field 'max_replicas' = 0 does not match the data"});
+  // Wider than the most replicated expert: log2phy's rows padded with -1 (a spliced placement).
+  EXPECT_EQ(read_placement(with("max_replicas", 3)).num_slots, 4);
   p = with("replica_count", json::parse("[[9, 9, 9, 9]]"));
   expect_error([&] { read_placement(p); },
                {p, "field 'replica_count' layer 0 = [9,9,9,9] does not match phy2log, which gives [1,1,1,1]"});

@@ -252,7 +252,8 @@ TEST(Spec, RejectsControlCharactersInTheName) {
   for (const auto& [name, code, at] : {std::tuple{std::string("deep\x1b[31mseek"), "0x1B", "byte 4"},
                                        std::tuple{std::string("a\nb"), "0x0A", "byte 1"},
                                        std::tuple{std::string("x\x7f"), "0x7F", "byte 1"},
-                                       std::tuple{std::string("\0z", 2), "0x00", "byte 0"}}) {
+                                       std::tuple{std::string("\0z", 2), "0x00", "byte 0"},
+                                       std::tuple{std::string("bad\xC2\x9B" "31mred"), "U+009B", "byte 3"}}) {
     json j = deepseek();
     j["name"] = name;
     expect_error([&] { parse_model_spec(j.dump(), "m.json"); },
@@ -262,6 +263,6 @@ TEST(Spec, RejectsControlCharactersInTheName) {
     expect_error([&] { parse_gpu_spec(g.dump(), "g.json"); }, {"g.json: field 'name'", "control character"});
   }
   json j = deepseek();
-  j["name"] = "DeepSeek-V3 (671B, \xC3\xA9t\xC3\xA9)";  // UTF-8 is printable text
+  j["name"] = "DeepSeek-V3 (671B, \xC3\xA9t\xC3\xA9, \xC2\xA0)";  // UTF-8 is printable text, U+00A0 too
   EXPECT_EQ(parse_model_spec(j.dump(), "m.json").name, j["name"]);
 }

@@ -394,9 +394,10 @@ TEST(RandomWeights, AnInterruptedRegenerationIsRefusedNotGuessedAt) {
                Interrupted);
   EXPECT_FALSE(fs::exists(dir / kIndexFileName)) << "the old index must go before any shard is replaced";
   for (const auto& e : fs::directory_iterator(dir)) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
-  // Shard 1 is the second run's, the last shard still the first run's.
+  // Shard 1 is the second run's; the first run's shards went with its index (none is left for
+  // the new index not to name), so the last one is not there yet.
   EXPECT_EQ(SafetensorsFile::open((dir / plan.shards.front().file_name).string()).metadata().at("seed"), "2");
-  EXPECT_EQ(SafetensorsFile::open((dir / plan.shards.back().file_name).string()).metadata().at("seed"), "1");
+  EXPECT_FALSE(fs::exists(dir / plan.shards.back().file_name));
   expect_error([&] { Checkpoint::open(dir.string()); },
                {"checkpoint '" + dir.string() + "'", plan.shards.front().file_name, "was written by moekit random weights",
                 "has no model.safetensors.index.json", "interrupted write"});
@@ -408,14 +409,20 @@ TEST(RandomWeights, AnInterruptedRegenerationIsRefusedNotGuessedAt) {
   // A single shard named directly is complete and opens (it was renamed into place when whole).
   EXPECT_NO_THROW(Checkpoint::open((dir / plan.shards.back().file_name).string()));
 
-  // Interrupted again with another shard size: the file names differ from the old ones, so the
-  // two runs' files hold the same tensors; still the interrupted write is what the error says.
+  // Interrupted again with another shard size: the file names differ from the old ones, and
+  // the old ones are gone; still the interrupted write is what the error says. Run to the end,
+  // no file of the earlier runs is left beside the new index's.
   EXPECT_THROW(write_random_weights(spec, {.seed = 3, .max_shard_bytes = 700000}, dir.string(),
                                     [&](uint64_t done, uint64_t total) {
                                       if (done > total / 2) throw Interrupted{};
                                     }),
                Interrupted);
   expect_error([&] { Checkpoint::open(dir.string()); }, {"was written by moekit random weights", "interrupted write"});
+  const RandomWeightsPlan third = write_random_weights(spec, {.seed = 3, .max_shard_bytes = 700000}, dir.string());
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.path().extension() == ".safetensors";
+  EXPECT_EQ(files, third.shards.size());
+  EXPECT_LT(third.shards.size(), plan.shards.size());
 }
 
 TEST(RandomWeights, ShapesThatAreNotMultiplesOf128) {

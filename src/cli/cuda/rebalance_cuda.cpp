@@ -1,5 +1,6 @@
 // The CUDA backend of `moekit run --rebalance` (see rebalance_cuda.h).
 #include "cli/cuda/rebalance_cuda.h"
+#include "cli/cuda/run_cuda.h"
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -27,9 +28,7 @@ class CudaBackend : public RebalanceBackend {
   CudaBackend(const RebalanceRunInput& in, const Placement& placement, int max_tokens)
       : spec_(*in.model), weights_(*in.weights), check_(in.check), P_(in.num_ranks), t_max_(max_tokens),
         copy_bytes_per_s_(in.options.copy_gbps * 1e9) {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
-      throw Error("--backend cuda: no CUDA device is visible on this machine; use --backend cpu");
+    require_cuda_device();
     const int L = int(weights_.size()), d = int(spec_.hidden_size), k = spec_.num_experts_per_token;
     const gpu::EpMode mode = in.protocol == "normal" ? gpu::EpMode::kNormal : gpu::EpMode::kLowLatency;
     const gpu::GpuPipeline pipeline = in.fused ? gpu::GpuPipeline::kFused : gpu::GpuPipeline::kStaged;

@@ -50,6 +50,12 @@ int first_token(int rank, int num_ranks, int64_t batch) { return int((rank * bat
 
 }  // namespace
 
+void require_cuda_device() {
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0)
+    throw Error("--backend cuda: no CUDA device is visible on this machine; use --backend cpu");
+}
+
 CudaRunResult run_layers_cuda(const CudaRunInput& in) {
   MOEKIT_CHECK(in.model && in.weights && in.placement && in.x, "run_layers_cuda: missing input");
   const ModelSpec& spec = *in.model;
@@ -57,9 +63,7 @@ CudaRunResult run_layers_cuda(const CudaRunInput& in) {
   const int64_t B = in.batch;
   MOEKIT_CHECK(in.x->size() == size_t(B) * d, fmt::format("run_layers_cuda: x holds {} values, expected B d = {}",
                                                          in.x->size(), B * d));
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0)
-    throw Error("--backend cuda: no CUDA device is visible on this machine; use --backend cpu");
+  require_cuda_device();
   const int t_max = int((B + P - 1) / P);
   const gpu::EpMode mode = in.protocol == EpProtocol::kNormal ? gpu::EpMode::kNormal : gpu::EpMode::kLowLatency;
   const gpu::EpConfig ec = gpu::layer_ep_config(spec, in.placement->num_slots, P, t_max, mode,

@@ -42,4 +42,7 @@ struct CudaRunResult {
 // Throws moekit::Error for bad input or a device fault (naming the rank).
 CudaRunResult run_layers_cuda(const CudaRunInput& in);
 
+// An Error unless a CUDA device is visible: `run --backend cuda` asks before it writes any weights.
+void require_cuda_device();
+
 }  // namespace moekit::cli
