@@ -33,9 +33,9 @@ std::string value_error(const std::string& v, const std::string& type) {
   const auto starts = [&](const char* prefix) { return type.rfind(prefix, 0) == 0; };
   const bool integer = starts("INT") || starts("UINT");
   if (!integer && !starts("FLOAT")) return {};
-  const size_t digits = v[0] == '-' || v[0] == '+' ? 1 : 0;
   if (v.find_first_of("xX") != std::string::npos) return "'" + v + "': write numbers in decimal";
-  if (integer && v.size() > digits + 1 && v[digits] == '0')
+  const size_t sign = v[0] == '-' || v[0] == '+' ? 1 : 0;
+  if (integer && v.size() > sign + 1 && v[sign] == '0')
     return "'" + v + "': write integers in decimal, without leading zeros";
   return {};
 }

@@ -139,7 +139,9 @@ std::string resolve_output_path(const std::string& path, std::string_view what) 
     }
     if (!S_ISLNK(st.st_mode)) break;
     if (hops == 40) throw Error(fmt::format("cannot write {} '{}': {}", what, path, open_error(ELOOP)));
-    const fs::path link = fs::read_symlink(target);
+    std::error_code ec;
+    const fs::path link = fs::read_symlink(target, ec);
+    if (ec) throw Error(fmt::format("cannot write {} '{}': reading the link '{}': {}", what, path, target, ec.message()));
     target = (link.is_absolute() ? link : fs::path(target).parent_path() / link).string();
   }
   // Rename over a device, a FIFO or a socket would replace the node (as root: /dev/null), and over
