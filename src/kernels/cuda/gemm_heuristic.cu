@@ -21,8 +21,8 @@
 // measured 6-7% slower than single CTAs once the epilogue stopped stalling, and equal before
 // (docs/gemm.md, runs 9-11); they stay available as a forced config.
 // MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above up to 128 tokens per block,
-// contiguous with blocks of 128 tokens. Two CTAs per SM (16-token blocks) are a forced config until
-// measured (docs/gemm-mxfp4.md run 22).
+// contiguous with blocks of 128 tokens. Two CTAs per SM (16-token blocks) measured 7-20% slower
+// (docs/gemm-mxfp4.md run 22): a forced config only.
 #include <algorithm>
 #include <climits>
 #include <cmath>

@@ -14,7 +14,8 @@
 // keep two partials in flight: stage kb's wgmmas run while kb - 1 is promoted and kb + 1 widened;
 // 128-token tiles have room for one, and widen kb + 1 while kb's wgmmas run. 16-token tiles may
 // also run two CTAs per SM (GemmConfig::ctas_per_sm), for twice the math warps per scheduler, in
-// half the registers (Mxfp4Registers) and with the two-partial loop.
+// half the registers (Mxfp4Registers) and with the two-partial loop: measured 7-20% slower
+// (docs/gemm-mxfp4.md run 22), so only as a forced config.
 //
 // Weights are the MMA's M side (64 rows per math warpgroup, 128 per tile) because only the A
 // operand may come from registers; tokens (16..128 per tile) are the N side, which suits decode
