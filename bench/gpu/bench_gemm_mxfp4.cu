@@ -3,15 +3,17 @@
 //   masked (decode): both expert GEMMs of a layer back to back (GEMM1 [2·inter, hidden], GEMM2
 //     [hidden, inter]) for 8 DeepSeek-V3 experts (hidden 7168, inter 2048) and for 8 and 32
 //     gpt-oss-120b experts (hidden and inter 2880, padded to 2944 as the loader does), masked_m
-//     all 5 / all 16 / random 1..16 / all 64. Figures: time of the pair per format, the ratio
+//     all 5 / all 16 / random 1..16 / all 44 / binomial around 32 (one rank of gpt-oss-120b at
+//     B = 1024: 4096 rows over 128 experts) / all 64. Figures: time of the pair per format, the ratio
 //     MXFP4 / FP8 (target <= 0.55), and the MXFP4 bytes read (codes + scales of the experts with
 //     tokens) over the time, in TB/s and as a fraction of copy.
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9).
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
 // holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C]
-// (study knobs, 0 = the heuristic's: N the MXFP4 masked plans' ring depth, C the CTAs per SM of
-// their 16-token tiles)
+// [--mx-block-m M] [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4 masked plans'
+// ring depth, C the CTAs per SM of their 16-token tiles, M the token block of their tiles above
+// 32 rows; --masked-only skips the contiguous part)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -85,6 +87,9 @@ int g_mx_stages = 0;
 // --mx-ctas-per-sm: CTAs per SM of the MXFP4 masked plans with 16-token tiles (0: the heuristic's).
 // Their split-K stays the heuristic's, the same for 1 and 2 on this benchmark's shapes.
 int g_mx_ctas_per_sm = 0;
+// --mx-block-m: the token block of the MXFP4 masked plans the heuristic gives more than 32 tokens
+// (0: the heuristic's), to compare 48- and 64-token tiles on the same rows in one process.
+int g_mx_block_m = 0;
 
 std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
@@ -100,9 +105,11 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   GemmConfig c = choose_masked_config(p, 132);
   const bool stages = g.mx && g_mx_stages > 0 && c.block_m <= 32;  // the decode tiles (larger ones fit fewer)
   const bool per_sm = g.mx && g_mx_ctas_per_sm > 0 && c.block_m == 16;
-  if (stages || per_sm) {
+  const bool block = g.mx && g_mx_block_m > 0 && c.block_m > 32 && c.block_m < 128;
+  if (stages || per_sm || block) {
     if (stages) c.num_stages = g_mx_stages;
     if (per_sm) c.ctas_per_sm = g_mx_ctas_per_sm;
+    if (block) c.block_m = g_mx_block_m, c.num_stages = 0;  // the ring depth follows the tile (split-K stays)
     c.num_ctas = 0;
     return std::make_unique<MaskedGemm>(p, b, &c);
   }
@@ -187,14 +194,17 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
 
 int main(int argc, char** argv) {
   std::string json_path;
-  bool quick = false;
+  bool quick = false, masked_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--mx-stages") && i + 1 < argc) g_mx_stages = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--mx-ctas-per-sm") && i + 1 < argc) g_mx_ctas_per_sm = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--mx-block-m") && i + 1 < argc) g_mx_block_m = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C]\n");
+      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C] "
+                           "[--mx-block-m M] [--masked-only]\n");
       return 2;
     }
   }
@@ -210,16 +220,20 @@ int main(int argc, char** argv) {
     std::uniform_int_distribution<int> d16(1, 16);
     for (const Shape& s : {Shape{"deepseek-v3", 8, 7168, 2048}, Shape{"gpt-oss-120b", 8, 2944, 2944},
                            Shape{"gpt-oss-120b", 32, 2944, 2944}}) {
-      std::vector<int32_t> rnd(s.experts);
+      std::vector<int32_t> rnd(s.experts), binom(s.experts);
       for (auto& x : rnd) x = d16(rng);
+      std::binomial_distribution<int> b32(4096, 1.0 / 128);
+      for (auto& x : binom) x = std::min(b32(rng), 48);  // the rare expert above 48 would take a second block
       for (auto& [name, mm] : std::vector<std::pair<std::string, std::vector<int32_t>>>{
                {"all 5", std::vector<int32_t>(s.experts, 5)}, {"all 16", std::vector<int32_t>(s.experts, 16)},
-               {"rand 1..16", rnd}, {"all 64", std::vector<int32_t>(s.experts, 64)}})
+               {"rand 1..16", rnd}, {"all 44", std::vector<int32_t>(s.experts, 44)}, {"binom 32", binom},
+               {"all 64", std::vector<int32_t>(s.experts, 64)}})
         out["masked"].push_back(run_masked(s, name, mm, copy, iters));
     }
     std::printf("\ncontiguous, 8 experts, N 4096 K 7168\n%-12s %10s %10s %9s %9s %7s   %s\n", "rows/expert", "us fp8",
                 "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
     for (int rows : {512, 2048, 8192}) {
+      if (masked_only) break;
       std::string c8, c4, c4b;
       const double us8 = time_contiguous(false, 8, rows, 4096, 7168, quick ? 5 : 10, c8);
       const double us4 = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, c4);

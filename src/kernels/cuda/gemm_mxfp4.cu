@@ -28,10 +28,11 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
   switch (cfg.block_m) {
     case 16: return Mxfp4Instance<true, 16, 1>::launch(cfg, num_experts);
     case 32: return Mxfp4Instance<true, 32, 1>::launch(cfg, num_experts);
+    case 48: return Mxfp4Instance<true, 48, 1>::launch(cfg, num_experts);
     case 64: return Mxfp4Instance<true, 64, 1>::launch(cfg, num_experts);
     case 128: return Mxfp4Instance<true, 128, 1>::launch(cfg, num_experts);
   }
-  MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64, 128}");
+  MOEKIT_CHECK(false, bad + "block_m in {16, 32, 48, 64, 128}");
   return {};
 }
 
