@@ -504,11 +504,12 @@ namespace {
 // A directory the generator may write into: new, empty, or holding only what an earlier run of it
 // left (its shards, which carry kGeneratorName, its index, and .tmp files of either). Anything
 // else may be a real checkpoint, whose index the generator would remove and whose shards
-// ("model-00001-of-000NN.safetensors") it would overwrite.
-void check_generator_directory(const std::string& dir) {
+// ("model-00001-of-000NN.safetensors") it would overwrite. Returns the earlier run's shards.
+std::vector<std::filesystem::path> check_generator_directory(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (!fs::exists(fs::symlink_status(dir, ec))) return;
+  std::vector<fs::path> shards;
+  if (!fs::exists(fs::symlink_status(dir, ec))) return shards;
   MOEKIT_CHECK(fs::is_directory(dir, ec), fmt::format("random weights: '{}' exists and is not a directory", dir));
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -525,8 +526,10 @@ void check_generator_directory(const std::string& dir) {
       refuse("a safetensors file without a generator in its metadata (moekit's generator did not write it)");
     if (gen->second != kGeneratorName)
       refuse(fmt::format("a safetensors file written by '{}', not by moekit's generator", gen->second));
+    shards.push_back(it->path());
   }
   MOEKIT_CHECK(!ec, fmt::format("random weights: cannot list directory '{}': {}", dir, ec.message()));
+  return shards;
 }
 
 }  // namespace
@@ -535,7 +538,7 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
                                        const std::function<void(uint64_t, uint64_t)>& progress) {
   namespace fs = std::filesystem;
   const RandomWeightsPlan plan = plan_random_weights(spec, o);
-  check_generator_directory(dir);
+  const std::vector<fs::path> old_shards = check_generator_directory(dir);
   std::error_code ec;
   fs::create_directories(dir, ec);
   MOEKIT_CHECK(fs::is_directory(dir), fmt::format("random weights: cannot create directory '{}': {}", dir, ec.message()));
@@ -561,11 +564,8 @@ RandomWeightsPlan write_random_weights(const ModelSpec& spec, const RandomWeight
   const fs::path index_path = fs::path(dir) / kIndexFileName;
   fs::remove(index_path, ec);
   MOEKIT_CHECK(!ec, fmt::format("random weights: cannot remove the old '{}': {}", index_path.string(), ec.message()));
-  // An earlier run's shards (all the generator's: check_generator_directory) go too: one with
-  // more shards would otherwise leave files the new index does not name.
-  std::vector<fs::path> old_shards;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().extension() == ".safetensors") old_shards.push_back(it->path());
+  // An earlier run's shards (check_generator_directory found them all the generator's) go too:
+  // one with more shards would otherwise leave files the new index does not name.
   for (const fs::path& f : old_shards) {
     fs::remove(f, ec);
     MOEKIT_CHECK(!ec, fmt::format("random weights: cannot remove the old '{}': {}", f.string(), ec.message()));

@@ -88,17 +88,25 @@ std::string to_string(const Routing& r) {
   }
 }
 
-std::vector<double> expert_weights(const Routing& r, int num_experts) {
+namespace {
+// What both weight functions check: the routing, E, and no more hot experts than E.
+bool check_weights_request(const Routing& r, int num_experts) {
   check_routing(r);
   MOEKIT_CHECK(num_experts >= 1, fmt::format("experts E = {} must be >= 1", num_experts));
+  const bool hot = r.kind == Routing::Kind::hot || r.kind == Routing::Kind::drift;
+  MOEKIT_CHECK(!hot || r.hot_count <= num_experts,
+               fmt::format("--routing {}: H = {} hot experts exceeds E = {}", to_string(r), r.hot_count, num_experts));
+  return hot;
+}
+}  // namespace
+
+std::vector<double> expert_weights(const Routing& r, int num_experts) {
+  const bool hot = check_weights_request(r, num_experts);
   std::vector<double> w(num_experts, 1.0);
   if (r.kind == Routing::Kind::zipf)
     for (int i = 0; i < num_experts; ++i) w[i] = std::pow(double(i + 1), -r.zipf_s);
-  if (r.kind == Routing::Kind::hot || r.kind == Routing::Kind::drift) {
-    MOEKIT_CHECK(r.hot_count <= num_experts, fmt::format("--routing {}: H = {} hot experts exceeds E = {}", to_string(r),
-                                                         r.hot_count, num_experts));
+  if (hot)
     for (int i = 0; i < r.hot_count; ++i) w[i] = r.hot_ratio;
-  }
   // Scaled by a power of two so that the largest is in [1, 2): exact, so every ratio stays what
   // it was, and no sum of them overflows (8 weights of hot:8:1e308 sum to inf unscaled).
   const int scale = std::ilogb(*std::max_element(w.begin(), w.end()));
@@ -107,16 +115,12 @@ std::vector<double> expert_weights(const Routing& r, int num_experts) {
 }
 
 std::vector<double> expert_log_weights(const Routing& r, int num_experts) {
-  check_routing(r);
-  MOEKIT_CHECK(num_experts >= 1, fmt::format("experts E = {} must be >= 1", num_experts));
+  const bool hot = check_weights_request(r, num_experts);
   std::vector<double> lw(num_experts, 0.0);
   if (r.kind == Routing::Kind::zipf)
     for (int i = 0; i < num_experts; ++i) lw[i] = -r.zipf_s * std::log(double(i + 1));
-  if (r.kind == Routing::Kind::hot || r.kind == Routing::Kind::drift) {
-    MOEKIT_CHECK(r.hot_count <= num_experts, fmt::format("--routing {}: H = {} hot experts exceeds E = {}", to_string(r),
-                                                         r.hot_count, num_experts));
+  if (hot)
     for (int i = 0; i < r.hot_count; ++i) lw[i] = std::log(r.hot_ratio);
-  }
   return lw;
 }
 
