@@ -206,8 +206,8 @@ TEST(GemmMasked, EveryTilePath) {
     bool swap;
     int block_m, splits, block_n = 128;
   };
-  for (Path p : {Path{true, 16, 1}, Path{true, 32, 1}, Path{true, 64, 1}, Path{true, 128, 1}, Path{true, 16, 3},
-                 Path{true, 64, 8}, Path{true, 16, 1, 64}, Path{true, 16, 2, 64}, Path{false, 64, 1},
+  for (Path p : {Path{true, 16, 1}, Path{true, 32, 1}, Path{true, 48, 1}, Path{true, 64, 1}, Path{true, 128, 1},
+                 Path{true, 16, 3}, Path{true, 48, 3}, Path{true, 64, 8}, Path{true, 16, 1, 64}, Path{true, 16, 2, 64}, Path{false, 64, 1},
                  Path{false, 128, 1}, Path{false, 128, 2}, Path{false, 128, 1, 256}}) {
     GemmConfig cfg = forced(p.swap, p.block_m, p.splits);
     cfg.block_n = p.block_n;
@@ -218,7 +218,7 @@ TEST(GemmMasked, EveryTilePath) {
   }
 }
 
-// Tiles of 1 to 5 K blocks on every orientation (normal BM64/BM128, swap-AB 16/32/64/128): a tile
+// Tiles of 1 to 5 K blocks on every orientation (normal BM64/BM128, swap-AB 16/32/48/64/128): a tile
 // shorter than the ring, a ring position carried from one short tile to the next, and split-K 2 at
 // K = 640 (tiles of 2 and 3 blocks in one launch). Added with a k-block loop that kept two partial
 // sums in flight (docs/gemm.md run 16), whose head and odd/even tails these shapes reach.
@@ -228,8 +228,8 @@ TEST(GemmMasked, FewKBlocksPerTile) {
     MaskedCase c({3, 256, k, 132, 0}, rng);
     const std::vector<int32_t> masked_m = {1, 132, 70};
     for (auto [swap, block_m, splits, block_n] :
-         {std::tuple{true, 16, 1, 128}, std::tuple{true, 32, 1, 128}, std::tuple{true, 64, 1, 128},
-          std::tuple{true, 128, 1, 128}, std::tuple{false, 64, 1, 128}, std::tuple{false, 128, 1, 128},
+         {std::tuple{true, 16, 1, 128}, std::tuple{true, 32, 1, 128}, std::tuple{true, 48, 1, 128},
+          std::tuple{true, 64, 1, 128}, std::tuple{true, 128, 1, 128}, std::tuple{false, 64, 1, 128}, std::tuple{false, 128, 1, 128},
           std::tuple{false, 128, k == 640 ? 2 : 1, 128}, std::tuple{false, 128, 1, 256}}) {
       GemmConfig cfg = forced(swap, block_m, splits);
       cfg.block_n = block_n;
@@ -326,7 +326,8 @@ TEST(GemmMasked, WideSwapTiles) {
 TEST(GemmMasked, HeuristicConfigsAndStages) {
   // Above 64 expected rows (up to 192) the tokens go on the MMA's M side in 128-row blocks
   // (docs/gemm.md run 18); below, swap-AB in the smallest block that holds them.
-  for (auto [expected, swap, block_m] : {std::tuple{16, true, 16}, std::tuple{64, true, 64}, std::tuple{65, false, 128},
+  for (auto [expected, swap, block_m] : {std::tuple{16, true, 16}, std::tuple{33, true, 48}, std::tuple{44, true, 48},
+                                         std::tuple{49, true, 64}, std::tuple{64, true, 64}, std::tuple{65, false, 128},
                                          std::tuple{98, false, 128}, std::tuple{151, false, 128},
                                          std::tuple{192, false, 128}}) {
     const GemmConfig cfg = choose_masked_config(MaskedGemmProblem{32, 4096, 7168, 4096, expected}, query_device().num_sms);
@@ -434,28 +435,35 @@ TEST(GemmMasked, AccuracyPositiveK16384) {
 }
 
 TEST(GemmMasked, GraphReplayWithNewMaskedMAndData) {
+  // The heuristic's plan (16-token tiles), and 48-token tiles with split-K (whose tile counters
+  // must be back at zero for the next replay).
   std::mt19937 rng(5);
   MaskedCase c({6, 256, 1024, 48, 8}, rng);
-  std::vector<int32_t> masked_m = {4, 0, 48, 7, 1, 30};
-  c.d_m.upload(masked_m);
-  MaskedGemm gemm(c.problem, c.buffers());
-  cudaStream_t stream;
-  MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
-  const CapturedGraph graph(stream, [&] { gemm.run(stream); });
-  std::uniform_int_distribution<int> d(0, 48);
-  for (int replay = 0; replay < 4; ++replay) {
-    if (replay > 0) {
-      for (auto& m : masked_m) m = d(rng);
-      masked_m[replay] = 0;
-      c.new_activations(rng);
-      c.d_m.upload(masked_m);
+  const GemmConfig wide_split = forced(true, 48, 2);
+  for (const GemmConfig* cfg : {(const GemmConfig*)nullptr, &wide_split}) {
+    std::vector<int32_t> masked_m = {4, 0, 48, 7, 1, 30};
+    c.d_m.upload(masked_m);
+    MaskedGemm gemm(c.problem, c.buffers(), cfg);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
+    {
+      const CapturedGraph graph(stream, [&] { gemm.run(stream); });
+      std::uniform_int_distribution<int> d(0, 48);
+      for (int replay = 0; replay < 4; ++replay) {
+        if (replay > 0) {
+          for (auto& m : masked_m) m = d(rng);
+          masked_m[replay] = 0;
+          c.new_activations(rng);
+          c.d_m.upload(masked_m);
+        }
+        c.poison();
+        graph.launch(stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        expect_good(c.check(masked_m), 3e-3, gemm.config().to_string() + ", graph replay " + std::to_string(replay));
+      }
     }
-    c.poison();
-    graph.launch(stream);
-    MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    expect_good(c.check(masked_m), 3e-3, "graph replay " + std::to_string(replay));
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
-  MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // The previous kernel writes the GEMM's inputs and lets dependents launch at once; the GEMM,

@@ -134,10 +134,10 @@ __device__ __forceinline__ void store_bf16_transposed_staged(const KernelArgs& a
 // 4 words per instruction) and the 16-byte reads each hit 32 distinct banks.
 constexpr int kEpiRowWords = 36;                          // 64 BF16 columns + 4 words of padding
 constexpr int kEpiWarpBytes = 16 * kEpiRowWords * 4;      // 16 rows per warp
-// Swap-AB tiles of 32 and 64 tokens stage too (store_bf16_transposed_staged): 32 bytes per token
-// per warp. (16 tokens store 8 values per thread, little to gain; 128 made ptxas spill.)
+// Swap-AB tiles of 32, 48 and 64 tokens stage too (store_bf16_transposed_staged): 32 bytes per
+// token per warp. (16 tokens store 8 values per thread, little to gain; 128 made ptxas spill.)
 constexpr bool stages_transposed(bool swap_ab, bool gated, int block_t) {
-  return swap_ab && !gated && (block_t == 32 || block_t == 64);
+  return swap_ab && !gated && (block_t == 32 || block_t == 48 || block_t == 64);
 }
 // The staging rows of a kernel instance.
 constexpr int epilogue_smem_bytes(bool swap_ab, bool gated, int math_wgs, int block_t) {

@@ -69,10 +69,11 @@ void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
     switch (cfg.block_m) {
       case 16: return f(Instance<true, true, 2, 16, 128>{});
       case 32: return f(Instance<true, true, 2, 32, 128>{});
+      case 48: return f(Instance<true, true, 2, 48, 128>{});
       case 64: return f(Instance<true, true, 2, 64, 128>{});
       case 128: return f(Instance<true, true, 2, 128, 128>{});
     }
-    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 64, 128} for swap-AB");
+    MOEKIT_CHECK(false, bad + "block_m in {16, 32, 48, 64, 128} for swap-AB");
   }
   switch (cfg.block_m) {
     case 64: return f(Instance<false, true, 1, 64, 128>{});
