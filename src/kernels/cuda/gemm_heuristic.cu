@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <initializer_list>
 
 #include "kernels/cuda/gemm_host.cuh"
 
@@ -84,6 +85,14 @@ bool gated_blocks_of_32_save_a_round(const MaskedGemmProblem& p, int m, int num_
   };
   return 1.1 * double(rounds(32)) < double(rounds(16));  // a wider tile may cost up to 10%
 }
+
+// The smallest of a kernel's compiled token blocks (ascending) that holds m rows; the largest
+// where none does (the rest take more blocks).
+int smallest_block(int m, std::initializer_list<int> blocks) {
+  for (int b : blocks)
+    if (m <= b) return b;
+  return *(blocks.end() - 1);
+}
 }  // namespace
 
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
@@ -92,7 +101,7 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   cfg.block_n = 128;
   if (p.epilogue == GemmEpilogue::kSiluMulFp8) {
     cfg.swap_ab = true;
-    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : 64;
+    cfg.block_m = smallest_block(m, {16, 32, 64});
     if (cfg.block_m == 16 && gated_blocks_of_32_save_a_round(p, m, num_sms)) cfg.block_m = 32;
   } else if (p.weights == WeightFormat::kMxfp4) {
     // The only MXFP4 orientation; more tokens take more 128-token blocks. 48-token tiles for
@@ -100,12 +109,12 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     // upper-typical 44 rows of 32 per expert (gpt-oss-120b at B = 1024) in one block: 7-8% faster
     // than 64-token tiles on the same rows (docs/gemm-mxfp4.md run 23).
     cfg.swap_ab = true;
-    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 48 ? 48 : m <= 64 ? 64 : 128;
+    cfg.block_m = smallest_block(m, {16, 32, 48, 64, 128});
   } else if (m <= 64) {
     cfg.swap_ab = true;
     // 48 where it holds the rows: the pair 3% faster than 64-token tiles at DeepSeek-V3's 44
     // upper-typical rows (docs/gemm.md run 78).
-    cfg.block_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 48 ? 48 : 64;
+    cfg.block_m = smallest_block(m, {16, 32, 48, 64});
   } else if (m <= 192) {
     // 65..192 rows: tokens on the M side in blocks of 128, even where two blocks hold ~130-190
     // rows. Measured faster than swap-AB 128-token tiles at ~100 rows per expert and than
