@@ -10,10 +10,9 @@
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9).
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
-// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C]
-// [--mx-block-m M] [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4 masked plans'
-// ring depth, C the CTAs per SM of their 16-token tiles, M the token block of their tiles above
-// 32 rows; --masked-only skips the contiguous part)
+// holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M]
+// [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4 masked plans' ring depth, M the
+// token block of their tiles above 32 rows; --masked-only skips the contiguous part)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -84,9 +83,6 @@ struct Gemm {
 // --mx-stages: the ring depth of the MXFP4 masked plans with tiles of <= 32 tokens (0: the
 // heuristic's; larger tiles fit fewer stages and keep theirs).
 int g_mx_stages = 0;
-// --mx-ctas-per-sm: CTAs per SM of the MXFP4 masked plans with 16-token tiles (0: the heuristic's).
-// Their split-K stays the heuristic's, the same for 1 and 2 on this benchmark's shapes.
-int g_mx_ctas_per_sm = 0;
 // --mx-block-m: the token block of the MXFP4 masked plans the heuristic gives more than 32 tokens
 // (0: the heuristic's), to compare 48- and 64-token tiles on the same rows in one process.
 int g_mx_block_m = 0;
@@ -104,11 +100,9 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   b.out = g.out;
   GemmConfig c = choose_masked_config(p, 132);
   const bool stages = g.mx && g_mx_stages > 0 && c.block_m <= 32;  // the decode tiles (larger ones fit fewer)
-  const bool per_sm = g.mx && g_mx_ctas_per_sm > 0 && c.block_m == 16;
   const bool block = g.mx && g_mx_block_m > 0 && c.block_m > 32 && c.block_m < 128;
-  if (stages || per_sm || block) {
+  if (stages || block) {
     if (stages) c.num_stages = g_mx_stages;
-    if (per_sm) c.ctas_per_sm = g_mx_ctas_per_sm;
     if (block) c.block_m = g_mx_block_m, c.num_stages = 0;  // the ring depth follows the tile (split-K stays)
     c.num_ctas = 0;
     return std::make_unique<MaskedGemm>(p, b, &c);
@@ -199,12 +193,11 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--mx-stages") && i + 1 < argc) g_mx_stages = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--mx-ctas-per-sm") && i + 1 < argc) g_mx_ctas_per_sm = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--mx-block-m") && i + 1 < argc) g_mx_block_m = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-ctas-per-sm C] "
-                           "[--mx-block-m M] [--masked-only]\n");
+      std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
+                           "[--masked-only]\n");
       return 2;
     }
   }

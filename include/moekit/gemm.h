@@ -124,13 +124,6 @@ struct GemmConfig {
   // its activation tile by TMA multicast (FP8, BF16 output, no split-K, an even number of
   // weight blocks); 1 otherwise.
   int cluster = 1;
-  // CTAs resident on one SM: 2 gives each half the SM's shared memory and registers, so that the
-  // math warps of two CTAs hide each other's latency (MXFP4 weights, masked, 16-token tiles: the
-  // widening's dependency chains bound that kernel with one CTA; measured 7-20% slower,
-  // docs/gemm-mxfp4.md run 22: a forced config, or MOEKIT_MXFP4_CTAS_PER_SM=2 over the
-  // heuristic's, which picks 1); 1 otherwise. num_ctas, when the plan fills it in, is
-  // ctas_per_sm · SMs.
-  int ctas_per_sm = 1;
   std::string to_string() const;
 };
 

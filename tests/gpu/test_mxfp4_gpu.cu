@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -228,54 +227,12 @@ TEST(GemmMxfp4Masked, EveryTilePathAndSplitK) {
   MaskedCase c({6, 512, 1024, 136, 0}, rng);
   const std::vector<int32_t> masked_m = {0, 1, 17, 136, 64, 200};  // none, one, odd, full, block edge, clamped
   for (int bm : {16, 32, 48, 64, 128})
-    for (int splits : {1, 3})
-      for (int per_sm : {1, 2}) {
-        if (per_sm == 2 && bm != 16) continue;  // two CTAs per SM: 16-token tiles only
-        GemmConfig cfg = forced(true, bm, splits);
-        cfg.ctas_per_sm = per_sm;
-        for (bool bias : {false, true})
-          expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
-                                                             std::to_string(splits) + " ctas/SM " +
-                                                             std::to_string(per_sm) + (bias ? " bias" : ""));
-      }
-}
-
-TEST(GemmMxfp4Masked, TwoCtasPerSmGiveTheSameBits) {
-  // Two CTAs per SM change where a tile runs, not what it computes: with the same split-K, every
-  // output byte equals the one-CTA kernel's. DeepSeek-V3's GEMM2 shape, 8 experts of 0..16 rows
-  // (more tiles than either grid, so CTAs take several), and a split-K case with its reduction.
-  // Checked against float64 once per split count (at two CTAs per SM); the one-CTA run is compared
-  // byte for byte.
-  std::mt19937 rng(109);
-  MaskedCase c({8, 4608, 1024, 16, 16}, rng);  // 8 x 36 = 288 tiles
-  const std::vector<int32_t> masked_m = {16, 0, 1, 9, 16, 15, 3, 16};
-  for (int splits : {1, 4}) {
-    GemmConfig one = forced(true, 16, splits), two = one;
-    two.ctas_per_sm = 2;
-    c.run(masked_m, &one, true);
-    const std::vector<uint16_t> out_one = c.d_out.download();
-    expect_good(c.run_once(masked_m, &two, true), "splits " + std::to_string(splits) + ", 2 CTAs per SM");
-    EXPECT_TRUE(c.d_out.download() == out_one) << "splits " << splits << ": two CTAs per SM changed output bytes";
-  }
-  // The plan fills in a grid of twice the SMs, and half an SM's shared memory still holds a ring
-  // at least 8 deep (docs/gemm-mxfp4.md run 18: 8 stages stream as fast as 16).
-  MaskedGemmProblem p = c.problem;
-  p.weights = WeightFormat::kMxfp4;
-  GemmConfig two = forced(true, 16, 1);
-  two.ctas_per_sm = 2;
-  MaskedGemm plan(p, c.buffers(true), &two);
-  EXPECT_EQ(plan.config().num_ctas, 2 * query_device().num_sms) << plan.config().to_string();
-  EXPECT_GE(plan.config().num_stages, 8) << plan.config().to_string();
-  EXPECT_NE(plan.config().to_string().find("(2 per SM)"), std::string::npos) << plan.config().to_string();
-  // The study knob over the heuristic's plans (the layers' too): 2 or 1, anything else refused.
-  EXPECT_EQ(MaskedGemm(p, c.buffers(true)).config().ctas_per_sm, 1);
-  setenv("MOEKIT_MXFP4_CTAS_PER_SM", "2", 1);
-  const MaskedGemm knob(p, c.buffers(true));
-  EXPECT_EQ(knob.config().ctas_per_sm, 2) << knob.config().to_string();
-  EXPECT_EQ(knob.config().num_ctas, 2 * query_device().num_sms) << knob.config().to_string();
-  setenv("MOEKIT_MXFP4_CTAS_PER_SM", "3", 1);
-  expect_error([&] { MaskedGemm g(p, c.buffers(true)); }, {"MOEKIT_MXFP4_CTAS_PER_SM = '3'", "expected 1 or 2"});
-  unsetenv("MOEKIT_MXFP4_CTAS_PER_SM");
+    for (int splits : {1, 3}) {
+      const GemmConfig cfg = forced(true, bm, splits);
+      for (bool bias : {false, true})
+        expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
+                                                           std::to_string(splits) + (bias ? " bias" : ""));
+    }
 }
 
 TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
@@ -346,16 +303,14 @@ TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
 }
 
 TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
-  // The heuristic's plan, 16-token tiles at two CTAs per SM, once with split-K (its tile counters
-  // must be back at zero for the next replay), and 48-token tiles with split-K.
+  // The heuristic's plan, and 16- and 48-token tiles with split-K (the tile counters must be back
+  // at zero for the next replay).
   std::mt19937 rng(104);
   MaskedCase c({5, 384, 768, 48, 16}, rng);
   MaskedGemmProblem p = c.problem;
   p.weights = WeightFormat::kMxfp4;
-  GemmConfig two = forced(true, 16, 1), two_split = forced(true, 16, 2);
-  two.ctas_per_sm = two_split.ctas_per_sm = 2;
-  const GemmConfig wide_split = forced(true, 48, 2);
-  const GemmConfig* configs[] = {nullptr, &two, &two_split, &wide_split};
+  const GemmConfig narrow_split = forced(true, 16, 2), wide_split = forced(true, 48, 2);
+  const GemmConfig* configs[] = {nullptr, &narrow_split, &wide_split};
   for (const GemmConfig* cfg : configs) {
     MaskedGemm gemm(p, c.buffers(true), cfg);
     cudaStream_t stream;
@@ -402,20 +357,6 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   normal.block_m = 64;
   normal.block_n = 128;
   expect_error([&] { MaskedGemm g(p, c.buffers(false), &normal); }, {"swap-AB with block_n = 128"});
-  GemmConfig two = forced(true, 32, 1);  // two CTAs per SM: 16-token tiles only
-  two.ctas_per_sm = 2;
-  expect_error([&] { MaskedGemm g(p, c.buffers(false), &two); }, {"(2 per SM)", "2 with masked 16-token tiles"});
-  two.block_m = 16;
-  two.ctas_per_sm = 3;
-  expect_error([&] { MaskedGemm g(p, c.buffers(false), &two); }, {"(3 per SM)", "ctas_per_sm = 1, or 2"});
-  two.ctas_per_sm = 2;
-  expect_error([&] { MaskedGemm g(c.problem, [&] {  // FP8 weights: one CTA per SM only
-                       MaskedGemmBuffers f = c.buffers(false);
-                       f.w_mx_scales = nullptr;
-                       f.w_scales = c.d_as.ptr;
-                       return f;
-                     }(), &two); },
-               {"ctas_per_sm = 1 with FP8 weights"});
   MaskedGemmProblem fp8 = c.problem;  // FP8 weights with an MXFP4-only buffer
   MaskedGemmBuffers fb = c.buffers(true);
   fb.w_mx_scales = nullptr;

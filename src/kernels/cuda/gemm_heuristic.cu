@@ -22,8 +22,8 @@
 // measured 6-7% slower than single CTAs once the epilogue stopped stalling, and equal before
 // (docs/gemm.md, runs 9-11); they stay available as a forced config.
 // MXFP4 weights: swap-AB always (gemm_mxfp4.cuh); masked as above, with 48-token blocks too, up
-// to 128 tokens per block, contiguous with blocks of 128 tokens. Two CTAs per SM (16-token blocks)
-// measured 7-20% slower (docs/gemm-mxfp4.md run 22): a forced config only.
+// to 128 tokens per block, contiguous with blocks of 128 tokens. (Two CTAs per SM with 16-token
+// blocks measured 7-20% slower and were removed: docs/gemm-mxfp4.md run 22.)
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -145,7 +145,7 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   long tiles = token_blocks * ((cols + cfg.block_n - 1) / cfg.block_n);
   // block_n = 64 (swap-AB, 16 tokens) fills the last wave better but measured slower once the
   // GEMMs overlap (docs/gemm.md, run 7): not chosen here, available as a forced config.
-  cfg.num_ctas = num_sms * cfg.ctas_per_sm;
+  cfg.num_ctas = num_sms;
   cfg.num_splits = gemm_detail::choose_splits(tiles, cfg.num_ctas, p.k / 128);
   return cfg;
 }

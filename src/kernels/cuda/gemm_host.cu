@@ -1,7 +1,6 @@
 // Host pieces shared by the GEMM plans (gemm_host.cuh).
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -15,9 +14,8 @@ namespace moekit {
 std::string GemmConfig::to_string() const {
   std::ostringstream os;
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
-     << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas;
-  if (ctas_per_sm != 1) os << " (" << ctas_per_sm << " per SM)";
-  os << " smem=" << smem_bytes;
+     << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas
+     << " smem=" << smem_bytes;
   return os.str();
 }
 
@@ -97,15 +95,6 @@ void maybe_print_config(const char* kind, const std::string& problem, const Gemm
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
 }
 
-void apply_mxfp4_ctas_knob(GemmConfig& cfg) {
-  const char* env = std::getenv("MOEKIT_MXFP4_CTAS_PER_SM");
-  if (env == nullptr || env[0] == '\0' || !cfg.swap_ab || cfg.block_m != 16) return;
-  const std::string v = env;
-  MOEKIT_CHECK(v == "1" || v == "2", "MOEKIT_MXFP4_CTAS_PER_SM = '" + v + "'; expected 1 or 2 (or unset)");
-  cfg.ctas_per_sm = v[0] - '0';
-  cfg.num_ctas = cfg.ctas_per_sm * num_sms();
-}
-
 int max_smem_per_block() {
   int dev = 0, v = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
@@ -120,31 +109,12 @@ int num_sms() {
   return v;
 }
 
-int smem_per_cta(int ctas_per_sm) {
-  MOEKIT_CHECK(ctas_per_sm == 1 || ctas_per_sm == 2,
-               "GEMM config: ctas_per_sm = " + std::to_string(ctas_per_sm) + "; expected 1 or 2");
-  if (ctas_per_sm == 1) return max_smem_per_block();
-  int dev = 0, per_sm = 0, reserved = 0;
-  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
-  return std::min(max_smem_per_block(), per_sm / ctas_per_sm - reserved);
-}
-
-void check_residency(const void* kernel, const GemmConfig& cfg, int threads, int launch_regs) {
+void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_regs) {
   cudaFuncAttributes attr{};
   MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   MOEKIT_CHECK(attr.numRegs >= launch_regs,
                "GEMM config " + cfg.to_string() + ": the kernel was compiled to " + std::to_string(attr.numRegs) +
                    " registers per thread; its warpgroups' setmaxnreg split needs " + std::to_string(launch_regs));
-  int resident = 0;
-  MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, cfg.smem_bytes));
-  MOEKIT_CHECK(resident >= cfg.ctas_per_sm,
-               "GEMM config " + cfg.to_string() + ": " + std::to_string(resident) + " CTA(s) of " +
-                   std::to_string(threads) + " threads, " + std::to_string(attr.numRegs) + " registers each and " +
-                   std::to_string(cfg.smem_bytes) + " + " + std::to_string(attr.sharedSizeBytes) +
-                   " B of shared memory fit on an SM, expected ctas_per_sm = " + std::to_string(cfg.ctas_per_sm) +
-                   " (fewer stages would fit)");
 }
 
 void allow_smem(const void* kernel, int smem_bytes) {

@@ -30,40 +30,32 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 // no split-K, and `cols` output columns in an even number of weight blocks.
 void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
-// MOEKIT_MXFP4_CTAS_PER_SM = 1 or 2: a study knob over the heuristic's CTAs per SM for the MXFP4
-// masked plans with 16-token tiles (GemmConfig::ctas_per_sm), so that a layer or a benchmark can
-// be measured both ways from one build; split-K stays the heuristic's. Unset: nothing changes.
-void apply_mxfp4_ctas_knob(GemmConfig& cfg);
 int max_smem_per_block();
 int num_sms();
-// The dynamic shared memory one CTA may take when ctas_per_sm CTAs share an SM: the opt-in maximum
-// for one, else the SM's shared memory split evenly, less each CTA's reserved part.
-int smem_per_cta(int ctas_per_sm);
 
 // Stages that fit next to the fixed part, capped where deeper buys nothing. Layout: the
 // kernel's SmemLayout (or Mxfp4SmemLayout); extra_static: static shared memory beyond the
 // kernel's own few words (the gated epilogue's amax exchange).
 template <class Layout>
-int stages_that_fit(int num_experts, int extra_static, int ctas_per_sm) {
+int stages_that_fit(int num_experts, int extra_static) {
   int per = Layout::kStageBytes;
   int fixed = Layout::bytes(0, num_experts) + 2048 + extra_static;  // + static shared and slack
-  int s = (smem_per_cta(ctas_per_sm) - fixed) / per;
+  int s = (max_smem_per_block() - fixed) / per;
   return s > 16 ? 16 : s;
 }
 
 // Fills num_stages, smem_bytes and num_ctas of cfg for a kernel with shared-memory Layout.
 template <class Layout>
 void finish_config(GemmConfig& cfg, int num_experts, int extra_static) {
-  const int budget = smem_per_cta(cfg.ctas_per_sm);
-  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<Layout>(num_experts, extra_static, cfg.ctas_per_sm);
+  const int budget = max_smem_per_block();
+  if (cfg.num_stages <= 0) cfg.num_stages = stages_that_fit<Layout>(num_experts, extra_static);
   MOEKIT_CHECK(cfg.num_stages >= 2, "GEMM config: " + std::to_string(cfg.num_stages) +
                                         " pipeline stages do not fit in shared memory; expected at least 2");
   cfg.smem_bytes = Layout::bytes(cfg.num_stages, num_experts);
   MOEKIT_CHECK(cfg.smem_bytes <= budget, "GEMM config " + cfg.to_string() + " needs " + std::to_string(cfg.smem_bytes) +
-                                             " bytes of shared memory per CTA; with " +
-                                             std::to_string(cfg.ctas_per_sm) + " CTA(s) per SM the device has " +
+                                             " bytes of shared memory per CTA; the device has " +
                                              std::to_string(budget));
-  if (cfg.num_ctas <= 0 && cfg.cluster == 1) cfg.num_ctas = cfg.ctas_per_sm * num_sms();  // clusters: cluster_ctas
+  if (cfg.num_ctas <= 0 && cfg.cluster == 1) cfg.num_ctas = num_sms();  // clusters: cluster_ctas
 }
 
 // Raises a kernel's dynamic shared-memory limit to the device's opt-in maximum (less its static
@@ -152,22 +144,20 @@ struct Instance {
   }
 };
 
-// Refuses a kernel that cannot hold ctas_per_sm CTAs on an SM with smem_bytes each, or whose
-// registers at launch are fewer than its warpgroups' setmaxnreg split draws on (its consumers would
-// wait for them forever): both are ptxas's and the device's to decide, so they are asked.
-void check_residency(const void* kernel, const GemmConfig& cfg, int threads, int launch_regs);
+// Refuses a kernel whose registers at launch are fewer than its warpgroups' setmaxnreg split draws
+// on (its consumers would wait for them forever): that is ptxas's to decide, so the device is asked.
+void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_regs);
 
 // One compiled MXFP4 kernel instance (swap-AB, 2 math warpgroups, 128 weight rows per tile).
-template <bool kMasked, int kBlockT, int kCtasPerSm>
+template <bool kMasked, int kBlockT>
 struct Mxfp4Instance {
   static Launch launch(GemmConfig& cfg, int num_experts) {
     finish_config<Mxfp4SmemLayout<kBlockT>>(cfg, num_experts, 0);
     Launch l;
-    l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT, kCtasPerSm>;
+    l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT>;
     l.threads = 3 * 128;
     allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);
-    check_residency(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg, l.threads,
-                    Mxfp4Registers<kCtasPerSm>::kLaunch);
+    check_register_split(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg, Mxfp4Registers::kLaunch);
     return l;
   }
 };

@@ -17,7 +17,6 @@ namespace {
 template <class F>
 void with_masked_instance(const GemmConfig& cfg, GemmEpilogue epilogue, F&& f) {
   const std::string bad = "masked GEMM config " + cfg.to_string() + " is not compiled; expected ";
-  MOEKIT_CHECK(cfg.ctas_per_sm == 1, bad + "ctas_per_sm = 1 with FP8 weights");
   if (epilogue == GemmEpilogue::kSiluMulFp8) {
     MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128 for the SiLU·up epilogue");
     MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 for the SiLU·up epilogue");
@@ -123,7 +122,6 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_masked_config(p, num_sms());
-  if (config == nullptr && mxfp4) apply_mxfp4_ctas_knob(im.cfg);
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));

@@ -13,24 +13,19 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
                           " is not compiled; expected ";
   MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128");
   MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 (MXFP4 kernels run one CTA per cluster)");
-  if (cfg.ctas_per_sm != 1) {
-    MOEKIT_CHECK(masked && cfg.block_m == 16 && cfg.ctas_per_sm == 2,
-                 bad + "ctas_per_sm = 1, or 2 with masked 16-token tiles (block_m = 16)");
-    return Mxfp4Instance<true, 16, 2>::launch(cfg, num_experts);
-  }
   if (!masked) {
     switch (cfg.block_m) {
-      case 64: return Mxfp4Instance<false, 64, 1>::launch(cfg, num_experts);
-      case 128: return Mxfp4Instance<false, 128, 1>::launch(cfg, num_experts);
+      case 64: return Mxfp4Instance<false, 64>::launch(cfg, num_experts);
+      case 128: return Mxfp4Instance<false, 128>::launch(cfg, num_experts);
     }
     MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
   }
   switch (cfg.block_m) {
-    case 16: return Mxfp4Instance<true, 16, 1>::launch(cfg, num_experts);
-    case 32: return Mxfp4Instance<true, 32, 1>::launch(cfg, num_experts);
-    case 48: return Mxfp4Instance<true, 48, 1>::launch(cfg, num_experts);
-    case 64: return Mxfp4Instance<true, 64, 1>::launch(cfg, num_experts);
-    case 128: return Mxfp4Instance<true, 128, 1>::launch(cfg, num_experts);
+    case 16: return Mxfp4Instance<true, 16>::launch(cfg, num_experts);
+    case 32: return Mxfp4Instance<true, 32>::launch(cfg, num_experts);
+    case 48: return Mxfp4Instance<true, 48>::launch(cfg, num_experts);
+    case 64: return Mxfp4Instance<true, 64>::launch(cfg, num_experts);
+    case 128: return Mxfp4Instance<true, 128>::launch(cfg, num_experts);
   }
   MOEKIT_CHECK(false, bad + "block_m in {16, 32, 48, 64, 128}");
   return {};

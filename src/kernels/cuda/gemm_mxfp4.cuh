@@ -12,10 +12,9 @@
 // in the order of those fragments (mxfp4_codes_for_gemm, mxfp4.h): a thread's 64 codes of one row
 // and stage are 16 consecutive bytes, one conflict-free 16-byte load. Tiles of up to 64 tokens
 // keep two partials in flight: stage kb's wgmmas run while kb - 1 is promoted and kb + 1 widened;
-// 128-token tiles have room for one, and widen kb + 1 while kb's wgmmas run. 16-token tiles may
-// also run two CTAs per SM (GemmConfig::ctas_per_sm), for twice the math warps per scheduler, in
-// half the registers (Mxfp4Registers) and with the two-partial loop: measured 7-20% slower
-// (docs/gemm-mxfp4.md run 22), so only as a forced config.
+// 128-token tiles have room for one, and widen kb + 1 while kb's wgmmas run. (Two CTAs per SM,
+// for twice the math warps per scheduler in half the registers, measured 7-20% slower: the
+// widening needs fewer instructions per stage, not more warps; docs/gemm-mxfp4.md run 22.)
 //
 // Weights are the MMA's M side (64 rows per math warpgroup, 128 per tile) because only the A
 // operand may come from registers; tokens (16..128 per tile) are the N side, which suits decode
@@ -86,21 +85,17 @@ __device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& c
 
 // How a CTA's registers are split between its producer warpgroup and its two math warpgroups
 // (setmaxnreg draws on the CTA's own pool: the registers its 384 threads were launched with).
-// kLaunch is what __launch_bounds__(384, kCtasPerSm) leaves a thread (the SM's 64K registers over
-// the CTAs, rounded down to ptxas's granularity of 8); the producer gives back down to kProducer;
-// the consumers take the rest. One CTA per SM: 168, 40, 232. Two: 80, 24, 104. At 104 the paired
-// loop's wgmmas are serialised by ptxas (four partials and two stages of fragments do not fit), so
-// two CTAs per SM run the two-partial loop, which fits with a few spilled loop scalars; at 96 (a
-// producer of 40) it spilled three times as many.
-template <int kCtasPerSm>
+// kLaunch is what __launch_bounds__(384, 1) leaves a thread (the SM's 64K registers, rounded down
+// to ptxas's granularity of 8): 168; the producer gives back down to 40 and the consumers take the
+// rest, 232.
 struct Mxfp4Registers {
-  static constexpr int kLaunch = 65536 / (384 * kCtasPerSm) / 8 * 8;
-  static constexpr int kProducer = kCtasPerSm == 1 ? 40 : 24;
+  static constexpr int kLaunch = 65536 / 384 / 8 * 8;
+  static constexpr int kProducer = 40;
   static constexpr int kConsumer = (384 * kLaunch - 128 * kProducer) / 256 / 8 * 8;
 };
 
-template <bool kMasked, int kBlockT, int kCtasPerSm>
-__global__ void __launch_bounds__(384, kCtasPerSm)
+template <bool kMasked, int kBlockT>
+__global__ void __launch_bounds__(384, 1)
     grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                               const __grid_constant__ CUtensorMap tma_sa, const __grid_constant__ CUtensorMap tma_ws,
                               const KernelArgs args) {
@@ -109,15 +104,12 @@ __global__ void __launch_bounds__(384, kCtasPerSm)
   constexpr int kMathWGs = 2, kBlockW = 128, kMathThreads = 256;
   // Stage pipelining needs a second partial in registers: up to 64 tokens per tile.
   constexpr bool kPipelined = kBlockT <= 64;
-  // Stages issued in pairs (two pairs in flight: four partials in registers): up to 32 tokens,
-  // one CTA per SM (Mxfp4Registers).
-  constexpr bool kPaired = kBlockT <= 32 && kCtasPerSm == 1;
+  // Stages issued in pairs (two pairs in flight: four partials in registers): up to 32 tokens.
+  constexpr bool kPaired = kBlockT <= 32;
   using Mma = ptx::WgmmaRS<kBlockT>;
   constexpr int kRegs = Mma::kRegs;
   using Layout = Mxfp4SmemLayout<kBlockT>;
-  using Regs = Mxfp4Registers<kCtasPerSm>;
-  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kMasked && kBlockT == 16),
-                "two CTAs per SM: masked 16-token tiles only (the register split above)");
+  using Regs = Mxfp4Registers;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = ptx::align_smem_1024(smem_raw);
