@@ -1,6 +1,6 @@
 // Internal to src/layer/cuda: what one GpuMoeLayer holds (include/moekit/layer.h), shared by
-// layer.cu (set-up and the step's three phases) and layer_placement.cu (placements and the staged
-// weight moves between GPUs).
+// layer_setup.cu (the constructor), layer.cu (the step's three phases), layer_weights.cu (the
+// slots' upload) and layer_placement.cu (placements and the staged weight moves between GPUs).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -121,6 +121,25 @@ struct GpuMoeLayer::Impl {
   void mark(Stage s, cudaStream_t stream) {
     if (timed_step) MOEKIT_CUDA_CHECK(cudaEventRecord(events[s], stream));
   }
+  // The constructor's parts, in its order (layer_setup.cu): check the arguments against each other
+  // and take the shapes; the weights (other's when sharing them), activation table, replica table
+  // and mover; the gate's per-token buffers; staged or fused, merged shared expert, gated
+  // epilogue, hand-off counters; the experts' activation and output buffers and the shared
+  // expert's; the GEMM plans; the stage clock, side stream and events.
+  void take_shapes(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
+                   int placement_layer);
+  void set_up_weights(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
+                      int placement_layer, const Impl* other);
+  void allocate_token_state();
+  void choose_pipeline();
+  void allocate_expert_buffers(const MoeLayerWeights& weights);
+  void plan_gemms();
+  void create_clocks_and_streams();
+  // Experts of the routed GEMMs (the local slots, and the merged shared expert) and their rows.
+  int routed_slabs() const { return e_loc + (merged ? 1 : 0); }
+  size_t routed_rows() const { return decode ? size_t(routed_slabs()) * m_max : size_t(rows); }
+  // Rows per active local expert the GEMM heuristic plans for (GpuLayerConfig::expected_m).
+  int planned_m() const;
   // The rank's weights (layer_weights.cu): those of `other` (share_weights_with: same rank, model
   // and placement, checked), or gathered from all experts and uploaded.
   void share_weights(const Impl& other, const int32_t* phy2log);
