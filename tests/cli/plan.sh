@@ -196,7 +196,8 @@ json.dump(g, open(f"{tmp}/evil-gpu.json", "w"))
 g["name"] = "g\x1b[31mred"
 json.dump(g, open(f"{tmp}/ctl-gpu.json", "w"))
 rows = [{"model": "x`touch PWNED-rank`'\nsystem 'touch PWNED-rank-newline'\n", "routing": "uniform", "eplb": False,
-         "batch": b, "step_us": 100.0 * b, "floor_us": 50.0 * b} for b in (1, 8, 64)]
+         "batch": b, "step_us": 100.0 * b, "floor_us": 50.0 * b, "ratio": 2.0, "clock_step_ratio": 1.9}
+        for b in (1, 8, 64)]
 json.dump({"rows": rows}, open(f"{tmp}/evil-rank.json", "w"))
 P
 mkdir -p "$tmp/cwd"
@@ -221,8 +222,11 @@ if command -v gnuplot > /dev/null; then
   scripts=$(cd "$SRC/scripts" && pwd)
   (cd "$tmp/cwd" && bash "$scripts/plot-plan" "$tmp/evil-plot" > /dev/null 2>&1) || rc=$?
   (cd "$tmp/cwd" && python3 "$scripts/plot-rank" "$tmp/evil-rank.json" "$tmp/evil-rank.png" > /dev/null 2>&1) || rc=$?
+  (cd "$tmp/cwd" && python3 "$scripts/plot-rank" --ratio "$tmp/evil-ratio.png" "$tmp/evil-rank.json" > /dev/null 2>&1) ||
+    rc=$?
   if [ $rc -eq 0 ] && [ -s "$tmp/evil-plot/plan-floor.png" ] && [ -s "$tmp/evil-plot/plan-coverage.png" ] &&
-     [ -s "$tmp/evil-rank.png" ]; then pass "hostile spec names: the plots still come out (plan --plot, plot-plan, plot-rank)"
+     [ -s "$tmp/evil-rank.png" ] && [ -s "$tmp/evil-ratio.png" ]; then
+    pass "hostile spec names: the plots still come out (plan --plot, plot-plan, plot-rank and its --ratio)"
   else fail "hostile spec names: the plots still come out (exit $rc)"; cat "$tmp/stderr"; fi
   if [ -z "$(find "$tmp" -name 'PWNED*')" ]; then pass "hostile spec names: no payload ran (plan --plot, plot-plan, plot-rank)"
   else fail "hostile spec names: no payload ran"; find "$tmp" -name 'PWNED*'; fi
