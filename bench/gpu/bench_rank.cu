@@ -21,7 +21,8 @@
 // (GpuLayerConfig::combine_ctas; 0, the default: automatic).
 // --overlap-shared 0: GpuLayerConfig::overlap_shared off (the staged step's shared expert on rank
 // 0's stream, not the side stream); --ep-ctas N: the EP kernels' grid (EpConfig::num_ctas; 0, the
-// default: one CTA per SM).
+// default: one CTA per SM); --shared-ctas N: GpuLayerConfig::shared_ctas (the staged step's shared
+// expert on N SMs of its own, the routed GEMM1 on the others; 0, the default: every GEMM on every SM).
 // --shared-first 0|1|-1: fused layers with GpuLayerConfig::shared_first off, on or automatic (the
 // default; GEMM1 walks the merged shared expert first and asks the L2 for its W1 while it waits
 // for the receive).
@@ -116,6 +117,7 @@ constexpr const char* kUsage =
     "           [--timeline] [--uniform] [--quick] [--expert-ready 0|1] [--merge-shared 0|1]\n"
     "           [--recv-ready 0|1] [--recv-ctas N] [--combine-ready 0|1] [--combine-ctas N]\n"
     "           [--shared-first 0|1|-1] [--fused-max-tokens N] [--overlap-shared 0|1] [--ep-ctas N]\n"
+    "           [--shared-ctas N]\n"
     "           [--json FILE] [--help]\n";
 constexpr uint64_t kReplicaSeed = 7;       // choose_replicas' seed, on the device and on the host
 constexpr uint64_t kUniformSeed = 11, kSkewSeed = 12, kStatsSeed = 13;
@@ -375,6 +377,7 @@ struct Options {
   int fused_max_tokens = gpu::kFusedMaxTokens;               // --fused-max-tokens N
   bool overlap_shared = true;  // --overlap-shared 0: GpuLayerConfig::overlap_shared off (staged: shared expert in line)
   int ep_ctas = 0;             // --ep-ctas N: EpConfig::num_ctas (0: every SM)
+  int shared_ctas = 0;         // --shared-ctas N: GpuLayerConfig::shared_ctas (0: every GEMM on every SM)
 };
 
 // Rank 0's time of one layer from its stage clock, in ms: the span of its dispatch and compute
@@ -565,6 +568,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
   cfg.shared_first = opt.shared_first;
   cfg.fused_max_tokens = opt.fused_max_tokens;
   cfg.overlap_shared = opt.overlap_shared;
+  cfg.shared_ctas = opt.shared_ctas;
   Events marks(size_t(kNumMarks) * layers + 1), outer(2);
   size_t per_layer = layer_buffer_estimate(s, e_loc, m_max, t_max);
   for (int first = 0; first < layers;) {
@@ -760,7 +764,7 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
      << ", \"recv_ready\": " << (opt.recv_ready ? "true" : "false") << ", \"recv_ctas\": " << opt.recv_ctas
      << ", \"combine_ready\": " << (opt.combine_ready ? "true" : "false") << ", \"combine_ctas\": " << opt.combine_ctas
      << ", \"shared_first\": " << opt.shared_first
-     << ", \"fused_max_tokens\": " << opt.fused_max_tokens
+     << ", \"fused_max_tokens\": " << opt.fused_max_tokens << ", \"shared_ctas\": " << opt.shared_ctas
      << ", \"timing\": \"rank 0's kernels only: event-record nodes inside one CUDA Graph per segment of layers, "
         "rank 0's two intervals per layer (dispatch + compute, combine) added; step = median over replays of the "
         "sum over layers, layer = median over layers and replays\""
@@ -1017,6 +1021,8 @@ int main(int argc, char** argv) try {
       opt.overlap_shared = next_int(0) != 0;
     } else if (a == "--ep-ctas") {
       opt.ep_ctas = next_int(0);
+    } else if (a == "--shared-ctas") {
+      opt.shared_ctas = next_int(0);
     } else if (a == "--timeline") {
       opt.timeline = true;
     } else if (a == "--uniform") {
@@ -1054,6 +1060,9 @@ int main(int argc, char** argv) try {
   std::printf("copy bandwidth (read + write, 2 GB device copy): %.2f TB/s; FP8 rate for the floor: %.0f TFLOP/s "
               "(docs/results.md §Reference rates of the H200, not measured in this run)\n",
               copy_bw / 1e12, kFp8Flops / 1e12);
+  if (opt.shared_ctas > 0)
+    std::printf("staged layers: the shared expert's GEMMs on %d CTAs, the routed GEMM1 on %d (--shared-ctas)\n",
+                opt.shared_ctas, dev.num_sms - opt.shared_ctas);
   cudaStream_t stream = nullptr;
   MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 

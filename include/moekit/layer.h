@@ -116,6 +116,12 @@ struct GpuLayerConfig {
   int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: upper_typical_rows
                                // (gemm.h) of P T_max k rows over the slots
   bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
+  // Staged decode with the shared expert on the side stream: its GEMMs run on this many CTAs and
+  // the routed GEMM1 on the other SMs, so that the shared expert, launched first, does not hold
+  // every SM while the dispatch and the routed GEMM1 wait for them (0: every GEMM takes every SM).
+  // Below the device's SM count; where the shared expert is not on the side stream (fused, merged,
+  // in line, prefill) it changes nothing.
+  int shared_ctas = 0;
   GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
   bool merge_shared = true;    // fused: the shared expert as expert E_loc of the routed GEMMs where it fits
   // Fused, with the SiLU·up epilogue: GEMM2 waits for each expert's rows (GEMM1 signals them), not

@@ -238,7 +238,9 @@ struct Case {
   bool redundant;
   bool decode;
   gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged;
+  int shared_ctas = 0;  // GpuLayerConfig::shared_ctas (staged decode: the shared expert's own SMs); < 0: SMs less -n
 };
+constexpr gpu::GpuPipeline kStaged = gpu::GpuPipeline::kStaged;
 constexpr gpu::GpuPipeline kFused = gpu::GpuPipeline::kFused;
 
 class GpuLayer : public ::testing::TestWithParam<Case> {};
@@ -248,7 +250,10 @@ TEST_P(GpuLayer, EqualsCpuLayer) {
   const Fixture& f = fixture();
   const Placement placement = make_placement(c.P, c.redundant);
   const uint64_t seed = 11;
-  GpuRig rig(c.P, c.decode ? gpu::EpMode::kLowLatency : gpu::EpMode::kNormal, placement, seed, nullptr, c.pipeline);
+  const int shared_ctas = c.shared_ctas < 0 ? query_device().num_sms + c.shared_ctas : c.shared_ctas;
+  GpuRig rig(c.P, c.decode ? gpu::EpMode::kLowLatency : gpu::EpMode::kNormal, placement, seed, nullptr, c.pipeline,
+             true, 0, size_t(4) << 20, fixture(), true, true, true,
+             [&](gpu::GpuLayerConfig& cfg) { cfg.shared_ctas = shared_ctas; });
   std::mt19937 rng(100 + c.P);
   // Two eager steps: the router's routing, then the caller's hot routing.
   for (int step = 0; step < 2; ++step) {
@@ -264,7 +269,8 @@ TEST_P(GpuLayer, EqualsCpuLayer) {
     rig.check();
     const std::string what = std::string(c.decode ? "decode" : "prefill") + " P=" + std::to_string(c.P) +
                              (c.redundant ? " +8 redundant" : "") + (caller ? " caller routing" : " router") + " " +
-                             gpu::gpu_pipeline_name(c.pipeline);
+                             gpu::gpu_pipeline_name(c.pipeline) +
+                             (shared_ctas > 0 ? " shared_ctas " + std::to_string(shared_ctas) : "");
     compare_step(rig, cpu, x, c.decode, what.c_str());
     for (int r = 0; r < c.P; ++r) check_stages(rig, r, placement, c.decode, what.c_str());
   }
@@ -278,6 +284,10 @@ TEST_P(GpuLayer, EqualsCpuLayer) {
 INSTANTIATE_TEST_SUITE_P(Decode, GpuLayer,
                          ::testing::Values(Case{1, false, true}, Case{2, false, true}, Case{4, false, true},
                                            Case{8, false, true}, Case{2, true, true}, Case{8, true, true}));
+// The shared expert on SMs of its own and the routed GEMM1 on the rest (one SM left for it, too).
+INSTANTIATE_TEST_SUITE_P(DecodeSharedCtas, GpuLayer,
+                         ::testing::Values(Case{2, false, true, kStaged, 16}, Case{8, true, true, kStaged, -32},
+                                           Case{4, false, true, kStaged, -1}));
 INSTANTIATE_TEST_SUITE_P(DecodeFused, GpuLayer,
                          ::testing::Values(Case{1, false, true, kFused}, Case{2, false, true, kFused},
                                            Case{4, false, true, kFused}, Case{8, false, true, kFused},
@@ -750,6 +760,12 @@ TEST(GpuLayerErrors, BadInputIsReported) {
   EXPECT_NE(ctas.find("combine_ctas = -3"), std::string::npos) << "combine_ctas = -3: '" << ctas << "'";
   const std::string toggle = refusal([](gpu::GpuLayerConfig& c) { c.shared_first = 2; });
   EXPECT_NE(toggle.find("shared_first = 2"), std::string::npos) << "shared_first = 2: '" << toggle << "'";
+  const int sms = query_device().num_sms;  // the shared expert's own SMs: fewer than the device's
+  for (int shared_ctas : {-1, sms}) {
+    const std::string msg = refusal([&](gpu::GpuLayerConfig& c) { c.shared_ctas = shared_ctas; });
+    EXPECT_NE(msg.find("shared_ctas = " + std::to_string(shared_ctas)), std::string::npos)
+        << "shared_ctas = " << shared_ctas << ": '" << msg << "'";
+  }
   // The fused threshold: negative refused; below this rig's T_max while its EP buffer was made
   // with a self slab for the default threshold (fused only), named.
   for (int threshold : {-1, 0}) {

@@ -237,6 +237,10 @@ void GpuMoeLayer::Impl::choose_pipeline() {
   MOEKIT_CHECK(s.cfg.recv_ctas >= 0 && s.cfg.combine_ctas >= 0,
                fmtr("rank {}: GpuLayerConfig::recv_ctas = {} and combine_ctas = {}, expected >= 0 (0: automatic)",
                     s.rank, s.cfg.recv_ctas, s.cfg.combine_ctas));
+  const int num_sms = query_device().num_sms;
+  MOEKIT_CHECK(s.cfg.shared_ctas >= 0 && s.cfg.shared_ctas < num_sms,
+               fmtr("rank {}: GpuLayerConfig::shared_ctas = {}, expected 0 (every SM) .. {} (the device's SMs less one)",
+                    s.rank, s.cfg.shared_ctas, num_sms - 1));
   // GEMM1 takes each expert's rows from the receive as they land.
   if (hand_offs && s.cfg.recv_ready) {
     // Automatic: at one token per rank 8 CTAs were 0.7% (DeepSeek-V3) and 3.5% (Qwen3.5) faster
@@ -317,8 +321,13 @@ void GpuMoeLayer::Impl::plan_gemms() {
                              s.act_scales, s.w1_mx, s.b1, s.expert_ready, s.recv_ready};
   const MaskedGemmBuffers b2{s.act,   s.act_scales, s.w2,    s.w2s, ep.recv_count(), s.y,
                              nullptr, nullptr,      s.w2_mx, s.b2,  s.combine_ready, s.expert_ready};
+  // The shared expert on the side stream on its own SMs (GpuLayerConfig::shared_ctas): its GEMMs
+  // and the routed GEMM1, which it overlaps, each planned for their share of the SMs.
+  const int num_sms = query_device().num_sms;
+  const int shared_ctas = s.decode && !s.fused && s.shared_inter > 0 && s.cfg.overlap_shared ? s.cfg.shared_ctas : 0;
   if (s.decode) {
-    s.gemm1 = std::make_unique<MaskedGemm>(p1, b1);
+    const GemmConfig routed1 = choose_masked_config(p1, num_sms - shared_ctas);
+    s.gemm1 = std::make_unique<MaskedGemm>(p1, b1, shared_ctas > 0 ? &routed1 : nullptr);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
     // GEMM1 starts under the receive kernel's tail (with recv_ready: beside the receive, taking
     // each expert as its rows land); GEMM2's weights (static) start streaming
@@ -342,9 +351,13 @@ void GpuMoeLayer::Impl::plan_gemms() {
     // The shared expert is a masked GEMM with one "expert" of every token.
     const MaskedGemmProblem q1{1, 2 * s.shared_inter, s.d, s.t_pad, s.t_max, epilogue1};
     const MaskedGemmProblem q2{1, s.d, s.shared_inter, s.t_pad, s.t_max};
+    GemmConfig c1, c2;
+    if (shared_ctas > 0) c1 = choose_masked_config(q1, shared_ctas), c2 = choose_masked_config(q2, shared_ctas);
     s.shared1 = std::make_unique<MaskedGemm>(
-        q1, MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up, s.s_act, s.s_act_scales});
-    s.shared2 = std::make_unique<MaskedGemm>(q2, MaskedGemmBuffers{s.s_act, s.s_act_scales, s.sw2, s.sw2s, s.s_m, s.s_out});
+        q1, MaskedGemmBuffers{s.sx, s.sx_scales, s.sw1, s.sw1s, s.s_m, s.s_gate_up, s.s_act, s.s_act_scales},
+        shared_ctas > 0 ? &c1 : nullptr);
+    s.shared2 = std::make_unique<MaskedGemm>(q2, MaskedGemmBuffers{s.s_act, s.s_act_scales, s.sw2, s.sw2s, s.s_m, s.s_out},
+                                             shared_ctas > 0 ? &c2 : nullptr);
     if (s.fused) {
       s.shared1->set_overlap(Overlap::kPreviousKernel);
       s.shared2->set_overlap(Overlap::kPreviousKernelStaticWeights);
