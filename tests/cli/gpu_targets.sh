@@ -77,6 +77,23 @@ if (cd "$src" && NVIDIA_SMI="$tmp/smi-h200" bash scripts/bench "$tmp/fake-build"
 else
   fail "scripts/bench's runs"; cat "$tmp/bench-calls" "$tmp/bench-stdout"
 fi
+# With bench_rank's JSON (this stub writes one per run, the path after --json), the two plots.
+if command -v gnuplot > /dev/null; then
+  cat > "$tmp/fake-build/bench_rank" << 'STUB'
+#!/bin/sh
+while [ $# -gt 1 ]; do [ "$1" = --json ] && out=$2; shift; done
+printf '{"rows": [{"model": "m", "pipeline": "fused", "routing": "uniform", "eplb": false, "batch": 8, "step_us": 9.0, "floor_us": 6.0, "ratio": 1.5, "clock_step_ratio": 1.4}, {"model": "m", "pipeline": "fused", "routing": "uniform", "eplb": false, "batch": 64, "step_us": 30.0, "floor_us": 25.0, "ratio": 1.2, "clock_step_ratio": 1.15}]}\n' > "$out"
+STUB
+  rm -rf "$tmp/bench-out"
+  if (cd "$src" && NVIDIA_SMI="$tmp/smi-h200" bash scripts/bench "$tmp/fake-build" "$tmp/bench-out") > "$tmp/bench-stdout" 2>&1 &&
+    [ -s "$tmp/bench-out/rank-step-vs-batch.png" ] && [ -s "$tmp/bench-out/rank-ratio-vs-batch.png" ]; then
+    pass "scripts/bench draws the step and the step-over-floor plots from bench_rank's JSON"
+  else
+    fail "scripts/bench's plots"; cat "$tmp/bench-stdout"
+  fi
+else
+  echo "skip scripts/bench's plots: gnuplot is not installed"
+fi
 
 # Every folder the scripts create is ignored by git (in a git checkout).
 if git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then
