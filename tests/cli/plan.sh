@@ -241,6 +241,24 @@ else fail "plot without gnuplot: clear error (exit $rc)"; cat "$tmp/stderr"; fi
 PATH=/nonexistent /bin/bash "$SRC/scripts/plot-plan" "$tmp/noplot" > /dev/null 2> "$tmp/stderr"
 if [ $? -ne 0 ] && grep -q "gnuplot is not installed" "$tmp/stderr"; then pass "scripts/plot-plan without gnuplot: clear error"
 else fail "scripts/plot-plan without gnuplot: clear error"; cat "$tmp/stderr"; fi
+# scripts/plot-timeline --breakdown: a stage clock's pieces, from numbers set here; a fused run above
+# fused_max_tokens tokens per rank is marked as run staged, and a hostile model name stays text.
+python3 - "$tmp" << 'P'
+import json, sys
+st = lambda n, b, e: {"stage": n, "start_us": b, "end_us": e}
+tl = lambda model, b, pipe: {"model": model, "pipeline": pipe, "batch": b, "layer": 0, "span_us": 0, "stages": [
+    st("gate", 0, 1), st("dispatch send", 1.5, 8), st("dispatch receive", 2, 12), st("GEMM1", 10, 60),
+    st("GEMM2", 40, 90), st("combine send", 85, 95), st("combine receive", 150, 154)]}
+json.dump({"ranks": 8, "fused_max_tokens": 128,
+           "timelines": [tl("m", 64, "fused"), tl("x`touch PWNED-tl`\nz", 2048, "fused")]},
+          open(f"{sys.argv[1]}/tl.json", "w"))
+P
+(cd "$tmp/cwd" && python3 "$SRC/scripts/plot-timeline" --breakdown "$tmp/tl.json" > "$tmp/tl.txt" 2>&1)
+# head 10, GEMMs 80 (10 -> 90), tail 5 (90 -> 95), c.recv 4, busy 95 + 4 = 99, streaming 80 / 99.
+if grep -Eq '^m +fused +64 +10\.0 +80\.0 +5\.0 +4\.0 +99\.0 +81%$' "$tmp/tl.txt" &&
+   grep -Eq ' staged\* +2048 ' "$tmp/tl.txt" && [ -z "$(find "$tmp" -name 'PWNED-tl*')" ] &&
+   [ "$(wc -l < "$tmp/tl.txt")" -eq 3 ]; then pass "plot-timeline --breakdown: head, GEMMs, tail, receive, busy and share"
+else fail "plot-timeline --breakdown"; cat "$tmp/tl.txt"; fi
 
 # --- speed: 20 batch sizes, the whole command (informational; test_plan asserts the 50 ms) ---
 start=$(date +%s%N)
