@@ -164,7 +164,7 @@ void GpuMoeLayer::compute(cudaStream_t stream) {
     s.gemm1->run(stream);
     s.mark(kGemm1, stream);
     if (!s.gated)
-      launch_silu_mul_quant_masked(s.gate_up, s.merged ? s.e_loc + 1 : s.e_loc, s.m_max, s.inter, s.ep->recv_count(),
+      launch_silu_mul_quant_masked(s.gate_up, s.routed_slabs(), s.m_max, s.inter, s.ep->recv_count(),
                                    s.act, s.act_scales, stream, s.launch(GpuStage::kActivation), s.activation);
     s.mark(kAct, stream);
     s.gemm2->run(stream);
@@ -233,8 +233,7 @@ void GpuMoeLayer::check(cudaStream_t stream) {
     // A timed-out receive may have left rows counted or the abort bit raised after GEMM1 zeroed
     // the hand-off counters (ep.h): zeroed again here, with every kernel done, for the next step.
     if (s.recv_ready) {
-      const int slabs = s.e_loc + (s.merged ? 1 : 0);  // GEMM1's experts, as when recv_ready was allocated
-      MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2), stream));
+      MOEKIT_CUDA_CHECK(cudaMemsetAsync(s.recv_ready, 0, sizeof(int32_t) * (s.routed_slabs() + 2), stream));
       MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
     throw;
