@@ -53,6 +53,7 @@ struct GpuMoeLayer::Impl {
   std::shared_ptr<const ActivationTable> activation_table;  // the owner's when sharing weights
   GpuActivation activation;  // activation_table->act()
   int rows = 0, t_pad = 0;
+  int num_sms = 0;  // the device's, for the plans and grids made at set-up
   RouterParams router;
   ReplicaTable replicas;
   int32_t *log2phy = nullptr, *replica_count = nullptr;

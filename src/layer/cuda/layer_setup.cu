@@ -73,6 +73,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights,
 void GpuMoeLayer::Impl::take_shapes(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
                                     int placement_layer) {
   Impl& s = *this;
+  s.num_sms = query_device().num_sms;  // once: the device's properties are a slow query
   s.decode = s.ec.mode == EpMode::kLowLatency;
   MOEKIT_CHECK(model.is_moe(), fmtr("model '{}' is dense: it has no MoE layer", model.name));
   s.mxfp4 = model.expert_format == "mxfp4";
@@ -220,7 +221,7 @@ void GpuMoeLayer::Impl::choose_pipeline() {
   // computes SiLU·up only, so another activation keeps the activation kernel with FP8 weights too.)
   if (s.fused && !s.mxfp4 && !s.activation.clamped_swiglu) {
     const MaskedGemmProblem g{slabs, 2 * s.inter, s.d, s.m_max, s.planned_m(), GemmEpilogue::kSiluMulFp8};
-    s.gated = choose_masked_config(g, query_device().num_sms).block_m <= 32;
+    s.gated = choose_masked_config(g, s.num_sms).block_m <= 32;
   }
   if (!s.gated) s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);  // gated: GEMM1 writes act itself
   if (s.gated && s.cfg.expert_ready) {  // GEMM2 takes each expert as soon as GEMM1 has stored its rows
@@ -230,17 +231,16 @@ void GpuMoeLayer::Impl::choose_pipeline() {
   // The hand-offs beside the EP kernels count the EP buffer's slabs (its E_loc, + 1 with the self
   // slab), so the routed GEMMs' experts must be exactly those (a self slab only when merged).
   const bool hand_offs = s.fused && !s.mxfp4 && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0);
-  const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : query_device().num_sms;
+  const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : s.num_sms;
   MOEKIT_CHECK(s.cfg.shared_first >= -1 && s.cfg.shared_first <= 1,
                fmtr("rank {}: GpuLayerConfig::shared_first = {}, expected 1 (on), 0 (off) or -1 (automatic)", s.rank,
                     s.cfg.shared_first));
   MOEKIT_CHECK(s.cfg.recv_ctas >= 0 && s.cfg.combine_ctas >= 0,
                fmtr("rank {}: GpuLayerConfig::recv_ctas = {} and combine_ctas = {}, expected >= 0 (0: automatic)",
                     s.rank, s.cfg.recv_ctas, s.cfg.combine_ctas));
-  const int num_sms = query_device().num_sms;
-  MOEKIT_CHECK(s.cfg.shared_ctas >= 0 && s.cfg.shared_ctas < num_sms,
+  MOEKIT_CHECK(s.cfg.shared_ctas >= 0 && s.cfg.shared_ctas < s.num_sms,
                fmtr("rank {}: GpuLayerConfig::shared_ctas = {}, expected 0 (every SM) .. {} (the device's SMs less one)",
-                    s.rank, s.cfg.shared_ctas, num_sms - 1));
+                    s.rank, s.cfg.shared_ctas, s.num_sms - 1));
   // GEMM1 takes each expert's rows from the receive as they land.
   if (hand_offs && s.cfg.recv_ready) {
     // Automatic: at one token per rank 8 CTAs were 0.7% (DeepSeek-V3) and 3.5% (Qwen3.5) faster
@@ -323,10 +323,9 @@ void GpuMoeLayer::Impl::plan_gemms() {
                              nullptr, nullptr,      s.w2_mx, s.b2,  s.combine_ready, s.expert_ready};
   // The shared expert on the side stream on its own SMs (GpuLayerConfig::shared_ctas): its GEMMs
   // and the routed GEMM1, which it overlaps, each planned for their share of the SMs.
-  const int num_sms = query_device().num_sms;
   const int shared_ctas = s.decode && !s.fused && s.shared_inter > 0 && s.cfg.overlap_shared ? s.cfg.shared_ctas : 0;
   if (s.decode) {
-    const GemmConfig routed1 = choose_masked_config(p1, num_sms - shared_ctas);
+    const GemmConfig routed1 = choose_masked_config(p1, s.num_sms - shared_ctas);
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1, shared_ctas > 0 ? &routed1 : nullptr);
     s.gemm2 = std::make_unique<MaskedGemm>(p2, b2);
     // GEMM1 starts under the receive kernel's tail (with recv_ready: beside the receive, taking
