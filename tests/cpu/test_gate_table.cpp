@@ -45,3 +45,26 @@ TEST(GateWindow, FillCopiesAreAlignedRunsOfTheTable) {
     for (int j = 1; j < 4; ++j) EXPECT_EQ(int(gate_window_bits(i + j)), first + j) << "entry " << i + j;
   }
 }
+
+// The activation kernel asks whether a lane's four gates are all in the window with one test of
+// their offsets OR-ed together (gate_window_offset), and then takes each entry unchecked
+// (gate_window_entry). Checked against gate_window_index on every gate paired with gates at and
+// around both edges of both halves of the window.
+TEST(GateWindow, OffsetsOredTellWhetherAllAreInAndEntriesAgree) {
+  std::vector<uint16_t> partners;
+  for (int sign : {0, 0x8000})
+    for (int edge : {kGateWindowFirstBits, kGateWindowFirstBits + kGateWindowHalf})
+      for (int d = -3; d <= 3; ++d) partners.push_back(uint16_t(sign + edge + d));
+  partners.push_back(0);
+  partners.push_back(0x7F80);  // +inf
+  partners.push_back(0xFFC0);  // a NaN
+  for (int b = 0; b < kBf16Values; ++b) {
+    const uint16_t a = uint16_t(b);
+    if (gate_window_index(a) >= 0) EXPECT_EQ(gate_window_entry(a), gate_window_index(a)) << "bits 0x" << std::hex << b;
+    for (uint16_t p : partners) {
+      const bool all_in = gate_window_index(a) >= 0 && gate_window_index(p) >= 0;
+      const bool ored_in = (gate_window_offset(a) | gate_window_offset(p)) < unsigned(kGateWindowHalf);
+      ASSERT_EQ(ored_in, all_in) << "bits 0x" << std::hex << b << " and 0x" << p;
+    }
+  }
+}

@@ -28,17 +28,40 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = 8;  // one warp per row
 
-// Quantises the warp's 4 values per lane of one 128-column group: returns the packed fp8 bytes
-// and, through `scale`, the group's scale.
-__device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  for (int o = kWarp / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  scale = fp8_group_scale(amax);
-  const double inv = reciprocal_rn(scale);  // once for the lane's 4 divisions
+// The e4m3 codes of a lane's 4 values divided by one scale (fp8_quantize_by's bits), packed: two
+// paired hardware conversions when every quotient of the warp is finite (always, for finite
+// inputs), else fp8.h's conversion per value, whose NaN code is the reference's. One vote per
+// group instead of a test and a branch per value. Called by whole warps.
+__device__ __forceinline__ uint32_t fp8x4_by(const float (&v)[4], double inv) {
+  float q[4];
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    q[i] = div_by(v[i], inv);
+    finite = finite && isfinite(q[i]);
+  }
+  if (__all_sync(0xffffffffu, finite)) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
+  }
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) packed |= uint32_t(fp8_quantize_by(v[i], inv)) << (8 * i);
   return packed;
+}
+
+// Quantises the warp's 4 values per lane of one 128-column group: returns the packed fp8 bytes
+// and, through `scale`, the group's scale. Called by whole warps.
+__device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
+  const float lane_amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  // The warp's largest: one integer max over the bits (ordered as the non-negative floats are),
+  // where a chain of five shuffles and fmaxf was. fmaxf drops a NaN unless every operand is one;
+  // a lane whose four are all NaN enters as 0 instead, which fp8_group_scale's floor makes the
+  // same scale as the NaN the shuffles would give when every lane is NaN.
+  const unsigned bits = __reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax));
+  scale = fp8_group_scale(__uint_as_float(bits));
+  return fp8x4_by(v, reciprocal_rn(scale));  // one reciprocal for the lane's 4 divisions
 }
 
 // The CTA's window of the gate table (gate_table.h): two runs of the global table, 16 bytes per
@@ -49,31 +72,57 @@ __device__ void load_gate_window(const float* __restrict__ table, float* window)
     *reinterpret_cast<float4*>(window + i) = __ldg(reinterpret_cast<const float4*>(table + gate_window_bits(i)));
 }
 
-// act(gate, up) of one value from its bf16 bits: the gate half from the window or the table.
-__device__ __forceinline__ float activate(const GpuActivation& act, const float* window, uint16_t g, uint16_t u) {
-  const int i = gate_window_index(g);
-  const float gate_half = i >= 0 ? window[i] : __ldg(act.gate_table + g);
-  return __fmul_rn(gate_half, activation_up(act, bf16_to_float(u)));
+// The gate halves of a lane's 4 gates (bf16 bits as loaded): from the window when every gate of
+// the warp is in it (the common case: one vote, where a test and a predicated global load per
+// value cost issue slots whether taken or not), else each from the window or the global table.
+// Called by whole warps.
+__device__ __forceinline__ void gate_halves4(const float* __restrict__ table, const float* window, uint2 gv,
+                                             float (&h)[4]) {
+  const uint16_t g[4] = {uint16_t(gv.x), uint16_t(gv.x >> 16), uint16_t(gv.y), uint16_t(gv.y >> 16)};
+  const unsigned any_off = gate_window_offset(g[0]) | gate_window_offset(g[1]) | gate_window_offset(g[2]) |
+                           gate_window_offset(g[3]);
+  if (__all_sync(0xffffffffu, any_off < unsigned(kGateWindowHalf))) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = window[gate_window_entry(g[j])];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = gate_window_index(g[j]);
+      h[j] = i >= 0 ? window[i] : __ldg(table + g[j]);
+    }
+  }
 }
 
-// act(gate, up) of a lane's 4 values of a group (bf16 pairs as loaded).
+// The up half of one value: SiLU·up's is the value, gpt-oss's its clamp plus one. A template
+// parameter, so that a SiLU kernel carries no clamp code and a clamped one reads its limit once.
+template <bool kClamped>
+__device__ __forceinline__ float up_half(float up, float limit) {
+  if constexpr (kClamped) return clamped_swiglu_up(up, limit);
+  else return up;
+}
+
+// act(gate, up) of a lane's 4 values of a group (bf16 pairs as loaded), in the reference's
+// operations: the gate half (looked up) times the up half, in fp32.
+template <bool kClamped>
 __device__ __forceinline__ void activate4(const GpuActivation& act, const float* window, uint2 gv, uint2 uv,
                                           float (&v)[4]) {
-  v[0] = activate(act, window, uint16_t(gv.x), uint16_t(uv.x));
-  v[1] = activate(act, window, uint16_t(gv.x >> 16), uint16_t(uv.x >> 16));
-  v[2] = activate(act, window, uint16_t(gv.y), uint16_t(uv.y));
-  v[3] = activate(act, window, uint16_t(gv.y >> 16), uint16_t(uv.y >> 16));
+  float h[4];
+  gate_halves4(act.gate_table, window, gv, h);
+  const uint16_t u[4] = {uint16_t(uv.x), uint16_t(uv.x >> 16), uint16_t(uv.y), uint16_t(uv.y >> 16)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = __fmul_rn(h[j], up_half<kClamped>(bf16_to_float(u[j]), act.limit));
 }
 
 // One 128-column group g of one row: gate_up [2 inter] -> out [inter] fp8, its scale to *scale.
+template <bool kClamped>
 __device__ void silu_mul_quant_group(const GpuActivation& act, const float* window,
                                      const uint16_t* __restrict__ gate_up, int inter, int g,
                                      uint8_t* __restrict__ out, float* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int c = g * kQuantBlock + lane * 4;
   float v[4];
-  activate4(act, window, *reinterpret_cast<const uint2*>(gate_up + c),
-            *reinterpret_cast<const uint2*>(gate_up + inter + c), v);
+  activate4<kClamped>(act, window, *reinterpret_cast<const uint2*>(gate_up + c),
+                      *reinterpret_cast<const uint2*>(gate_up + inter + c), v);
   float scale;
   const uint32_t q = quantize_group(v, scale);
   *reinterpret_cast<uint32_t*>(out + c) = q;
@@ -81,22 +130,25 @@ __device__ void silu_mul_quant_group(const GpuActivation& act, const float* wind
 }
 
 // The masked kernel deals the (row, group) items of every expert's valid rows over all the grid's
-// warps (row_start: the valid rows of experts < e, one warp's prefix in shared memory), in runs of
-// kActItems consecutive items (a row's next groups, 1 KB of gate and 1 KB of up per warp), each
-// loaded before any is computed. The grid is sized from M_max, which a step's rows rarely
-// approach, so most CTAs find no item; what matters is that the busy ones keep enough bytes in
-// flight. With one CTA per 8 rows of each expert (M_max / 8 x E CTAs) and 16 dependent items per
-// warp, this kernel took 56-70 us for 21 MB at 2048 tokens (DeepSeek-V3, EP8), and an expert
-// holding most rows of a skewed step had only its own CTAs. A run's row, group and expert come from
-// one division and one search, and its items step through them. Items dealt one by one over the
-// grid paid a 64-bit division and a search each; runs took the kernel from 44 to 38 us at 2048
-// tokens (with the shared reciprocal below; docs/layer-gpu.md item 36). Each CTA first copies the
-// gate table's window into shared memory (16 KB), so the grid is what fits the GPU at once
-// (kActCtasPerSm per SM), not more: a second round of CTAs would copy it again.
+// warps (row_start: the valid rows of experts < e, one warp's prefix in shared memory). Each warp
+// takes one contiguous slice of the items and walks it in runs of kActItems (a row's next groups,
+// 1 KB of gate and 1 KB of up per warp), each run loaded before any of it is computed; a slice's
+// row, group and expert come from one division and one search, and its items step through them.
+// The grid is sized from M_max, which a step's rows rarely approach, so it is what fits the GPU at
+// once (kActCtasPerSm per SM) and the slices are cut from the rows there are. Each CTA first
+// copies the gate table's window into shared memory (16 KB); a second round of CTAs would copy it
+// again. History (docs/layer-gpu.md items 36, 39, 43): one CTA per 8 rows of each expert with 16
+// dependent items per warp took 56-70 us for 21 MB at 2048 tokens (DeepSeek-V3, EP8); runs of
+// items dealt over the grid took it to 38 us, the gate table to ~24 us on the eager events, and
+// what bound it then was the instructions per item (~250, of which the clamp's run-time
+// branches, a reciprocal of 448 per group, and a test, a predicated global load and a branch per
+// value): the kind is a template parameter now, and the window and finiteness tests one vote
+// per group.
 constexpr int kActItems = 4;
 constexpr int kActCtasPerSm = 4;  // 256 threads of <= 64 registers and 16 KB of shared memory each
 constexpr int kActMaxExperts = 4096;  // row_start's 16 KB beside the window
 
+template <bool kClamped>
 __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kActCtasPerSm)
     silu_mul_quant_masked_kernel(const uint16_t* __restrict__ gate_up, int num_experts, int max_m, int inter,
                                  const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
@@ -110,35 +162,53 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kActCtasPerSm)
   const int groups = inter / kQuantBlock;
   const int lane = threadIdx.x % kWarp;
   const int64_t items = int64_t(row_start[num_experts]) * groups;
-  const int64_t runs = int64_t(gridDim.x) * kRowsPerBlock;  // warps of the grid, each one run at a time
-  for (int64_t first = (int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * kActItems; first < items;
-       first += runs * kActItems) {
-    // layout.h's masked offsets (its methods are host-only): row (e, m) at (e M_max + m) K, scale
-    // (e, m, kb) at (e K/128 + kb) M_max + m. Item u of the run: row r, group g of expert e.
-    int r = int(first / groups), g = int(first - int64_t(r) * groups);
-    int e = segment_of(row_start, num_experts, r);
+  const int64_t warps = int64_t(gridDim.x) * kRowsPerBlock;
+  const int64_t per_warp = (items + warps - 1) / warps;
+  const int64_t begin = (int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp) * per_warp;
+  const int64_t end = begin + per_warp < items ? begin + per_warp : items;
+  // layout.h's masked offsets (its methods are host-only): row (e, m) at (e M_max + m) K, scale
+  // (e, m, kb) at (e K/128 + kb) M_max + m. The walk's position: group g of row r (all experts'
+  // rows counted), row m of expert e, and the lane's pointer into that row's gate_up (set when the
+  // row changes, every `groups` items, so that an item's loads are one add away).
+  int r = 0, g = 0, e = 0, m = 0;
+  const uint16_t* src_row = nullptr;
+  auto set_row = [&] { src_row = gate_up + (size_t(e) * max_m + m) * 2 * inter + lane * 4; };
+  if (begin < end) {
+    r = int(begin / groups);
+    g = int(begin - int64_t(r) * groups);
+    e = segment_of(row_start, num_experts, r);
+    m = r - row_start[e];
+    set_row();
+  }
+  for (int64_t first = begin; first < end; first += kActItems) {
+    const int n = end - first < kActItems ? int(end - first) : kActItems;
+    const bool more = first + kActItems < end;  // another run follows this one
     int e_of[kActItems], m_of[kActItems], group[kActItems];
     uint2 gv[kActItems], uv[kActItems];
 #pragma unroll
     for (int u = 0; u < kActItems; ++u) {
-      if (first + u >= items) break;
-      if (u > 0 && ++g == groups) {  // the next row, the next expert with rows where this one ends
-        g = 0;
-        ++r;
-        while (row_start[e + 1] <= r) ++e;
-      }
+      if (u >= n) break;
       e_of[u] = e;
-      m_of[u] = r - row_start[e];
+      m_of[u] = m;
       group[u] = g;
-      const uint16_t* src = gate_up + (size_t(e) * max_m + m_of[u]) * 2 * inter + g * kQuantBlock + lane * 4;
+      const uint16_t* src = src_row + g * kQuantBlock;
       gv[u] = *reinterpret_cast<const uint2*>(src);
       uv[u] = *reinterpret_cast<const uint2*>(src + inter);
+      if ((u + 1 < n || more) && ++g == groups) {  // the next row, the next expert with rows where this one ends
+        g = 0;
+        ++m;
+        if (++r == row_start[e + 1]) {
+          while (row_start[e + 1] <= r) ++e;
+          m = 0;
+        }
+        set_row();
+      }
     }
 #pragma unroll
     for (int u = 0; u < kActItems; ++u) {
-      if (first + u >= items) break;
+      if (u >= n) break;
       float v[4], scale;
-      activate4(act, window, gv[u], uv[u], v);
+      activate4<kClamped>(act, window, gv[u], uv[u], v);
       const uint32_t q = quantize_group(v, scale);
       *reinterpret_cast<uint32_t*>(out + (size_t(e_of[u]) * max_m + m_of[u]) * inter + group[u] * kQuantBlock +
                                    lane * 4) = q;
@@ -152,6 +222,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kActCtasPerSm)
 // copies the gate window once, as the masked kernel's).
 constexpr int kContiguousCtasPerSm = 8;  // 256 threads of <= 32 registers and 16 KB of shared memory each
 
+template <bool kClamped>
 __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
     silu_mul_quant_contiguous_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
                                      const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
@@ -167,8 +238,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
       const int m = m0 + item / groups, g = item % groups;
       if (row_expert[m] < 0) continue;
       // layout.h's contiguous offsets: row m at m K, scale (m, kb) at kb M_total + m.
-      silu_mul_quant_group(act, window, gate_up + size_t(m) * 2 * inter, inter, g, out + size_t(m) * inter,
-                           out_scales + size_t(g) * total_m + m);
+      silu_mul_quant_group<kClamped>(act, window, gate_up + size_t(m) * 2 * inter, inter, g,
+                                     out + size_t(m) * inter, out_scales + size_t(g) * total_m + m);
     }
   }
   end_kernel(stamp);
@@ -375,7 +446,8 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
   const int64_t items = int64_t(num_experts) * max_m * (inter / kQuantBlock);
   const int64_t per_cta = int64_t(kRowsPerBlock) * kActItems;
   const int ctas = int(std::min<int64_t>(int64_t(kActCtasPerSm) * gemm_detail::num_sms(), (items + per_cta - 1) / per_cta));
-  launch_kernel_ex(silu_mul_quant_masked_kernel, dim3(ctas), dim3(kRowsPerBlock * kWarp),
+  launch_kernel_ex(act.clamped_swiglu ? silu_mul_quant_masked_kernel<true> : silu_mul_quant_masked_kernel<false>,
+                   dim3(ctas), dim3(kRowsPerBlock * kWarp),
                    sizeof(int) * (num_experts + 1), stream, opt.pdl, gate_up, num_experts, max_m, inter, masked_m, out,
                    out_scales, act, opt.stamp);
 }
@@ -388,7 +460,8 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
   if (total_m == 0) return;
   const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
                                            (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
-  launch_kernel_ex(silu_mul_quant_contiguous_kernel, dim3(blocks),
+  launch_kernel_ex(act.clamped_swiglu ? silu_mul_quant_contiguous_kernel<true> : silu_mul_quant_contiguous_kernel<false>,
+                   dim3(blocks),
                    dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter, row_expert, out,
                    out_scales, act, opt.stamp);
 }

@@ -71,8 +71,11 @@ __device__ __forceinline__ float activation_up(const GpuActivation& a, float up)
   return a.clamped_swiglu ? clamped_swiglu_up(up, a.limit) : up;
 }
 
-// quant.h's scale of a group whose largest magnitude is amax.
-__device__ __forceinline__ float fp8_group_scale(float amax) { return div_rn(fmaxf(amax, kMinAmax), kFp8Max); }
+// quant.h's scale of a group whose largest magnitude is amax: div_rn by 448 with the reciprocal a
+// constant, the double nearest 1/448 (div_by's argument above holds for any reciprocal within an
+// ulp or so, and this one is within half of one), instead of refining it at run time per group.
+constexpr double kFp8MaxReciprocal = 1.0 / double(kFp8Max);
+__device__ __forceinline__ float fp8_group_scale(float amax) { return div_by(fmaxf(amax, kMinAmax), kFp8MaxReciprocal); }
 
 // One value's e4m3 code under that scale (fp8.h's rounding, IEEE division: div_rn). A finite quotient
 // takes the hardware conversion (round to nearest even, saturating at 448, subnormals kept: fp8.h's
