@@ -268,6 +268,29 @@ TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
   }
 }
 
+TEST(GemmMxfp4Masked, WideningInSharedMemoryGivesTheSameBits) {
+  // Both kernels multiply the same e4m3 values (the same widening, the same row base) with the
+  // same four k32 wgmmas per block and promote in the same order, so the outputs should match bit
+  // for bit; a difference means a misplaced byte or scale even where it stays within the float64
+  // check's bound.
+  std::mt19937 rng(109);
+  MaskedCase c({4, 384, 1024, 128, 0}, rng);
+  const std::vector<int32_t> masked_m = {16, 0, 45, 128};
+  for (int bm : {16, 48, 128})
+    for (int splits : {1, 2}) {
+      std::vector<uint16_t> out[2];
+      for (bool widen : {false, true}) {
+        const GemmConfig cfg = forced_mx(bm, splits, widen);
+        c.run(masked_m, &cfg, true);
+        out[widen] = c.d_out.download();
+      }
+      size_t differ = 0;
+      for (size_t i = 0; i < out[0].size(); ++i) differ += out[0][i] != out[1][i];
+      EXPECT_EQ(differ, 0u) << "block_m " << bm << " splits " << splits << ": " << differ << " of " << out[0].size()
+                            << " outputs differ between the two widenings";
+    }
+}
+
 TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
   // gpt-oss-120b's expert GEMMs after the loader's padding (hidden 2880 -> 2944): W1 is
   // [2·2944, 2944], W2 [2944, 2944]; 8 local experts, a handful of tokens each.
