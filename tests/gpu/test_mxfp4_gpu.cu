@@ -4,8 +4,8 @@
 //  - the GEMM against a float64 product of the dequantised operands, for every tile path, split-K,
 //    bias, scale spreads that take the rounded (deep-shift) path, graph replay with new masked_m
 //    and data, the contiguous layout with padding, and bad arguments; each with the weights widened
-//    in the math threads' registers (gemm_mxfp4.cuh) and by the widening warpgroup in shared memory
-//    (gemm_mxfp4_widen.cuh, GemmConfig::mxfp4_widen_smem).
+//    in the math threads' registers (gemm_mxfp4.cuh) and by one or two widening warpgroups in shared
+//    memory (gemm_mxfp4_widen.cuh, GemmConfig::mxfp4_widen_wgs).
 // Operands are fresh random draws; outputs are poisoned with a BF16 NaN first, so an unwritten
 // element fails, and padding rows must keep the poison.
 #include <cuda_fp8.h>
@@ -35,13 +35,16 @@ namespace {
 
 constexpr double kE2m1[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};  // the format's magnitudes
 
-// A forced swap-AB config of the MXFP4 kernels; widen_smem: the widening warpgroup's kernel.
-GemmConfig forced_mx(int block_m, int splits, bool widen_smem) {
+// A forced swap-AB config of the MXFP4 kernels; widen: GemmConfig::mxfp4_widen_wgs (0 in registers,
+// 1 or 2 widening warpgroups).
+GemmConfig forced_mx(int block_m, int splits, int widen) {
   GemmConfig c = forced(true, block_m, splits);
-  c.mxfp4_widen_smem = widen_smem;
+  c.mxfp4_widen_wgs = widen;
   return c;
 }
-std::string widen_name(bool widen_smem) { return widen_smem ? " widen=smem" : " widen=registers"; }
+std::string widen_name(int widen) { return " widen_wgs=" + std::to_string(widen); }
+// The widenings compiled for masked tiles of block_m tokens: two warpgroups only up to 64 tokens.
+std::vector<int> widenings(int block_m) { return block_m <= 64 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1}; }
 
 // ---------------------------------------------------------------------------------------------
 // The widening, code by code
@@ -237,8 +240,8 @@ TEST(GemmMxfp4Masked, EveryTilePathAndSplitK) {
   std::mt19937 rng(101);
   MaskedCase c({6, 512, 1024, 136, 0}, rng);
   const std::vector<int32_t> masked_m = {0, 1, 17, 136, 64, 200};  // none, one, odd, full, block edge, clamped
-  for (bool widen : {false, true})
-    for (int bm : {16, 32, 48, 64, 128})
+  for (int bm : {16, 32, 48, 64, 128})
+    for (int widen : widenings(bm))
       for (int splits : {1, 3}) {
         const GemmConfig cfg = forced_mx(bm, splits, widen);
         for (bool bias : {false, true})
@@ -256,8 +259,8 @@ TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
   // The widening warpgroup's kernel too: a tile of one k block, and a ring that wraps mid-tile.
   for (int k : {128, 384}) {
     MaskedCase c({3, 256, k, 128, 0}, rng);
-    for (bool widen : {false, true})
-      for (int bm : {16, 48, 128})
+    for (int bm : {16, 48, 128})
+      for (int widen : widenings(bm))
         for (int splits : {1, 2}) {
           if (splits > k / 128) continue;
           const GemmConfig cfg = forced_mx(bm, splits, widen);
@@ -278,16 +281,17 @@ TEST(GemmMxfp4Masked, WideningInSharedMemoryGivesTheSameBits) {
   const std::vector<int32_t> masked_m = {16, 0, 45, 128};
   for (int bm : {16, 48, 128})
     for (int splits : {1, 2}) {
-      std::vector<uint16_t> out[2];
-      for (bool widen : {false, true}) {
+      std::vector<uint16_t> out[3];
+      for (int widen : widenings(bm)) {
         const GemmConfig cfg = forced_mx(bm, splits, widen);
         c.run(masked_m, &cfg, true);
         out[widen] = c.d_out.download();
+        if (widen == 0) continue;
+        size_t differ = 0;
+        for (size_t i = 0; i < out[0].size(); ++i) differ += out[0][i] != out[widen][i];
+        EXPECT_EQ(differ, 0u) << "block_m " << bm << " splits " << splits << widen_name(widen) << ": " << differ
+                              << " of " << out[0].size() << " outputs differ from the widening in registers";
       }
-      size_t differ = 0;
-      for (size_t i = 0; i < out[0].size(); ++i) differ += out[0][i] != out[1][i];
-      EXPECT_EQ(differ, 0u) << "block_m " << bm << " splits " << splits << ": " << differ << " of " << out[0].size()
-                            << " outputs differ between the two widenings";
     }
 }
 
@@ -323,8 +327,8 @@ TEST(GemmMxfp4Masked, WideScaleSpreadTakesTheRoundedPath) {
   std::mt19937 rng(103);
   MaskedCase c({4, 256, 2048, 32, 0}, rng, 100, 140);
   expect_good(c.run_once({32, 7, 20, 1}, nullptr, false), "scale bytes 100..140");
-  for (bool widen : {false, true})
-    for (int bm : {16, 32}) {
+  for (int bm : {16, 32})
+    for (int widen : widenings(bm)) {
       const GemmConfig cfg = forced_mx(bm, 1, widen);
       expect_good(c.run_once({32, 7, 20, 1}, &cfg, true),
                   "scale bytes 100..140, block_m " + std::to_string(bm) + widen_name(widen));
@@ -337,8 +341,8 @@ TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
   // would sit 2^19 and more below it and round to zero. Exact widening, fast tables only.
   std::mt19937 rng(108);
   MaskedCase c({3, 256, 1024, 16, 0}, rng, 96, 102, 2);
-  for (bool widen : {false, true})
-    for (int bm : {16, 128}) {
+  for (int bm : {16, 128})
+    for (int widen : widenings(bm)) {
       const GemmConfig cfg = forced_mx(bm, 1, widen);
       expect_good(c.run_once({16, 5, 11}, &cfg, true),
                   "zero groups at 127, block_m " + std::to_string(bm) + widen_name(widen));
@@ -353,8 +357,10 @@ TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
   MaskedGemmProblem p = c.problem;
   p.weights = WeightFormat::kMxfp4;
   const GemmConfig narrow_split = forced(true, 16, 2), wide_split = forced(true, 48, 2);
-  const GemmConfig widen_narrow = forced_mx(16, 2, true), widen_wide = forced_mx(48, 1, true);
-  const GemmConfig* configs[] = {nullptr, &narrow_split, &wide_split, &widen_narrow, &widen_wide};
+  const GemmConfig widen_narrow = forced_mx(16, 2, 1), widen_wide = forced_mx(48, 1, 1);
+  const GemmConfig widen2_narrow = forced_mx(16, 2, 2), widen2_wide = forced_mx(48, 1, 2);
+  const GemmConfig* configs[] = {nullptr,      &narrow_split,  &wide_split, &widen_narrow,
+                                 &widen_wide, &widen2_narrow, &widen2_wide};
   for (const GemmConfig* cfg : configs) {
     MaskedGemm gemm(p, c.buffers(true), cfg);
     cudaStream_t stream;
@@ -406,14 +412,17 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   MaskedGemmBuffers fp8_buffers = c.buffers(false);
   fp8_buffers.w_mx_scales = nullptr;
   fp8_buffers.w_scales = c.d_as.ptr;
-  const GemmConfig widen = forced_mx(16, 1, true);
+  const GemmConfig widen = forced_mx(16, 1, 1);
   expect_error([&] { MaskedGemm g(fp8_problem, fp8_buffers, &widen); }, {"widen=smem needs MXFP4 weights"});
+  const GemmConfig widen3 = forced_mx(16, 1, 3), widen2_wide = forced_mx(128, 1, 2);
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &widen3); }, {"widen_wgs=3", "is not compiled"});
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &widen2_wide); }, {"block_m=128", "widen_wgs=2", "at most 64"});
   setenv("MOEKIT_MXFP4_WIDEN", "shared", 1);
-  expect_error([&] { MaskedGemm g(p, c.buffers(false)); }, {"MOEKIT_MXFP4_WIDEN = 'shared'", "smem or registers"});
-  setenv("MOEKIT_MXFP4_WIDEN", "smem", 1);
-  {
+  expect_error([&] { MaskedGemm g(p, c.buffers(false)); }, {"MOEKIT_MXFP4_WIDEN = 'shared'", "registers, smem or smem2"});
+  for (auto [value, wgs] : {std::pair{"smem", 1}, std::pair{"smem2", 2}, std::pair{"registers", 0}}) {
+    setenv("MOEKIT_MXFP4_WIDEN", value, 1);
     MaskedGemm g(p, c.buffers(false));
-    EXPECT_TRUE(g.config().mxfp4_widen_smem) << g.config().to_string();
+    EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << value << ": " << g.config().to_string();
   }
   unsetenv("MOEKIT_MXFP4_WIDEN");
   MaskedGemmProblem fp8 = c.problem;  // FP8 weights with an MXFP4-only buffer
@@ -457,9 +466,9 @@ TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
   b.w_mx_scales = d_ws.ptr;
   b.bias = d_bias.ptr;
   b.out = d_out.ptr;
-  for (bool widen : {false, true}) {
+  for (int widen : {0, 1}) {
     GemmConfig cfg = choose_contiguous_config(p, 132);
-    cfg.mxfp4_widen_smem = widen;
+    cfg.mxfp4_widen_wgs = widen;
     cfg.num_ctas = 0;
     d_out.poison(0xFF);
     ContiguousGemm gemm(p, b, &cfg);

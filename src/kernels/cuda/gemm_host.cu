@@ -16,7 +16,7 @@ std::string GemmConfig::to_string() const {
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
      << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas
      << " smem=" << smem_bytes;
-  if (mxfp4_widen_smem) os << " widen=smem";
+  if (mxfp4_widen_wgs != 0) os << " widen_wgs=" << mxfp4_widen_wgs;
   return os.str();
 }
 
@@ -105,8 +105,9 @@ void apply_mxfp4_widen_knob(GemmConfig& cfg) {
   const char* env = std::getenv("MOEKIT_MXFP4_WIDEN");
   if (env == nullptr || env[0] == '\0') return;
   const std::string v = env;
-  MOEKIT_CHECK(v == "smem" || v == "registers", "MOEKIT_MXFP4_WIDEN = '" + v + "'; expected smem or registers (or unset)");
-  cfg.mxfp4_widen_smem = v == "smem";
+  MOEKIT_CHECK(v == "smem" || v == "smem2" || v == "registers",
+               "MOEKIT_MXFP4_WIDEN = '" + v + "'; expected registers, smem or smem2 (or unset)");
+  cfg.mxfp4_widen_wgs = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
 }
 
 int max_smem_per_block() {

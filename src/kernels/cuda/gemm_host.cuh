@@ -33,8 +33,8 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 // no split-K, and `cols` output columns in an even number of weight blocks.
 void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
-// MOEKIT_MXFP4_WIDEN (smem | registers, or unset) over a heuristic's MXFP4 config: a study knob,
-// so that one build can run the layer both ways (GemmConfig::mxfp4_widen_smem).
+// MOEKIT_MXFP4_WIDEN (registers | smem | smem2, or unset) over a heuristic's MXFP4 config: a study
+// knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2).
 void apply_mxfp4_widen_knob(GemmConfig& cfg);
 int max_smem_per_block();
 int num_sms();
@@ -154,17 +154,18 @@ struct Instance {
 // on (its consumers would wait for them forever): that is ptxas's to decide, so the device is asked.
 void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_regs);
 
-// One compiled MXFP4 kernel instance (swap-AB, 2 math warpgroups, 128 weight rows per tile):
-// widening in the math threads' registers (gemm_mxfp4.cuh) or, kWidenSmem, by a warpgroup of its
-// own into shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_smem).
-template <bool kMasked, int kBlockT, bool kWidenSmem>
+// One compiled MXFP4 kernel instance (swap-AB, 128 weight rows per tile): widening in the math
+// threads' registers (kWidenWGs 0, gemm_mxfp4.cuh) or by kWidenWGs warpgroups of its own into
+// shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs).
+template <bool kMasked, int kBlockT, int kWidenWGs>
 struct Mxfp4Instance {
-  using Layout = std::conditional_t<kWidenSmem, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT>>;
-  using Regs = std::conditional_t<kWidenSmem, Mxfp4WidenRegisters, Mxfp4Registers>;
+  static constexpr bool kWiden = kWidenWGs > 0;
+  using Layout = std::conditional_t<kWiden, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT>>;
+  using Regs = std::conditional_t<kWiden, Mxfp4WidenRegisters<kWidenWGs>, Mxfp4Registers>;
   static Launch launch(GemmConfig& cfg, int num_experts) {
     finish_config<Layout>(cfg, num_experts, 0);
     Launch l;
-    if constexpr (kWidenSmem) l.kernel_mxfp4 = &grouped_gemm_mxfp4_widen_kernel<kMasked, kBlockT>;
+    if constexpr (kWiden) l.kernel_mxfp4 = &grouped_gemm_mxfp4_widen_kernel<kMasked, kBlockT, kWidenWGs>;
     else l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT>;
     l.threads = Regs::kThreads;
     allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);

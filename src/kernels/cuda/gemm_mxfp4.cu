@@ -8,12 +8,21 @@ namespace moekit::gemm_detail {
 
 namespace {
 
-// The kernel of a config: widening in registers (gemm_mxfp4.cuh) or by its own warpgroup
-// (gemm_mxfp4_widen.cuh), with the same tile sizes.
+// The kernel of a config: widening in registers (gemm_mxfp4.cuh) or by one or two warpgroups of
+// its own (gemm_mxfp4_widen.cuh; two only beside one math warpgroup, up to 64 tokens), with the
+// same tile sizes.
 template <bool kMasked, int kBlockT>
 Launch mxfp4_instance(GemmConfig& cfg, int num_experts) {
-  return cfg.mxfp4_widen_smem ? Mxfp4Instance<kMasked, kBlockT, true>::launch(cfg, num_experts)
-                              : Mxfp4Instance<kMasked, kBlockT, false>::launch(cfg, num_experts);
+  switch (cfg.mxfp4_widen_wgs) {
+    case 0: return Mxfp4Instance<kMasked, kBlockT, 0>::launch(cfg, num_experts);
+    case 1: return Mxfp4Instance<kMasked, kBlockT, 1>::launch(cfg, num_experts);
+    case 2:
+      if constexpr (kMasked && kBlockT <= 64) return Mxfp4Instance<kMasked, kBlockT, 2>::launch(cfg, num_experts);
+  }
+  MOEKIT_CHECK(false, std::string(kMasked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
+                          " is not compiled; expected mxfp4_widen_wgs 0 or 1, or 2 with masked tiles of at most 64 "
+                          "tokens");
+  return {};
 }
 
 Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
@@ -51,7 +60,7 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
   // whose threads read one row each (gemm_mxfp4_widen.cuh). Scales: tile-major too, rows of 128
   // 4-byte words, a box of one row per stage (TMA moves them as fp32 words; the bits are not touched).
   plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n * k_blocks, kBlockK / 2, kBlockK / 2, 128, kBlockK / 2,
-                           plan.cfg.mxfp4_widen_smem ? 64 : 0);
+                           plan.cfg.mxfp4_widen_wgs > 0 ? 64 : 0);
   plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, 0);
   plan.args.bias = bias;
   plan.args.w_mx_scales = w_mx_scales;

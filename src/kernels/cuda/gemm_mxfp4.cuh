@@ -144,15 +144,26 @@ __device__ __forceinline__ uint2 mxfp4_row_words(const KernelArgs& args, const T
 }
 
 // A tile's end in both MXFP4 kernels: the row factor 2^(base - 127) (exact: a power of two), then
-// split-K's reduction and the BF16 store with the bias.
-template <bool kMasked, int kBlockT, int kRegs, int kMathThreads>
-__device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const TileInfo& t, float* acc, uint2 row_words,
-                                                 const Fragment& f, int* last_flag) {
-  const float rf[2] = {mxfp4_detail::row_factor(row_words.x), mxfp4_detail::row_factor(row_words.y)};
+// split-K's reduction and the BF16 store with the bias. A math thread holds kSlabs 64-row slabs
+// of accumulators (slab sl: acc + sl·kRegs, rows f.row + 64·sl and + 8, scale words row_words[sl]).
+template <bool kMasked, int kBlockT, int kRegs, int kMathThreads, int kSlabs = 1>
+__device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const TileInfo& t, float* acc,
+                                                 const uint2 (&row_words)[kSlabs], const Fragment& f, int* last_flag) {
 #pragma unroll
-  for (int i = 0; i < kRegs; ++i) acc[i] *= rf[(i / 2) % 2];
-  const bool store = args.num_splits == 1 || reduce_splits<kRegs, kMathThreads>(args, t, acc, f.mtid, last_flag);
-  if (store) store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, f);
+  for (int sl = 0; sl < kSlabs; ++sl) {
+    const float rf[2] = {mxfp4_detail::row_factor(row_words[sl].x), mxfp4_detail::row_factor(row_words[sl].y)};
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[sl * kRegs + i] *= rf[(i / 2) % 2];
+  }
+  const bool store =
+      args.num_splits == 1 || reduce_splits<kSlabs * kRegs, kMathThreads>(args, t, acc, f.mtid, last_flag);
+  if (!store) return;
+#pragma unroll
+  for (int sl = 0; sl < kSlabs; ++sl) {
+    Fragment fs = f;
+    fs.row += 64 * sl;
+    store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc + sl * kRegs, fs);
+  }
 }
 
 template <bool kMasked, int kBlockT>
@@ -305,7 +316,7 @@ __global__ void __launch_bounds__(384, 1)
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     if (t.e < 0) continue;
-    const uint2 row_words = mxfp4_row_words(args, t, frag_row, num_w_blocks, k_blocks);
+    const uint2 row_words[1] = {mxfp4_row_words(args, t, frag_row, num_w_blocks, k_blocks)};
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;

@@ -1,18 +1,20 @@
 // gemm_mxfp4_widen.cuh: the MXFP4 grouped GEMM with a widening warpgroup, for sm_90a; masked and
 // contiguous, swap-AB only. The same contract, plans, schedule and numerics as gemm_mxfp4.cuh
-// (GemmConfig::mxfp4_widen_smem picks this kernel); what differs is who widens the weights.
+// (GemmConfig::mxfp4_widen_wgs picks this kernel); what differs is who widens the weights.
 //
 // In gemm_mxfp4.cuh every math thread widens its own A fragments into registers, so each stage's
 // widening sits on the math warps' own dependency chain (shared load -> scale field -> table ->
 // prmt -> wgmma), and each row's four e4m3 tables are computed by the four threads of a quad that
-// hold it. Here the roles are split, as the producer's already are:
+// hold it. Here the roles are split, as the producer's already are (512 threads):
 //   warpgroup 0  two TMA warps (codes and scale words; activations and their scales), as before;
-//   warpgroup 1  widens: thread r takes weight row r of the stage, computes its four tables once,
-//                widens its 128 codes and writes them as e4m3 into a 128-byte-swizzled tile, then
-//                fences the writes to the async proxy and arrives on the stage's `widened` barrier;
-//   warpgroups 2-3 multiply: the FP8 kernel's swap-AB stage (gemm_fp8.cuh), four shared-memory
-//                wgmmas per 128-deep block, the widened tile as A, the activations as B, and the
-//                promotion acc += part · a_scale(token) (the row factor after the K loop).
+//   widening     kWidenWGs warpgroups (1, or 2 taking alternate stages): thread r takes weight row
+//                r of a stage, computes its four tables once, widens its 128 codes and writes them
+//                as e4m3 into a 128-byte-swizzled tile, then fences the writes to the async proxy
+//                and arrives on the stage's `widened` barrier;
+//   math         3 - kWidenWGs warpgroups: the FP8 kernel's swap-AB stage (gemm_fp8.cuh), four
+//                shared-memory wgmmas per 128-deep block and 64-row slab (two slabs per warpgroup
+//                when there is one), the widened tile as A, the activations as B, and the promotion
+//                acc += part · a_scale(token) (the row factor after the K loop).
 // The widening warps run ahead of the math warps by as many stages as the ring holds, so the math
 // warps' chain is the FP8 kernel's and the widening needs only to keep up with the HBM stream.
 //
@@ -54,16 +56,19 @@ struct Mxfp4WidenSmemLayout {
 };
 
 // Registers of the four warpgroups (setmaxnreg draws on the CTA's own pool): 128 per thread at
-// launch (__launch_bounds__(512, 1)); the producer gives back down to 40, the widening warpgroup
+// launch (__launch_bounds__(512, 1)); the producer gives back down to 40, each widening warpgroup
 // to 72 (its row's codes, tables and one 32-byte pair of chunks at a time), and the math
-// warpgroups take the rest, 200: a 128-token tile's partial and accumulators (64 + 64) and its
-// activation scales fit.
+// warpgroups take the rest: 200 each for two (a 128-token tile's partial and accumulators,
+// 64 + 64, and its activation scales fit), setmaxnreg's 256 for one (two slabs of up to 64 tokens).
+template <int kWidenWGs>
 struct Mxfp4WidenRegisters {
   static constexpr int kThreads = 512;
   static constexpr int kLaunch = 65536 / kThreads / 8 * 8;
   static constexpr int kProducer = 40;
   static constexpr int kWiden = 72;
-  static constexpr int kMath = (kThreads * kLaunch - 128 * kProducer - 128 * kWiden) / 256 / 8 * 8;
+  static constexpr int kMathWGs = 3 - kWidenWGs;
+  static constexpr int kRest = (kThreads * kLaunch - 128 * kProducer - 128 * kWidenWGs * kWiden) / (128 * kMathWGs);
+  static constexpr int kMath = (kRest > 256 ? 256 : kRest) / 8 * 8;
 };
 
 // Row `row` of one stage: its 64 bytes of codes (64-byte swizzled, see the header) and scale word,
@@ -101,16 +106,19 @@ __device__ __forceinline__ void widen_row(const uint8_t* codes, uint32_t scale_w
   }
 }
 
-template <bool kMasked, int kBlockT>
+template <bool kMasked, int kBlockT, int kWidenWGs>
 __global__ void __launch_bounds__(512, 1)
     grouped_gemm_mxfp4_widen_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                                     const __grid_constant__ CUtensorMap tma_sa,
                                     const __grid_constant__ CUtensorMap tma_ws, const KernelArgs args) {
-  constexpr int kBlockW = 128, kMathThreads = 256, kMathWarps = 8, kWidenWarps = 4;
+  static_assert(kWidenWGs == 1 || (kWidenWGs == 2 && kBlockT <= 64),
+                "one widening warpgroup, or two beside one math warpgroup holding two slabs of up to 64 tokens");
+  constexpr int kBlockW = 128, kMathWGs = 3 - kWidenWGs, kMathThreads = 128 * kMathWGs;
+  constexpr int kSlabs = 2 / kMathWGs;  // 64-row slabs of the tile per math warpgroup
   using Mma = ptx::Wgmma<kBlockT>;
   constexpr int kRegs = Mma::kRegs;
   using Layout = Mxfp4WidenSmemLayout<kBlockT>;
-  using Regs = Mxfp4WidenRegisters;
+  using Regs = Mxfp4WidenRegisters<kWidenWGs>;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = ptx::align_smem_1024(smem_raw);
@@ -133,8 +141,8 @@ __global__ void __launch_bounds__(512, 1)
 
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
   if (threadIdx.x == 0)  // (begin_gemm's fence makes these visible too)
-    for (int s = 0; s < stages; ++s) ptx::mbar_init(&widened[s], kWidenWarps);
-  begin_gemm(args, early_weights, full, empty, kMathWarps, 2);  // two producer warps
+    for (int s = 0; s < stages; ++s) ptx::mbar_init(&widened[s], 4);  // the warps of the widening warpgroup
+  begin_gemm(args, early_weights, full, empty, 4 * kMathWGs, 2);  // two producer warps
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
     ptx::prefetch_tensormap(&tma_w);
@@ -160,17 +168,24 @@ __global__ void __launch_bounds__(512, 1)
     if (++s == stages) s = 0, phase ^= 1;
   };
 
-  if (warp < 8) {
+  if (warp < 4 + 4 * kWidenWGs) {
     // ---------------- widening ----------------
-    // Every stage of this CTA's walk, in the producer's order; thread r widens row r. The stage's
-    // widened tile was last read by the math warps' wgmmas of the previous lap, which completed
-    // before they freed the stage for the producer whose bytes we waited for.
+    // Every stage of this CTA's walk, in the producer's order (warpgroup w of two: the stages
+    // w, w + 2, ...); thread r widens row r. The stage's widened tile was last read by the math
+    // warps' wgmmas of the previous lap, which completed before they freed the stage for the
+    // producer whose bytes we waited for.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs::kWiden));
-    const int row = threadIdx.x - 128;
+    const int row = threadIdx.x % 128;
+    const int widen_wg = warp / 4 - 1;
+    int iter = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileInfo t = decode(tile);
       if (t.e < 0) continue;
-      for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
+      for (int kb = t.kb_begin; kb < t.kb_end; ++kb, ++iter) {
+        if (kWidenWGs == 2 && iter % 2 != widen_wg) {
+          advance();
+          continue;
+        }
         ptx::mbar_wait(&full[s], phase);
         const uint32_t word = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile)[row];
         widen_row(code_tiles + s * Layout::kWTile, word, wide_tiles + s * Layout::kWideTile, row);
@@ -187,22 +202,25 @@ __global__ void __launch_bounds__(512, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Regs::kMath));
   // Through a shuffle from lane 0, so that the descriptor arithmetic stays on the uniform datapath
   // (gemm_fp8.cuh).
-  const int wg = __shfl_sync(0xFFFFFFFFu, warp / 4, 0) - 2;
+  const int wg = __shfl_sync(0xFFFFFFFFu, warp / 4, 0) - 1 - kWidenWGs;
   const int warp_in_wg = warp % 4;
-  const int mtid = threadIdx.x - 256;
-  const uint32_t wide_desc0 = ptx::smem_desc_sw128_lo(wide_tiles) + wg * 64 * kBlockK / 16;  // this warpgroup's rows
+  const int mtid = threadIdx.x - 128 * (1 + kWidenWGs);
+  // This warpgroup's first slab (64 rows); slab sl is sl · 64 rows further.
+  const uint32_t wide_desc0 = ptx::smem_desc_sw128_lo(wide_tiles) + wg * kSlabs * 64 * kBlockK / 16;
   const uint32_t a_desc0 = ptx::smem_desc_sw128_lo(a_tiles);
-  const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // accumulator rows frag_row, frag_row + 8
+  const int frag_row = wg * kSlabs * 64 + warp_in_wg * 16 + lane / 4;  // + 8, and + 64 · sl for slab sl
   const int frag_col = (lane % 4) * 2;
   __shared__ int last_flag;
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode(tile);
     if (t.e < 0) continue;
-    const uint2 row_words = mxfp4_row_words(args, t, frag_row, num_w_blocks, k_blocks);
-    float acc[kRegs], part[kRegs];
+    uint2 row_words[kSlabs];
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
+    for (int sl = 0; sl < kSlabs; ++sl) row_words[sl] = mxfp4_row_words(args, t, frag_row + 64 * sl, num_w_blocks, k_blocks);
+    float acc[kSlabs * kRegs], part[kSlabs * kRegs];
+#pragma unroll
+    for (int i = 0; i < kSlabs * kRegs; ++i) acc[i] = 0.0f;
     for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
       // The widening warps waited for `full` before they arrived; waiting on it here too (it has
       // completed) makes the TMA-written activations visible to these threads without relying on
@@ -216,22 +234,29 @@ __global__ void __launch_bounds__(512, 1)
       const uint32_t wide_desc = wide_desc0 + s * (Layout::kWideTile >> 4);
       const uint32_t a_desc = a_desc0 + s * (Layout::kATile >> 4);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+      for (int i = 0; i < kSlabs * kRegs; ++i) ptx::fence_operand(part[i]);
       ptx::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kBlockK / 32; ++k)
-        Mma::mma(part, ptx::smem_desc_sw128(wide_desc + 2 * k), ptx::smem_desc_sw128(a_desc + 2 * k), k > 0);
+      for (int sl = 0; sl < kSlabs; ++sl) {
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k)
+          Mma::mma(part + sl * kRegs, ptx::smem_desc_sw128(wide_desc + sl * 64 * kBlockK / 16 + 2 * k),
+                   ptx::smem_desc_sw128(a_desc + 2 * k), k > 0);
+      }
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+      for (int i = 0; i < kSlabs * kRegs; ++i) ptx::fence_operand(part[i]);
       if (lane == 0) ptx::mbar_arrive(&empty[s]);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = fmaf(part[i], (i % 2) ? sa_pair[i / 4].y : sa_pair[i / 4].x, acc[i]);
+      for (int i = 0; i < kSlabs * kRegs; ++i) {
+        const int c = i % kRegs;  // the register's token: column (c / 4)·8 + frag_col + c % 2
+        acc[i] = fmaf(part[i], (c % 2) ? sa_pair[c / 4].y : sa_pair[c / 4].x, acc[i]);
+      }
       advance();
     }
-    store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads>(args, t, acc, row_words,
-                                                            Fragment{frag_row, frag_col, mtid, warp - 8}, &last_flag);
+    store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads, kSlabs>(
+        args, t, acc, row_words, Fragment{frag_row, frag_col, mtid, mtid / 32}, &last_flag);
   }
   if (mtid == 0) stamp_end(args.stamp);
 }
