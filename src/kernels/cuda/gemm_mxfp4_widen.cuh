@@ -9,8 +9,8 @@
 //   warpgroup 0  two TMA warps (codes and scale words; activations and their scales), as before;
 //   widening     kWidenWGs warpgroups (1, or 2 taking alternate stages): thread r takes weight row
 //                r of a stage, computes its four tables once, widens its 128 codes and writes them
-//                as e4m3 into a 128-byte-swizzled tile, then fences the writes to the async proxy
-//                and arrives on the stage's `widened` barrier;
+//                as e4m3 into a 128-byte-swizzled tile of the widened ring, then fences the writes
+//                to the async proxy and arrives on the slot's `wide_full` barrier;
 //   math         3 - kWidenWGs warpgroups: the FP8 kernel's swap-AB stage (gemm_fp8.cuh), four
 //                shared-memory wgmmas per 128-deep block and 64-row slab (two slabs per warpgroup
 //                when there is one), the widened tile as A, the activations as B, and the promotion
@@ -18,11 +18,15 @@
 // The widening warps run ahead of the math warps by as many stages as the ring holds, so the math
 // warps' chain is the FP8 kernel's and the widening needs only to keep up with the HBM stream.
 //
-// Shared memory per stage: the widened tile (16 KB), the activation tile, the packed codes (8 KB,
-// TMA with the 64-byte swizzle: 16-byte unit q of row r lands at unit q ^ ((r >> 1) & 3), so that
-// eight threads reading unit q of eight consecutive rows hit eight different bank groups; the
-// bytes in global memory are mxfp4_codes_for_gemm's, unchanged), the scale words, the activation
-// scales, and three barriers (full: TMA; widened: the widening warps; empty: the math warps).
+// Shared memory: a ring of stages as in gemm_mxfp4.cuh (the activation tile, the packed codes,
+// 8 KB, the scale words, the activation scales; full and empty barriers), and beside it a ring of
+// kWideSlots widened tiles (16 KB each; wide_full: the widening warps, wide_empty: the math warps).
+// The widened ring is short on purpose: the stages are what keeps HBM busy (at the copy rate an SM
+// takes ~8.5 KB of codes per ~520 cycles, and ~1.5 us of latency wants ~60 KB of them in flight),
+// and a 16 KB widened tile in every stage would halve how many fit. The codes arrive by TMA with
+// the 64-byte swizzle (16-byte unit q of row r lands at unit q ^ ((r >> 1) & 3)), so that eight
+// threads reading unit q of eight consecutive rows hit eight different bank groups; the bytes in
+// global memory are mxfp4_codes_for_gemm's, unchanged.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,23 +40,27 @@
 
 namespace moekit::gemm_detail {
 
-// Shared memory of the widening kernel, in order: widened tiles and activation tiles (both
-// 1024-aligned for the 128-byte swizzle: every tile is a multiple of 1024 bytes), packed code
-// tiles, scale-word tiles, activation-scale rows, the full, widened and empty barriers, then
-// (masked) prefix [E+1] and m_of [E].
+// Shared memory of the widening kernel, in order: the kWideSlots widened tiles, the stages'
+// activation tiles (both 1024-aligned for the 128-byte swizzle: every tile is a multiple of 1024
+// bytes), packed code tiles, scale-word tiles, activation-scale rows, the stages' full and empty
+// barriers, the widened tiles' full and empty barriers, then (masked) prefix [E+1] and m_of [E].
 template <int kBlockT>
 struct Mxfp4WidenSmemLayout {
   static constexpr int kWRows = 128;
+  static constexpr int kWideSlots = 4;
   static constexpr int kWideTile = kWRows * kBlockK;
   static constexpr int kATile = kBlockT * kBlockK;
   static constexpr int kWTile = kWRows * kBlockK / 2;
   static constexpr int kWsTile = kWRows * 4;
   static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;
-  static constexpr int kStageBytes = kWideTile + kATile + kWTile + kWsTile + kSaFloats * 4 + 24;
+  static constexpr int kStageBytes = kATile + kWTile + kWsTile + kSaFloats * 4 + 16;
+  static constexpr int kWideBytes = kWideSlots * (kWideTile + 16);
   static constexpr uint32_t kTxWeights = kWTile + kWsTile;
   static constexpr uint32_t kTxActivations = kATile + kBlockT * 4;
   static_assert(kATile % 1024 == 0, "activation tiles keep the next tile 1024-aligned");
-  static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
+  static int bytes(int stages, int num_experts) {
+    return 1024 + kWideBytes + stages * kStageBytes + (2 * num_experts + 1) * 4;
+  }
 };
 
 // Registers of the four warpgroups (setmaxnreg draws on the CTA's own pool): 128 per thread at
@@ -123,15 +131,17 @@ __global__ void __launch_bounds__(512, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = ptx::align_smem_1024(smem_raw);
   const int stages = args.num_stages;
+  constexpr int kWideSlots = Layout::kWideSlots;
   uint8_t* wide_tiles = smem;
-  uint8_t* a_tiles = wide_tiles + stages * Layout::kWideTile;
+  uint8_t* a_tiles = wide_tiles + kWideSlots * Layout::kWideTile;
   uint8_t* code_tiles = a_tiles + stages * Layout::kATile;
   uint8_t* ws_tiles = code_tiles + stages * Layout::kWTile;
   float* sa_tiles = reinterpret_cast<float*>(ws_tiles + stages * Layout::kWsTile);
   uint64_t* full = reinterpret_cast<uint64_t*>(sa_tiles + stages * Layout::kSaFloats);
-  uint64_t* widened = full + stages;
-  uint64_t* empty = widened + stages;
-  int* prefix = reinterpret_cast<int*>(empty + stages);  // [E+1]
+  uint64_t* empty = full + stages;
+  uint64_t* wide_full = empty + stages;
+  uint64_t* wide_empty = wide_full + kWideSlots;
+  int* prefix = reinterpret_cast<int*>(wide_empty + kWideSlots);  // [E+1]
   int* m_of = prefix + args.num_experts + 1;              // [E]
 
   const int warp = threadIdx.x / 32;
@@ -140,8 +150,12 @@ __global__ void __launch_bounds__(512, 1)
   const int k_blocks = args.k / kBlockK;
 
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  if (threadIdx.x == 0)  // (begin_gemm's fence makes these visible too)
-    for (int s = 0; s < stages; ++s) ptx::mbar_init(&widened[s], 4);  // the warps of the widening warpgroup
+  if (threadIdx.x == 0) {  // (begin_gemm's fence makes these visible too)
+    for (int w = 0; w < kWideSlots; ++w) {
+      ptx::mbar_init(&wide_full[w], 4);               // the warps of the widening warpgroup
+      ptx::mbar_init(&wide_empty[w], 4 * kMathWGs);   // the math warps
+    }
+  }
   begin_gemm(args, early_weights, full, empty, 4 * kMathWGs, 2);  // two producer warps
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
@@ -162,18 +176,19 @@ __global__ void __launch_bounds__(512, 1)
     return;
   }
 
-  int s = 0;
-  uint32_t phase = 0;
+  // The position in both rings: stage s of the stage ring, slot w of the widened ring.
+  int s = 0, w = 0;
+  uint32_t phase = 0, wide_phase = 0;
   auto advance = [&] {
     if (++s == stages) s = 0, phase ^= 1;
+    if (++w == kWideSlots) w = 0, wide_phase ^= 1;
   };
 
   if (warp < 4 + 4 * kWidenWGs) {
     // ---------------- widening ----------------
-    // Every stage of this CTA's walk, in the producer's order (warpgroup w of two: the stages
-    // w, w + 2, ...); thread r widens row r. The stage's widened tile was last read by the math
-    // warps' wgmmas of the previous lap, which completed before they freed the stage for the
-    // producer whose bytes we waited for.
+    // Every stage of this CTA's walk, in the producer's order (warpgroup g of two: the stages
+    // g, g + 2, ...); thread r widens row r into the widened ring's next slot once the math warps
+    // have freed it (their wgmmas that read it have completed).
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs::kWiden));
     const int row = threadIdx.x % 128;
     const int widen_wg = warp / 4 - 1;
@@ -187,11 +202,12 @@ __global__ void __launch_bounds__(512, 1)
           continue;
         }
         ptx::mbar_wait(&full[s], phase);
+        ptx::mbar_wait(&wide_empty[w], wide_phase ^ 1);  // (the first lap passes at once)
         const uint32_t word = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile)[row];
-        widen_row(code_tiles + s * Layout::kWTile, word, wide_tiles + s * Layout::kWideTile, row);
+        widen_row(code_tiles + s * Layout::kWTile, word, wide_tiles + w * Layout::kWideTile, row);
         ptx::fence_proxy_async_smem();  // our generic stores, before the wgmmas (async proxy) read them
         __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(&widened[s]);
+        if (lane == 0) ptx::mbar_arrive(&wide_full[w]);
         advance();
       }
     }
@@ -222,16 +238,16 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
     for (int i = 0; i < kSlabs * kRegs; ++i) acc[i] = 0.0f;
     for (int kb = t.kb_begin; kb < t.kb_end; ++kb) {
-      // The widening warps waited for `full` before they arrived; waiting on it here too (it has
-      // completed) makes the TMA-written activations visible to these threads without relying on
-      // that chain.
+      // The widening warps waited for `full` before they filled the slot; waiting on it here too
+      // (it has completed by then) makes the TMA-written activations visible to these threads
+      // without relying on that chain.
       ptx::mbar_wait(&full[s], phase);
-      ptx::mbar_wait(&widened[s], phase);
+      ptx::mbar_wait(&wide_full[w], wide_phase);
       const float* sa = sa_tiles + s * Layout::kSaFloats;
       float2 sa_pair[kBlockT / 8];
 #pragma unroll
       for (int j = 0; j < kBlockT / 8; ++j) sa_pair[j] = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
-      const uint32_t wide_desc = wide_desc0 + s * (Layout::kWideTile >> 4);
+      const uint32_t wide_desc = wide_desc0 + w * (Layout::kWideTile >> 4);
       const uint32_t a_desc = a_desc0 + s * (Layout::kATile >> 4);
 #pragma unroll
       for (int i = 0; i < kSlabs * kRegs; ++i) ptx::fence_operand(part[i]);
@@ -247,7 +263,10 @@ __global__ void __launch_bounds__(512, 1)
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kSlabs * kRegs; ++i) ptx::fence_operand(part[i]);
-      if (lane == 0) ptx::mbar_arrive(&empty[s]);
+      if (lane == 0) {
+        ptx::mbar_arrive(&empty[s]);
+        ptx::mbar_arrive(&wide_empty[w]);
+      }
 #pragma unroll
       for (int i = 0; i < kSlabs * kRegs; ++i) {
         const int c = i % kRegs;  // the register's token: column (c / 4)·8 + frag_col + c % 2
