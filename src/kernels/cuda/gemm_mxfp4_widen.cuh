@@ -96,7 +96,8 @@ __device__ __forceinline__ void widen_row(const uint8_t* codes, uint32_t scale_w
   uint2 table[4];
   if (mxfp4_detail::block_shifts_fast(scale_word)) {
 #pragma unroll
-    for (int g = 0; g < 4; ++g) table[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scale_word, g));
+    for (int g = 0; g < 4; ++g)
+      table[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scale_word, g));
   } else {  // out of line, as in gemm_mxfp4.cuh: rare, and inlined it would double the loop
 #pragma unroll
     for (int g = 0; g < 4; ++g)
@@ -233,7 +234,8 @@ __global__ void __launch_bounds__(512, 1)
     if (t.e < 0) continue;
     uint2 row_words[kSlabs];
 #pragma unroll
-    for (int sl = 0; sl < kSlabs; ++sl) row_words[sl] = mxfp4_row_words(args, t, frag_row + 64 * sl, num_w_blocks, k_blocks);
+    for (int sl = 0; sl < kSlabs; ++sl)
+      row_words[sl] = mxfp4_row_words(args, t, frag_row + 64 * sl, num_w_blocks, k_blocks);
     float acc[kSlabs * kRegs], part[kSlabs * kRegs];
 #pragma unroll
     for (int i = 0; i < kSlabs * kRegs; ++i) acc[i] = 0.0f;
