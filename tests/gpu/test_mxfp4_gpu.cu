@@ -488,6 +488,14 @@ TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
     }
     expect_good(st, "contiguous, 4 experts with padding" + widen_name(widen));
   }
+  // MOEKIT_MXFP4_WIDEN=smem2 over a contiguous plan: one widening warpgroup (two are compiled for
+  // masked tiles only).
+  setenv("MOEKIT_MXFP4_WIDEN", "smem2", 1);
+  {
+    ContiguousGemm gemm(p, b);
+    EXPECT_EQ(gemm.config().mxfp4_widen_wgs, 1) << gemm.config().to_string();
+  }
+  unsetenv("MOEKIT_MXFP4_WIDEN");
 }
 
 }  // namespace

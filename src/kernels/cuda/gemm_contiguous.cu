@@ -61,7 +61,7 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_contiguous_config(p, num_sms());
-  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg);
+  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, false);
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
                "contiguous GEMM config " + im.cfg.to_string() + ": widen=smem needs MXFP4 weights");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,

@@ -101,13 +101,14 @@ void maybe_print_config(const char* kind, const std::string& problem, const Gemm
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
 }
 
-void apply_mxfp4_widen_knob(GemmConfig& cfg) {
+void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked) {
   const char* env = std::getenv("MOEKIT_MXFP4_WIDEN");
   if (env == nullptr || env[0] == '\0') return;
   const std::string v = env;
   MOEKIT_CHECK(v == "smem" || v == "smem2" || v == "registers",
                "MOEKIT_MXFP4_WIDEN = '" + v + "'; expected registers, smem or smem2 (or unset)");
-  cfg.mxfp4_widen_wgs = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
+  const bool two = v == "smem2" && masked && cfg.block_m <= 64;  // where two are compiled
+  cfg.mxfp4_widen_wgs = v == "registers" ? 0 : two ? 2 : 1;
 }
 
 int max_smem_per_block() {

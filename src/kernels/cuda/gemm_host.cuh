@@ -34,8 +34,9 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
 // MOEKIT_MXFP4_WIDEN (registers | smem | smem2, or unset) over a heuristic's MXFP4 config: a study
-// knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2).
-void apply_mxfp4_widen_knob(GemmConfig& cfg);
+// knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2; smem2
+// takes one widening warpgroup where two are not compiled: contiguous plans, tiles above 64 tokens).
+void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked);
 int max_smem_per_block();
 int num_sms();
 
