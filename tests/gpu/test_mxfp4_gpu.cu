@@ -413,12 +413,14 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   fp8_buffers.w_mx_scales = nullptr;
   fp8_buffers.w_scales = c.d_as.ptr;
   const GemmConfig widen = forced_mx(16, 1, 1);
-  expect_error([&] { MaskedGemm g(fp8_problem, fp8_buffers, &widen); }, {"widen=smem needs MXFP4 weights"});
+  expect_error([&] { MaskedGemm g(fp8_problem, fp8_buffers, &widen); },
+               {"widen_wgs=1", "mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights"});
   const GemmConfig widen3 = forced_mx(16, 1, 3), widen2_wide = forced_mx(128, 1, 2);
   expect_error([&] { MaskedGemm g(p, c.buffers(false), &widen3); }, {"widen_wgs=3", "is not compiled"});
   expect_error([&] { MaskedGemm g(p, c.buffers(false), &widen2_wide); }, {"block_m=128", "widen_wgs=2", "at most 64"});
   setenv("MOEKIT_MXFP4_WIDEN", "shared", 1);
-  expect_error([&] { MaskedGemm g(p, c.buffers(false)); }, {"MOEKIT_MXFP4_WIDEN = 'shared'", "registers, smem or smem2"});
+  expect_error([&] { MaskedGemm g(p, c.buffers(false)); },
+               {"MOEKIT_MXFP4_WIDEN = 'shared'", "registers, smem or smem2"});
   for (auto [value, wgs] : {std::pair{"smem", 1}, std::pair{"smem2", 2}, std::pair{"registers", 0}}) {
     setenv("MOEKIT_MXFP4_WIDEN", value, 1);
     MaskedGemm g(p, c.buffers(false));

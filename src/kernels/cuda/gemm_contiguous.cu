@@ -63,7 +63,8 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   im.cfg = config ? *config : choose_contiguous_config(p, num_sms());
   if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, false);
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
-               "contiguous GEMM config " + im.cfg.to_string() + ": widen=smem needs MXFP4 weights");
+               "contiguous GEMM config " + im.cfg.to_string() +
+                   ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
