@@ -265,6 +265,7 @@ __global__ void __launch_bounds__(512, 1)
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kSlabs * kRegs; ++i) ptx::fence_operand(part[i]);
+      __syncwarp();  // every lane's sa_pair loads before lane 0 hands the stage back to the producer
       if (lane == 0) {
         ptx::mbar_arrive(&empty[s]);
         ptx::mbar_arrive(&wide_empty[w]);
