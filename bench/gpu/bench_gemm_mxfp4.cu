@@ -11,8 +11,11 @@
 //     each: TFLOP/s of each format and the ratio (target >= 0.9).
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
 // holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M]
-// [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4 masked plans' ring depth, M the
-// token block of their tiles above 32 rows; --masked-only skips the contiguous part)
+// [--mx-widen registers|smem|smem2] [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4
+// masked plans' ring depth, M the token block of their tiles above 32 rows; --mx-widen: every MXFP4
+// plan widening in registers, or with one or two widening warpgroups (GemmConfig::mxfp4_widen_wgs;
+// smem2 for the masked plans of up to 64 tokens, the others take smem); --masked-only skips the
+// contiguous part)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -86,6 +89,9 @@ int g_mx_stages = 0;
 // --mx-block-m: the token block of the MXFP4 masked plans the heuristic gives more than 32 tokens
 // (0: the heuristic's), to compare 48- and 64-token tiles on the same rows in one process.
 int g_mx_block_m = 0;
+// --mx-widen: -1 the heuristic's, else GemmConfig::mxfp4_widen_wgs (0 registers, 1 or 2 widening
+// warpgroups, gemm_mxfp4_widen.cuh).
+int g_mx_widen = -1;
 
 std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
@@ -101,9 +107,11 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   GemmConfig c = choose_masked_config(p, 132);
   const bool stages = g.mx && g_mx_stages > 0 && c.block_m <= 32;  // the decode tiles (larger ones fit fewer)
   const bool block = g.mx && g_mx_block_m > 0 && c.block_m > 32 && c.block_m < 128;
-  if (stages || block) {
+  const bool widen = g.mx && g_mx_widen >= 0;
+  if (stages || block || widen) {
     if (stages) c.num_stages = g_mx_stages;
     if (block) c.block_m = g_mx_block_m, c.num_stages = 0;  // the ring depth follows the tile (split-K stays)
+    if (widen) c.mxfp4_widen_wgs = c.block_m <= 64 ? g_mx_widen : std::min(g_mx_widen, 1);
     c.num_ctas = 0;
     return std::make_unique<MaskedGemm>(p, b, &c);
   }
@@ -176,6 +184,7 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   b.out = g.out;
   GemmConfig forced = choose_contiguous_config(p, 132);
   if (block_m > 0) forced.block_m = block_m;
+  if (mx && g_mx_widen >= 0) forced.mxfp4_widen_wgs = std::min(g_mx_widen, 1);  // (two: masked only)
   forced.num_ctas = 0;
   ContiguousGemm plan(p, b, &forced);
   config = plan.config().to_string();
@@ -194,10 +203,18 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--mx-stages") && i + 1 < argc) g_mx_stages = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--mx-block-m") && i + 1 < argc) g_mx_block_m = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--mx-widen") && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "registers" && v != "smem" && v != "smem2") {
+        std::fprintf(stderr, "bench_gemm_mxfp4: --mx-widen %s; expected registers, smem or smem2\n", v.c_str());
+        return 2;
+      }
+      g_mx_widen = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
+    }
     else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
-                           "[--masked-only]\n");
+                           "[--mx-widen registers|smem|smem2] [--masked-only]\n");
       return 2;
     }
   }

@@ -43,9 +43,10 @@
 //           [E_loc, N, K/32] scales by mxfp4_scales_for_gemm (mxfp4.h)
 //   bias    [E_loc, N] fp32 or null: added to the fp32 accumulator before the BF16 rounding
 //   w_scales must be null. The weights stream from HBM at 4.25 bits each and are widened to e4m3
-//   in registers; the result is reference.h's MXFP4 contract (exact widening for groups within
-//   2^14 of their row's largest scale). Tiles are always swap-AB with block_n = 128;
-//   the SiLU·up epilogue is not available with MXFP4 weights.
+//   on the chip (in the math threads' registers, or with GemmConfig::mxfp4_widen_wgs by
+//   warpgroups of their own into shared memory); the result is reference.h's MXFP4 contract
+//   (exact widening for groups within 2^14 of their row's largest scale). Tiles are always
+//   swap-AB with block_n = 128; the SiLU·up epilogue is not available with MXFP4 weights.
 //
 // Requirements (checked when a plan is made, with the bad value in the message): N and K
 // multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
@@ -124,6 +125,12 @@ struct GemmConfig {
   // its activation tile by TMA multicast (FP8, BF16 output, no split-K, an even number of
   // weight blocks); 1 otherwise.
   int cluster = 1;
+  // MXFP4 weights: 0 widens the codes to e4m3 in every math thread's registers (the default);
+  // 1 gives the widening a warpgroup of its own that writes each stage's e4m3 tile to shared
+  // memory for two math warpgroups, 2 gives it two warpgroups (alternate stages) for one math
+  // warpgroup (tiles of up to 64 tokens). Study configs: MOEKIT_MXFP4_WIDEN=smem or smem2 sets
+  // them over the heuristic's pick. The same products in the same order, so the same results.
+  int mxfp4_widen_wgs = 0;
   std::string to_string() const;
 };
 

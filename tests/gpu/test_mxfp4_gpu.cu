@@ -3,7 +3,9 @@
 //    format's definition written here (the e2m1 table and ldexp);
 //  - the GEMM against a float64 product of the dequantised operands, for every tile path, split-K,
 //    bias, scale spreads that take the rounded (deep-shift) path, graph replay with new masked_m
-//    and data, the contiguous layout with padding, and bad arguments.
+//    and data, the contiguous layout with padding, and bad arguments; each with the weights widened
+//    in the math threads' registers (gemm_mxfp4.cuh) and by one or two widening warpgroups in shared
+//    memory (gemm_mxfp4_widen.cuh, GemmConfig::mxfp4_widen_wgs).
 // Operands are fresh random draws; outputs are poisoned with a BF16 NaN first, so an unwritten
 // element fails, and padding rows must keep the poison.
 #include <cuda_fp8.h>
@@ -11,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +34,17 @@ namespace moekit {
 namespace {
 
 constexpr double kE2m1[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};  // the format's magnitudes
+
+// A forced swap-AB config of the MXFP4 kernels; widen: GemmConfig::mxfp4_widen_wgs (0 in registers,
+// 1 or 2 widening warpgroups).
+GemmConfig forced_mx(int block_m, int splits, int widen) {
+  GemmConfig c = forced(true, block_m, splits);
+  c.mxfp4_widen_wgs = widen;
+  return c;
+}
+std::string widen_name(int widen) { return " widen_wgs=" + std::to_string(widen); }
+// The widenings compiled for masked tiles of block_m tokens: two warpgroups only up to 64 tokens.
+std::vector<int> widenings(int block_m) { return block_m <= 64 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1}; }
 
 // ---------------------------------------------------------------------------------------------
 // The widening, code by code
@@ -227,12 +241,14 @@ TEST(GemmMxfp4Masked, EveryTilePathAndSplitK) {
   MaskedCase c({6, 512, 1024, 136, 0}, rng);
   const std::vector<int32_t> masked_m = {0, 1, 17, 136, 64, 200};  // none, one, odd, full, block edge, clamped
   for (int bm : {16, 32, 48, 64, 128})
-    for (int splits : {1, 3}) {
-      const GemmConfig cfg = forced(true, bm, splits);
-      for (bool bias : {false, true})
-        expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
-                                                           std::to_string(splits) + (bias ? " bias" : ""));
-    }
+    for (int widen : widenings(bm))
+      for (int splits : {1, 3}) {
+        const GemmConfig cfg = forced_mx(bm, splits, widen);
+        for (bool bias : {false, true})
+          expect_good(c.run_once(masked_m, &cfg, bias), "block_m " + std::to_string(bm) + " splits " +
+                                                             std::to_string(splits) + (bias ? " bias" : "") +
+                                                             widen_name(widen));
+      }
 }
 
 TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
@@ -240,16 +256,43 @@ TEST(GemmMxfp4Masked, FewKBlocksPerTile) {
   // tiles in two halves) with one, two and three k blocks per tile (K 128; K 384 whole or split 2
   // ways into 1 + 2): the odd and even tails.
   std::mt19937 rng(107);
+  // The widening warpgroup's kernel too: a tile of one k block, and a ring that wraps mid-tile.
   for (int k : {128, 384}) {
     MaskedCase c({3, 256, k, 128, 0}, rng);
     for (int bm : {16, 48, 128})
-      for (int splits : {1, 2}) {
-        if (splits > k / 128) continue;
-        const GemmConfig cfg = forced(true, bm, splits);
-        expect_good(c.run_once({16, 3, 100}, &cfg, true), "K " + std::to_string(k) + " splits " +
-                                                              std::to_string(splits) + " block_m " + std::to_string(bm));
-      }
+      for (int widen : widenings(bm))
+        for (int splits : {1, 2}) {
+          if (splits > k / 128) continue;
+          const GemmConfig cfg = forced_mx(bm, splits, widen);
+          expect_good(c.run_once({16, 3, 100}, &cfg, true), "K " + std::to_string(k) + " splits " +
+                                                                std::to_string(splits) + " block_m " +
+                                                                std::to_string(bm) + widen_name(widen));
+        }
   }
+}
+
+TEST(GemmMxfp4Masked, WideningInSharedMemoryGivesTheSameBits) {
+  // Both kernels multiply the same e4m3 values (the same widening, the same row base) with the
+  // same four k32 wgmmas per block and promote in the same order, so the outputs should match bit
+  // for bit; a difference means a misplaced byte or scale even where it stays within the float64
+  // check's bound.
+  std::mt19937 rng(109);
+  MaskedCase c({4, 384, 1024, 128, 0}, rng);
+  const std::vector<int32_t> masked_m = {16, 0, 45, 128};
+  for (int bm : {16, 48, 128})
+    for (int splits : {1, 2}) {
+      std::vector<uint16_t> out[3];
+      for (int widen : widenings(bm)) {
+        const GemmConfig cfg = forced_mx(bm, splits, widen);
+        c.run(masked_m, &cfg, true);
+        out[widen] = c.d_out.download();
+        if (widen == 0) continue;
+        size_t differ = 0;
+        for (size_t i = 0; i < out[0].size(); ++i) differ += out[0][i] != out[widen][i];
+        EXPECT_EQ(differ, 0u) << "block_m " << bm << " splits " << splits << widen_name(widen) << ": " << differ
+                              << " of " << out[0].size() << " outputs differ from the widening in registers";
+      }
+    }
 }
 
 TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
@@ -284,10 +327,12 @@ TEST(GemmMxfp4Masked, WideScaleSpreadTakesTheRoundedPath) {
   std::mt19937 rng(103);
   MaskedCase c({4, 256, 2048, 32, 0}, rng, 100, 140);
   expect_good(c.run_once({32, 7, 20, 1}, nullptr, false), "scale bytes 100..140");
-  for (int bm : {16, 32}) {
-    const GemmConfig cfg = forced(true, bm, 1);
-    expect_good(c.run_once({32, 7, 20, 1}, &cfg, true), "scale bytes 100..140, block_m " + std::to_string(bm));
-  }
+  for (int bm : {16, 32})
+    for (int widen : widenings(bm)) {
+      const GemmConfig cfg = forced_mx(bm, 1, widen);
+      expect_good(c.run_once({32, 7, 20, 1}, &cfg, true),
+                  "scale bytes 100..140, block_m " + std::to_string(bm) + widen_name(widen));
+    }
 }
 
 TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
@@ -296,10 +341,12 @@ TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
   // would sit 2^19 and more below it and round to zero. Exact widening, fast tables only.
   std::mt19937 rng(108);
   MaskedCase c({3, 256, 1024, 16, 0}, rng, 96, 102, 2);
-  for (int bm : {16, 128}) {
-    const GemmConfig cfg = forced(true, bm, 1);
-    expect_good(c.run_once({16, 5, 11}, &cfg, true), "zero groups at 127, block_m " + std::to_string(bm));
-  }
+  for (int bm : {16, 128})
+    for (int widen : widenings(bm)) {
+      const GemmConfig cfg = forced_mx(bm, 1, widen);
+      expect_good(c.run_once({16, 5, 11}, &cfg, true),
+                  "zero groups at 127, block_m " + std::to_string(bm) + widen_name(widen));
+    }
 }
 
 TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
@@ -310,7 +357,10 @@ TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
   MaskedGemmProblem p = c.problem;
   p.weights = WeightFormat::kMxfp4;
   const GemmConfig narrow_split = forced(true, 16, 2), wide_split = forced(true, 48, 2);
-  const GemmConfig* configs[] = {nullptr, &narrow_split, &wide_split};
+  const GemmConfig widen_narrow = forced_mx(16, 2, 1), widen_wide = forced_mx(48, 1, 1);
+  const GemmConfig widen2_narrow = forced_mx(16, 2, 2), widen2_wide = forced_mx(48, 1, 2);
+  const GemmConfig* configs[] = {nullptr,      &narrow_split,  &wide_split, &widen_narrow,
+                                 &widen_wide, &widen2_narrow, &widen2_wide};
   for (const GemmConfig* cfg : configs) {
     MaskedGemm gemm(p, c.buffers(true), cfg);
     cudaStream_t stream;
@@ -357,6 +407,26 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   normal.block_m = 64;
   normal.block_n = 128;
   expect_error([&] { MaskedGemm g(p, c.buffers(false), &normal); }, {"swap-AB with block_n = 128"});
+  // The widening warpgroup with FP8 weights, and a bad value of its study knob, both named.
+  MaskedGemmProblem fp8_problem = c.problem;
+  MaskedGemmBuffers fp8_buffers = c.buffers(false);
+  fp8_buffers.w_mx_scales = nullptr;
+  fp8_buffers.w_scales = c.d_as.ptr;
+  const GemmConfig widen = forced_mx(16, 1, 1);
+  expect_error([&] { MaskedGemm g(fp8_problem, fp8_buffers, &widen); },
+               {"widen_wgs=1", "mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights"});
+  const GemmConfig widen3 = forced_mx(16, 1, 3), widen2_wide = forced_mx(128, 1, 2);
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &widen3); }, {"widen_wgs=3", "is not compiled"});
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &widen2_wide); }, {"block_m=128", "widen_wgs=2", "at most 64"});
+  setenv("MOEKIT_MXFP4_WIDEN", "shared", 1);
+  expect_error([&] { MaskedGemm g(p, c.buffers(false)); },
+               {"MOEKIT_MXFP4_WIDEN = 'shared'", "registers, smem or smem2"});
+  for (auto [value, wgs] : {std::pair{"smem", 1}, std::pair{"smem2", 2}, std::pair{"registers", 0}}) {
+    setenv("MOEKIT_MXFP4_WIDEN", value, 1);
+    MaskedGemm g(p, c.buffers(false));
+    EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << value << ": " << g.config().to_string();
+  }
+  unsetenv("MOEKIT_MXFP4_WIDEN");
   MaskedGemmProblem fp8 = c.problem;  // FP8 weights with an MXFP4-only buffer
   MaskedGemmBuffers fb = c.buffers(true);
   fb.w_mx_scales = nullptr;
@@ -388,7 +458,6 @@ TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
   d_as.upload(a_scales);
   d_bias.upload(w.bias);
   d_re.upload(row_expert);
-  d_out.poison(0xFF);
   ContiguousGemmProblem p{E, N, K, total};
   p.weights = WeightFormat::kMxfp4;
   ContiguousGemmBuffers b;
@@ -399,22 +468,36 @@ TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
   b.w_mx_scales = d_ws.ptr;
   b.bias = d_bias.ptr;
   b.out = d_out.ptr;
-  ContiguousGemm gemm(p, b);
-  EXPECT_TRUE(gemm.config().swap_ab);
-  gemm.run(nullptr);
-  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
-  const std::vector<uint16_t> out = d_out.download();
-  ErrorStats st;
-  for (int m = 0; m < total; ++m) {
-    const uint16_t* got = &out[size_t(m) * N];
-    if (row_expert[m] < 0) {
-      st.check_untouched(got, N);
-      continue;
+  for (int widen : {0, 1}) {
+    GemmConfig cfg = choose_contiguous_config(p, 132);
+    cfg.mxfp4_widen_wgs = widen;
+    cfg.num_ctas = 0;
+    d_out.poison(0xFF);
+    ContiguousGemm gemm(p, b, &cfg);
+    EXPECT_TRUE(gemm.config().swap_ab);
+    gemm.run(nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> out = d_out.download();
+    ErrorStats st;
+    for (int m = 0; m < total; ++m) {
+      const uint16_t* got = &out[size_t(m) * N];
+      if (row_expert[m] < 0) {
+        st.check_untouched(got, N);
+        continue;
+      }
+      auto sc = [&](int kb) { return double(a_scales[size_t(kb) * total + m]); };
+      st.add_row(got, reference_row(w, row_expert[m], &a[size_t(m) * K], sc, true));
     }
-    auto sc = [&](int kb) { return double(a_scales[size_t(kb) * total + m]); };
-    st.add_row(got, reference_row(w, row_expert[m], &a[size_t(m) * K], sc, true));
+    expect_good(st, "contiguous, 4 experts with padding" + widen_name(widen));
   }
-  expect_good(st, "contiguous, 4 experts with padding");
+  // MOEKIT_MXFP4_WIDEN=smem2 over a contiguous plan: one widening warpgroup (two are compiled for
+  // masked tiles only).
+  setenv("MOEKIT_MXFP4_WIDEN", "smem2", 1);
+  {
+    ContiguousGemm gemm(p, b);
+    EXPECT_EQ(gemm.config().mxfp4_widen_wgs, 1) << gemm.config().to_string();
+  }
+  unsetenv("MOEKIT_MXFP4_WIDEN");
 }
 
 }  // namespace

@@ -61,6 +61,10 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_contiguous_config(p, num_sms());
+  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, false);
+  MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
+               "contiguous GEMM config " + im.cfg.to_string() +
+                   ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
@@ -68,13 +72,13 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
     bind_mxfp4_weights(im, false, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
   } else {
     with_contiguous_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, 0); });
-    im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, true);
+    im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, 128);
   }
 
   check_cluster(im.cfg, p.n);
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
-  im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, true);
-  im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, false);
+  im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, 128);
+  im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, 0);
 
   im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
   im.args.row_expert = b.row_expert;

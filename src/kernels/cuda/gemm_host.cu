@@ -16,6 +16,7 @@ std::string GemmConfig::to_string() const {
   os << (swap_ab ? "swap-AB" : "normal") << " block_m=" << block_m << " block_n=" << block_n
      << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas
      << " smem=" << smem_bytes;
+  if (mxfp4_widen_wgs != 0) os << " widen_wgs=" << mxfp4_widen_wgs;
   return os.str();
 }
 
@@ -38,7 +39,12 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 }  // namespace
 
 CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t cols, uint64_t row_stride,
-                        uint32_t box_rows, uint32_t box_cols, bool swizzle128) {
+                        uint32_t box_rows, uint32_t box_cols, int swizzle_bytes) {
+  MOEKIT_CHECK(swizzle_bytes == 0 || swizzle_bytes == 64 || swizzle_bytes == 128,
+               "make_tma_2d: swizzle of " + std::to_string(swizzle_bytes) + " bytes; expected 0, 64 or 128");
+  const CUtensorMapSwizzle swizzle = swizzle_bytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : swizzle_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                           : CU_TENSOR_MAP_SWIZZLE_NONE;
   CUtensorMap map{};
   const uint64_t elem = is_fp32 ? 4 : 1;
   cuuint64_t dims[2] = {cols, rows};
@@ -47,7 +53,7 @@ CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t c
   cuuint32_t elem_strides[2] = {1, 1};
   CUresult r = encode_fn()(&map, is_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
                            const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                           swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                           swizzle,
                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) + " for a " +
                                       std::to_string(rows) + "x" + std::to_string(cols) + " tensor, box " +
@@ -93,6 +99,16 @@ void check_cluster(const GemmConfig& cfg, int cols) {
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg) {
   const char* env = std::getenv("MOEKIT_PRINT_CONFIGS");
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
+}
+
+void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked) {
+  const char* env = std::getenv("MOEKIT_MXFP4_WIDEN");
+  if (env == nullptr || env[0] == '\0') return;
+  const std::string v = env;
+  MOEKIT_CHECK(v == "smem" || v == "smem2" || v == "registers",
+               "MOEKIT_MXFP4_WIDEN = '" + v + "'; expected registers, smem or smem2 (or unset)");
+  const bool two = v == "smem2" && masked && cfg.block_m <= 64;  // where two are compiled
+  cfg.mxfp4_widen_wgs = v == "registers" ? 0 : two ? 2 : 1;
 }
 
 int max_smem_per_block() {

@@ -8,18 +8,21 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/gemm_fp8.cuh"
 #include "kernels/cuda/gemm_mxfp4.cuh"
+#include "kernels/cuda/gemm_mxfp4_widen.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/gemm.h"
 
 namespace moekit::gemm_detail {
 
 // A row-major 2D tensor of `rows` x `cols` elements (cols innermost, row stride in elements)
-// as a TMA map with a box of box_rows x box_cols; swizzle128 for the FP8 operand tiles.
+// as a TMA map with a box of box_rows x box_cols; swizzle_bytes 128 for the FP8 operand tiles, 64
+// for the MXFP4 codes the widening warpgroup reads (gemm_mxfp4_widen.cuh), 0 for none.
 CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t cols, uint64_t row_stride,
-                        uint32_t box_rows, uint32_t box_cols, bool swizzle128);
+                        uint32_t box_rows, uint32_t box_cols, int swizzle_bytes);
 
 void check_shape(int n, int k);            // N, K positive multiples of 128
 void check_pointer(const void* p, const char* name);  // non-null, 16-byte aligned
@@ -30,6 +33,10 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 // no split-K, and `cols` output columns in an even number of weight blocks.
 void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
+// MOEKIT_MXFP4_WIDEN (registers | smem | smem2, or unset) over a heuristic's MXFP4 config: a study
+// knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2; smem2
+// takes one widening warpgroup where two are not compiled: contiguous plans, tiles above 64 tokens).
+void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked);
 int max_smem_per_block();
 int num_sms();
 
@@ -148,16 +155,22 @@ struct Instance {
 // on (its consumers would wait for them forever): that is ptxas's to decide, so the device is asked.
 void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_regs);
 
-// One compiled MXFP4 kernel instance (swap-AB, 2 math warpgroups, 128 weight rows per tile).
-template <bool kMasked, int kBlockT>
+// One compiled MXFP4 kernel instance (swap-AB, 128 weight rows per tile): widening in the math
+// threads' registers (kWidenWGs 0, gemm_mxfp4.cuh) or by kWidenWGs warpgroups of its own into
+// shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs).
+template <bool kMasked, int kBlockT, int kWidenWGs>
 struct Mxfp4Instance {
+  static constexpr bool kWiden = kWidenWGs > 0;
+  using Layout = std::conditional_t<kWiden, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT>>;
+  using Regs = std::conditional_t<kWiden, Mxfp4WidenRegisters<kWidenWGs>, Mxfp4Registers>;
   static Launch launch(GemmConfig& cfg, int num_experts) {
-    finish_config<Mxfp4SmemLayout<kBlockT>>(cfg, num_experts, 0);
+    finish_config<Layout>(cfg, num_experts, 0);
     Launch l;
-    l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT>;
-    l.threads = 3 * 128;
+    if constexpr (kWiden) l.kernel_mxfp4 = &grouped_gemm_mxfp4_widen_kernel<kMasked, kBlockT, kWidenWGs>;
+    else l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT>;
+    l.threads = Regs::kThreads;
     allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);
-    check_register_split(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg, Mxfp4Registers::kLaunch);
+    check_register_split(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg, Regs::kLaunch);
     return l;
   }
 };

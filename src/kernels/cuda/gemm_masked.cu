@@ -122,6 +122,10 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_masked_config(p, num_sms());
+  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, true);
+  MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
+               "masked GEMM config " + im.cfg.to_string() +
+                   ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
@@ -130,7 +134,7 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   } else {
     with_masked_instance(im.cfg, p.epilogue,
                          [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });
-    im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, true);
+    im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, 128);
   }
 
   check_cluster(im.cfg, gated ? p.n / 2 : p.n);
@@ -138,8 +142,8 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   MOEKIT_CHECK(!(im.cfg.swap_ab && im.cfg.block_n == 256) || p.n % 256 == 0,
                "masked GEMM: swap-AB with block_n = 256 needs N a multiple of 256; N = " + std::to_string(p.n));
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
-  im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, true);
-  im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, false);
+  im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, 128);
+  im.tma_sa = make_tma_2d(b.a_scales, true, uint64_t(p.num_experts) * k_blocks, p.max_m, p.max_m, 1, bm, 0);
 
   const int cols = gated ? p.n / 2 : p.n;  // output columns
   const size_t split_slots = size_t(p.num_experts) * ((cols + bn - 1) / bn) * ((p.max_m + bm - 1) / bm);

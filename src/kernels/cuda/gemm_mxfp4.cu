@@ -8,6 +8,23 @@ namespace moekit::gemm_detail {
 
 namespace {
 
+// The kernel of a config: widening in registers (gemm_mxfp4.cuh) or by one or two warpgroups of
+// its own (gemm_mxfp4_widen.cuh; two only beside one math warpgroup, up to 64 tokens), with the
+// same tile sizes.
+template <bool kMasked, int kBlockT>
+Launch mxfp4_instance(GemmConfig& cfg, int num_experts) {
+  switch (cfg.mxfp4_widen_wgs) {
+    case 0: return Mxfp4Instance<kMasked, kBlockT, 0>::launch(cfg, num_experts);
+    case 1: return Mxfp4Instance<kMasked, kBlockT, 1>::launch(cfg, num_experts);
+    case 2:
+      if constexpr (kMasked && kBlockT <= 64) return Mxfp4Instance<kMasked, kBlockT, 2>::launch(cfg, num_experts);
+  }
+  MOEKIT_CHECK(false, std::string(kMasked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
+                          " is not compiled; expected mxfp4_widen_wgs 0 or 1, or 2 with masked tiles of at most 64 "
+                          "tokens");
+  return {};
+}
+
 Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
   const std::string bad = std::string(masked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
                           " is not compiled; expected ";
@@ -15,17 +32,17 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
   MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 (MXFP4 kernels run one CTA per cluster)");
   if (!masked) {
     switch (cfg.block_m) {
-      case 64: return Mxfp4Instance<false, 64>::launch(cfg, num_experts);
-      case 128: return Mxfp4Instance<false, 128>::launch(cfg, num_experts);
+      case 64: return mxfp4_instance<false, 64>(cfg, num_experts);
+      case 128: return mxfp4_instance<false, 128>(cfg, num_experts);
     }
     MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
   }
   switch (cfg.block_m) {
-    case 16: return Mxfp4Instance<true, 16>::launch(cfg, num_experts);
-    case 32: return Mxfp4Instance<true, 32>::launch(cfg, num_experts);
-    case 48: return Mxfp4Instance<true, 48>::launch(cfg, num_experts);
-    case 64: return Mxfp4Instance<true, 64>::launch(cfg, num_experts);
-    case 128: return Mxfp4Instance<true, 128>::launch(cfg, num_experts);
+    case 16: return mxfp4_instance<true, 16>(cfg, num_experts);
+    case 32: return mxfp4_instance<true, 32>(cfg, num_experts);
+    case 48: return mxfp4_instance<true, 48>(cfg, num_experts);
+    case 64: return mxfp4_instance<true, 64>(cfg, num_experts);
+    case 128: return mxfp4_instance<true, 128>(cfg, num_experts);
   }
   MOEKIT_CHECK(false, bad + "block_m in {16, 32, 48, 64, 128}");
   return {};
@@ -38,12 +55,13 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
   plan.launch = mxfp4_launch(plan.cfg, masked, masked ? num_experts : 0);
   const int k_blocks = k / kBlockK;
   // Codes: tile-major (mxfp4_codes_for_gemm), seen as rows of 64 bytes, a box of 128 of them (one
-  // stage: 128 weight rows x one 128-deep block, 8 KB in one piece), no swizzle (the consumers read
-  // them with ordinary loads). Scales: tile-major too, rows of 128 4-byte words, a box of one row
-  // per stage (TMA moves them as fp32 words; the bits are not touched).
+  // stage: 128 weight rows x one 128-deep block, 8 KB in one piece). No swizzle for the math threads'
+  // fragment loads (a quad reads a row's 64 bytes); the 64-byte swizzle for the widening warpgroup,
+  // whose threads read one row each (gemm_mxfp4_widen.cuh). Scales: tile-major too, rows of 128
+  // 4-byte words, a box of one row per stage (TMA moves them as fp32 words; the bits are not touched).
   plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n * k_blocks, kBlockK / 2, kBlockK / 2, 128, kBlockK / 2,
-                           false);
-  plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, false);
+                           plan.cfg.mxfp4_widen_wgs > 0 ? 64 : 0);
+  plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, 0);
   plan.args.bias = bias;
   plan.args.w_mx_scales = w_mx_scales;
 }

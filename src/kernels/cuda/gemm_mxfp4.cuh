@@ -89,10 +89,82 @@ __device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& c
 // to ptxas's granularity of 8): 168; the producer gives back down to 40 and the consumers take the
 // rest, 232.
 struct Mxfp4Registers {
-  static constexpr int kLaunch = 65536 / 384 / 8 * 8;
+  static constexpr int kThreads = 384;
+  static constexpr int kLaunch = 65536 / kThreads / 8 * 8;
   static constexpr int kProducer = 40;
-  static constexpr int kConsumer = (384 * kLaunch - 128 * kProducer) / 256 / 8 * 8;
+  static constexpr int kConsumer = (kThreads * kLaunch - 128 * kProducer) / 256 / 8 * 8;
 };
+
+// The producer warpgroup of both MXFP4 kernels (this one and gemm_mxfp4_widen.cuh), after its
+// setmaxnreg: warp 0 issues each stage's codes and scale words, warp 1 its activations and their
+// scales, warps 2-3 leave. Two warps: one thread issuing all four copies of a stage could not issue
+// a stage faster than ~700 SM cycles, which bounded the decode kernel (docs/gemm-mxfp4.md, run 18).
+// Stage s's tiles: codes + s·kWTile, scale words + s·kWsTile, activations + s·kATile, their
+// scales + s·kSaFloats (Layout: either kernel's shared-memory layout).
+template <bool kMasked, int kBlockT, class Layout, class Decode>
+__device__ __forceinline__ void produce_mxfp4(const KernelArgs& args, int num_tiles, bool early_weights, Decode&& decode,
+                                              uint64_t* full, uint64_t* empty, uint8_t* code_tiles, uint8_t* ws_tiles,
+                                              uint8_t* a_tiles, float* sa_tiles, const CUtensorMap* tma_a,
+                                              const CUtensorMap* tma_w, const CUtensorMap* tma_sa,
+                                              const CUtensorMap* tma_ws) {
+  constexpr int kBlockW = 128;
+  const int warp = threadIdx.x / 32;
+  if (warp > 1) return;
+  const int num_w_blocks = args.n / kBlockW, k_blocks = args.k / kBlockK;
+  const uint64_t policy_w = ptx::policy_evict_first();
+  const uint64_t policy_a = ptx::policy_evict_last();
+  auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
+    // Tile-major codes and words: the stage is run `run` of both.
+    const int run = int(mxfp4_gemm_run(t.e, t.w0 / kBlockW, kb, num_w_blocks, k_blocks));
+    ptx::tma_load_2d(code_tiles + stage * Layout::kWTile, tma_w, &full[stage], 0, run * kBlockW, policy_w);
+    ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, tma_ws, &full[stage], 0, run, policy_w);
+  };
+  auto load_a = [&](int stage, int kb, const TileInfo& t) {
+    const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
+    const int sa_row = kMasked ? t.e * k_blocks : 0;
+    ptx::tma_load_2d(a_tiles + stage * Layout::kATile, tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
+    ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
+  };
+  if (warp == 0)
+    produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxWeights, early_weights, decode, load_w, load_a,
+            kProduceWeights);
+  else
+    produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxActivations, early_weights, decode, load_w,
+            load_a, kProduceActivations);
+}
+
+// The scale words of a math thread's two accumulator rows in tile t (every block of a row holds
+// the same s_row; block 0's is read), for the row factor after the K loop; loaded when a tile
+// starts, so that their latency hides under its K loop.
+__device__ __forceinline__ uint2 mxfp4_row_words(const KernelArgs& args, const TileInfo& t, int frag_row,
+                                                 int num_w_blocks, int k_blocks) {
+  constexpr int kBlockW = 128;
+  const uint32_t* words = args.w_mx_scales + mxfp4_gemm_run(t.e, t.w0 / kBlockW, 0, num_w_blocks, k_blocks) * kBlockW;
+  return make_uint2(__ldg(words + frag_row), __ldg(words + frag_row + 8));
+}
+
+// A tile's end in both MXFP4 kernels: the row factor 2^(base - 127) (exact: a power of two), then
+// split-K's reduction and the BF16 store with the bias. A math thread holds kSlabs 64-row slabs
+// of accumulators (slab sl: acc + sl·kRegs, rows f.row + 64·sl and + 8, scale words row_words[sl]).
+template <bool kMasked, int kBlockT, int kRegs, int kMathThreads, int kSlabs = 1>
+__device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const TileInfo& t, float* acc,
+                                                 const uint2 (&row_words)[kSlabs], const Fragment& f, int* last_flag) {
+#pragma unroll
+  for (int sl = 0; sl < kSlabs; ++sl) {
+    const float rf[2] = {mxfp4_detail::row_factor(row_words[sl].x), mxfp4_detail::row_factor(row_words[sl].y)};
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[sl * kRegs + i] *= rf[(i / 2) % 2];
+  }
+  const bool store =
+      args.num_splits == 1 || reduce_splits<kSlabs * kRegs, kMathThreads>(args, t, acc, f.mtid, last_flag);
+  if (!store) return;
+#pragma unroll
+  for (int sl = 0; sl < kSlabs; ++sl) {
+    Fragment fs = f;
+    fs.row += 64 * sl;
+    store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc + sl * kRegs, fs);
+  }
+}
 
 template <bool kMasked, int kBlockT>
 __global__ void __launch_bounds__(384, 1)
@@ -142,33 +214,11 @@ __global__ void __launch_bounds__(384, 1)
   if (warp < 4) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs::kProducer));
-    if (warp > 1) return;
-    const uint64_t policy_w = ptx::policy_evict_first();
-    const uint64_t policy_a = ptx::policy_evict_last();
-    auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
-      // Tile-major codes and words: the stage is run `run` of both.
-      const int run = int(mxfp4_gemm_run(t.e, t.w0 / kBlockW, kb, num_w_blocks, k_blocks));
-      ptx::tma_load_2d(w_tiles + stage * Layout::kWTile, &tma_w, &full[stage], 0, run * kBlockW, policy_w);
-      ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, &tma_ws, &full[stage], 0, run, policy_w);
-    };
-    auto load_a = [&](int stage, int kb, const TileInfo& t) {
-      const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
-      const int sa_row = kMasked ? t.e * k_blocks : 0;
-      ptx::tma_load_2d(a_tiles + stage * Layout::kATile, &tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
-      ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, &tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
-    };
     auto decode = [&](int tile) {
       return decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     };
-    // Two producer warps, weights and activations: one thread issuing all four copies of a stage
-    // could not issue a stage faster than ~700 SM cycles, which bounded the decode kernel
-    // (docs/gemm-mxfp4.md, run 18).
-    if (warp == 0)
-      produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxWeights, early_weights, decode, load_w, load_a,
-              kProduceWeights);
-    else
-      produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxActivations, early_weights, decode, load_w,
-              load_a, kProduceActivations);
+    produce_mxfp4<kMasked, kBlockT, Layout>(args, num_tiles, early_weights, decode, full, empty, w_tiles, ws_tiles,
+                                            a_tiles, sa_tiles, &tma_a, &tma_w, &tma_sa, &tma_ws);
     return;
   }
 
@@ -266,11 +316,7 @@ __global__ void __launch_bounds__(384, 1)
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     if (t.e < 0) continue;
-    // The rows' scale words, loaded now so that their latency hides under the K loop (every block
-    // of a row holds the same s_row; block 0's is read).
-    const uint32_t* row_words =
-        args.w_mx_scales + mxfp4_gemm_run(t.e, t.w0 / kBlockW, 0, num_w_blocks, k_blocks) * kBlockW;
-    const uint32_t word_r = __ldg(row_words + frag_row), word_r8 = __ldg(row_words + frag_row + 8);
+    const uint2 row_words[1] = {mxfp4_row_words(args, t, frag_row, num_w_blocks, k_blocks)};
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
@@ -390,11 +436,8 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
 
-    const float rf[2] = {mxfp4_detail::row_factor(word_r), mxfp4_detail::row_factor(word_r8)};
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] *= rf[(i / 2) % 2];  // exact: a power of two
-    const bool store = args.num_splits == 1 || reduce_splits<kRegs, kMathThreads>(args, t, acc, mtid, &last_flag);
-    if (store) store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc, Fragment{frag_row, frag_col, mtid, warp - 4});
+    store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads>(args, t, acc, row_words,
+                                                            Fragment{frag_row, frag_col, mtid, warp - 4}, &last_flag);
   }
   if (mtid == 0) stamp_end(args.stamp);
 }
