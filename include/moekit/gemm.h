@@ -125,11 +125,12 @@ struct GemmConfig {
   // its activation tile by TMA multicast (FP8, BF16 output, no split-K, an even number of
   // weight blocks); 1 otherwise.
   int cluster = 1;
-  // MXFP4 weights: 0 widens the codes to e4m3 in every math thread's registers (the default);
-  // 1 gives the widening a warpgroup of its own that writes each stage's e4m3 tile to shared
-  // memory for two math warpgroups, 2 gives it two warpgroups (alternate stages) for one math
-  // warpgroup (tiles of up to 64 tokens). Study configs: MOEKIT_MXFP4_WIDEN=smem or smem2 sets
-  // them over the heuristic's pick. The same products in the same order, so the same results.
+  // MXFP4 weights: 0 widens the codes to e4m3 in every math thread's registers; 1 gives the
+  // widening a warpgroup of its own that writes each stage's e4m3 tile to shared memory for two
+  // math warpgroups, 2 gives it two warpgroups (alternate stages) for one math warpgroup (tiles
+  // of up to 64 tokens). The heuristic takes 2 for masked launches of at least 32 experts and 0
+  // otherwise (measured: docs/gemm-mxfp4.md run 24); MOEKIT_MXFP4_WIDEN=registers, smem or smem2
+  // sets it over the heuristic's pick. The same products in the same order, so the same results.
   int mxfp4_widen_wgs = 0;
   std::string to_string() const;
 };
