@@ -427,6 +427,17 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
     EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << value << ": " << g.config().to_string();
   }
   unsetenv("MOEKIT_MXFP4_WIDEN");
+  // The heuristic's pick with the knob unset (default_mxfp4_widening): the registers below 32
+  // experts, two widening warpgroups from 32 experts with tiles of up to 64 tokens, the
+  // registers again for 128-token tiles, where two are not compiled.
+  EXPECT_EQ(MaskedGemm(p, c.buffers(false)).config().mxfp4_widen_wgs, 0);
+  for (auto [max_m, wgs] : {std::pair{16, 2}, std::pair{256, 0}}) {
+    MaskedCase many({32, 256, 256, max_m, 0}, rng);
+    MaskedGemmProblem pm = many.problem;
+    pm.weights = WeightFormat::kMxfp4;
+    const MaskedGemm g(pm, many.buffers(false));
+    EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << "32 experts, M_max " << max_m << ": " << g.config().to_string();
+  }
   MaskedGemmProblem fp8 = c.problem;  // FP8 weights with an MXFP4-only buffer
   MaskedGemmBuffers fb = c.buffers(true);
   fb.w_mx_scales = nullptr;
