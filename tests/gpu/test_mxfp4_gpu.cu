@@ -427,7 +427,7 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
     EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << value << ": " << g.config().to_string();
   }
   unsetenv("MOEKIT_MXFP4_WIDEN");
-  // The heuristic's pick with the knob unset (default_mxfp4_widening): the registers below 32
+  // The heuristic's pick with the knob unset (choose_masked_config): the registers below 32
   // experts, two widening warpgroups from 32 experts with tiles of up to 64 tokens, the
   // registers again for 128-token tiles, where two are not compiled.
   EXPECT_EQ(MaskedGemm(p, c.buffers(false)).config().mxfp4_widen_wgs, 0);

@@ -28,14 +28,16 @@ constexpr int kGateWindow = 2 * kGateWindowHalf;           // 4096 floats
 constexpr int kGateWindowFirstBits = kGateWindowFirstExponent << 7;
 static_assert((kGateWindowHalf & (kGateWindowHalf - 1)) == 0, "gate_window_offset's all-in test ORs offsets");
 
+// gate_window_index in two halves, for a caller that tests several gates at once: b's magnitude
+// bits past the window's first (wrapping below it), in the window when < kGateWindowHalf (a power
+// of two, so several gates are all in it when their offsets OR-ed together are); and b's entry
+// when it is in.
+MOEKIT_HD unsigned gate_window_offset(uint16_t b) { return unsigned(b & 0x7FFF) - unsigned(kGateWindowFirstBits); }
+MOEKIT_HD int gate_window_entry(uint16_t b) { return int(gate_window_offset(b)) + (b >> 15) * kGateWindowHalf; }
+
 // The window entry of gate bits b, or -1 when b is outside it (then: the global table's entry b).
 // Entry i of each half is table entry first_bits + i of that sign, so the window is two contiguous
 // runs of the table (gate_window_bits) and a CTA fills it with 16-byte copies.
-// Its two halves, for a caller that tests several gates at once: b's magnitude bits past the
-// window's first (wrapping below it), in the window when < kGateWindowHalf (a power of two, so
-// several gates are all in it when their offsets OR-ed together are); and b's entry when it is in.
-MOEKIT_HD unsigned gate_window_offset(uint16_t b) { return unsigned(b & 0x7FFF) - unsigned(kGateWindowFirstBits); }
-MOEKIT_HD int gate_window_entry(uint16_t b) { return int(gate_window_offset(b)) + (b >> 15) * kGateWindowHalf; }
 MOEKIT_HD int gate_window_index(uint16_t b) {
   return gate_window_offset(b) < unsigned(kGateWindowHalf) ? gate_window_entry(b) : -1;
 }

@@ -110,6 +110,13 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     // than 64-token tiles on the same rows (docs/gemm-mxfp4.md run 23).
     cfg.swap_ab = true;
     cfg.block_m = smallest_block(m, {16, 32, 48, 64, 128});
+    // The widening (GemmConfig::mxfp4_widen_wgs), measured on one H100 (docs/gemm-mxfp4.md run 24):
+    // two widening warpgroups won 2-3% at 33-64 tokens per tile with 32 experts and 2% on
+    // gpt-oss-120b's whole step (128 experts per GEMM, in two independent pairs), and lost 3-5% at
+    // up to 16 tokens with 8 experts; one widening warpgroup lost 8-15% everywhere, prefill
+    // included. So two from 32 experts with tiles of up to 64 tokens (where two are compiled), the
+    // registers otherwise.
+    if (cfg.block_m <= 64 && p.num_experts >= 32) cfg.mxfp4_widen_wgs = 2;
   } else if (m <= 64) {
     cfg.swap_ab = true;
     // 48 where it holds the rows: the pair 3% faster than 64-token tiles at DeepSeek-V3's 44

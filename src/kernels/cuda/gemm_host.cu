@@ -101,10 +101,6 @@ void maybe_print_config(const char* kind, const std::string& problem, const Gemm
   if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
 }
 
-int default_mxfp4_widening(const GemmConfig& cfg, bool masked, int num_experts) {
-  return masked && cfg.block_m <= 64 && num_experts >= 32 ? 2 : 0;
-}
-
 void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked) {
   const char* env = std::getenv("MOEKIT_MXFP4_WIDEN");
   if (env == nullptr || env[0] == '\0') return;

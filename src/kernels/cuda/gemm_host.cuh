@@ -33,13 +33,6 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 // no split-K, and `cols` output columns in an even number of weight blocks.
 void check_cluster(const GemmConfig& cfg, int cols);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
-// The heuristic's widening for an MXFP4 plan (GemmConfig::mxfp4_widen_wgs), measured on one H100
-// (docs/gemm-mxfp4.md run 24): two widening warpgroups won 2-3% at 33-64 tokens per tile with 32
-// experts and 2% on gpt-oss-120b's whole step (128 experts per GEMM, in two independent pairs),
-// and lost 3-5% at up to 16 tokens with 8 experts; one widening warpgroup lost 8-15% everywhere,
-// prefill included. So two where a masked launch has at least 32 experts and tiles of at most 64
-// tokens (where two are compiled), the registers otherwise.
-int default_mxfp4_widening(const GemmConfig& cfg, bool masked, int num_experts);
 // MOEKIT_MXFP4_WIDEN (registers | smem | smem2, or unset) over a heuristic's MXFP4 config: a study
 // knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2; smem2
 // takes one widening warpgroup where two are not compiled: contiguous plans, tiles above 64 tokens).

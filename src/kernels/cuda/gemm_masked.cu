@@ -122,10 +122,7 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_masked_config(p, num_sms());
-  if (config == nullptr && mxfp4) {
-    im.cfg.mxfp4_widen_wgs = default_mxfp4_widening(im.cfg, true, p.num_experts);
-    apply_mxfp4_widen_knob(im.cfg, true);
-  }
+  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, true);
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
                "masked GEMM config " + im.cfg.to_string() +
                    ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
