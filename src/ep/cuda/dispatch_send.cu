@@ -188,15 +188,6 @@ __device__ __forceinline__ void load_x(const EpArgs& a, const uint16_t* x, int t
   }
 }
 
-// Four e4m3 codes of finite quotients, byte i = q[i]: the hardware conversion (round to nearest
-// even, saturating at 448, subnormals kept), which is fp8.h's float_to_fp8_e4m3 on finite input.
-__device__ __forceinline__ uint32_t cvt_e4m3x4(float q0, float q1, float q2, float q3) {
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(q1), "f"(q0));  // first operand: upper byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(q3), "f"(q2));
-  return uint32_t(lo) | uint32_t(hi) << 16;
-}
-
 // All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
 // scale) in fp32, both divisions IEEE-rounded through silu_fp8.cuh's div_rn, which costs no
 // subroutine call per value as `/` does) of the chunks in b, then one pass per target with a
@@ -245,7 +236,7 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     uint32_t packed[4];
     if (finite && isfinite(scale[i])) {
 #pragma unroll
-      for (int h = 0; h < 4; ++h) packed[h] = cvt_e4m3x4(q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]);
+      for (int h = 0; h < 4; ++h) packed[h] = fp8x4_e4m3_finite(q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]);
     } else {
 #pragma unroll
       for (int h = 0; h < 4; ++h)

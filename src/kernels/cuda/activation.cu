@@ -40,11 +40,7 @@ __device__ __forceinline__ uint32_t fp8x4_by(const float (&v)[4], double inv) {
     q[i] = div_by(v[i], inv);
     finite = finite && isfinite(q[i]);
   }
-  if (__all_sync(0xffffffffu, finite)) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
-    return lo | (hi << 16);
-  }
+  if (__all_sync(0xffffffffu, finite)) return fp8x4_e4m3_finite(q[0], q[1], q[2], q[3]);
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) packed |= uint32_t(fp8_quantize_by(v[i], inv)) << (8 * i);
@@ -93,16 +89,9 @@ __device__ __forceinline__ void gate_halves4(const float* __restrict__ table, co
   }
 }
 
-// The up half of one value: SiLU·up's is the value, gpt-oss's its clamp plus one. A template
-// parameter, so that a SiLU kernel carries no clamp code and a clamped one reads its limit once.
-template <bool kClamped>
-__device__ __forceinline__ float up_half(float up, float limit) {
-  if constexpr (kClamped) return clamped_swiglu_up(up, limit);
-  else return up;
-}
-
 // act(gate, up) of a lane's 4 values of a group (bf16 pairs as loaded), in the reference's
-// operations: the gate half (looked up) times the up half, in fp32.
+// operations: the gate half (looked up) times the up half (activation_up's, with the kind a
+// template parameter, so that a SiLU kernel carries no clamp code), in fp32.
 template <bool kClamped>
 __device__ __forceinline__ void activate4(const GpuActivation& act, const float* window, uint2 gv, uint2 uv,
                                           float (&v)[4]) {
@@ -110,7 +99,10 @@ __device__ __forceinline__ void activate4(const GpuActivation& act, const float*
   gate_halves4(act.gate_table, window, gv, h);
   const uint16_t u[4] = {uint16_t(uv.x), uint16_t(uv.x >> 16), uint16_t(uv.y), uint16_t(uv.y >> 16)};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = __fmul_rn(h[j], up_half<kClamped>(bf16_to_float(u[j]), act.limit));
+  for (int j = 0; j < 4; ++j) {
+    const float up = bf16_to_float(u[j]);
+    v[j] = __fmul_rn(h[j], kClamped ? clamped_swiglu_up(up, act.limit) : up);
+  }
 }
 
 // One 128-column group g of one row: gate_up [2 inter] -> out [inter] fp8, its scale to *scale.

@@ -77,6 +77,16 @@ __device__ __forceinline__ float activation_up(const GpuActivation& a, float up)
 constexpr double kFp8MaxReciprocal = 1.0 / double(kFp8Max);
 __device__ __forceinline__ float fp8_group_scale(float amax) { return div_by(fmaxf(amax, kMinAmax), kFp8MaxReciprocal); }
 
+// Four e4m3 codes of finite quotients, byte i = q_i: the hardware conversion (round to nearest
+// even, saturating at 448, subnormals kept), which is fp8.h's float_to_fp8_e4m3 on finite input,
+// two values per instruction.
+__device__ __forceinline__ uint32_t fp8x4_e4m3_finite(float q0, float q1, float q2, float q3) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(q1), "f"(q0));  // first operand: upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(q3), "f"(q2));
+  return uint32_t(lo) | uint32_t(hi) << 16;
+}
+
 // One value's e4m3 code under that scale (fp8.h's rounding, IEEE division: div_rn). A finite quotient
 // takes the hardware conversion (round to nearest even, saturating at 448, subnormals kept: fp8.h's
 // float_to_fp8_e4m3 on finite input, one instruction instead of its ~25); NaN and infinity take
