@@ -264,6 +264,75 @@ struct CombineRig {
   int32_t* ready_of(int r) const { return ready + size_t(r) * (c.slots_per_rank() + 1); }
 };
 
+// One rank (ep.h): the send writes the masked layout itself and the receive launches nothing;
+// with rows_ready one small kernel publishes the counts (every slab's, the self slab's included);
+// combine_send launches nothing and combine_recv sums y itself. Each step runs twice on the same
+// inputs: the combine as one kernel, then beside a GEMM (combine_send with y_ready: the two-kernel
+// path), and both must give the same bits, match the reference, and give a token with no expert
+// exactly `add`.
+TEST(EpOneRank, TheSendWritesTheLayoutAndTheCombineSumsY) {
+  CombineRig rig({1, 40, 512, 16, 4}, 5.0);
+  const EpConfig& c = rig.c;
+  EpBuffer& ep = rig.group->rank(0);
+  DeviceStep& dev = *rig.dev;
+  const cudaStream_t stream = rig.stream;
+  const int E = c.slots_per_rank(), d = c.hidden, k = c.topk;
+  int32_t* ready = nullptr;  // rows_ready: E routed slabs, the self slab, the consumer's count, the word
+  MOEKIT_CUDA_CHECK(cudaMalloc(&ready, sizeof(int32_t) * (E + 3)));
+  std::mt19937 rng(2024);
+  for (int step = 0; step < 3; ++step) {
+    RankInput in = random_input(c, step == 0 ? c.max_tokens : step == 1 ? 0 : 7, rng);
+    if (in.num_tokens > 2)
+      for (int j = 0; j < k; ++j) in.topk_idx[size_t(2) * k + j] = -1;  // token 2: no expert at all
+    std::vector<uint16_t> y, add = random_input(c, in.num_tokens, rng).x, first;
+    for (int pass = 0; pass < 2; ++pass) {  // 0: the one-kernel combine, 1: the send beside a GEMM
+      dev.upload(0, in);
+      poison_masked(ep);
+      MOEKIT_CUDA_CHECK(cudaMemset(ready, 0, sizeof(int32_t) * (E + 3)));
+      MOEKIT_CUDA_CHECK(cudaMemset(dev.out[0], 0xFF, size_t(c.max_tokens) * d * 2));
+      ep.dispatch_send(dev.x[0], dev.idx[0], dev.w[0], in.num_tokens, stream);
+      if (pass == 0) ep.dispatch_recv(stream, ready, 1);
+      else ep.dispatch_recv(stream);
+      ep.check(stream);
+      const Reference ref = masked_reference(c, {in});
+      ASSERT_EQ(compare_masked(ep, ref.ranks[0], 0), 0) << "step " << step << " pass " << pass;
+      const auto count = to_host(ep.recv_count(), size_t(E) + 1);
+      EXPECT_EQ(count[E], in.num_tokens) << "the self slab";
+      if (pass == 0) {
+        const auto got = to_host(ready, size_t(E) + 3);
+        for (int e = 0; e <= E; ++e) EXPECT_EQ(got[e], count[e]) << "step " << step << " slab " << e;
+        EXPECT_EQ(got[E + 1], 0) << "the consumer's CTA count is not the receive's";
+        EXPECT_EQ(got[E + 2], 1) << "step " << step << ": the counts' word";
+        y = random_y(c, ref.ranks[0].count, rng);
+      }
+      MOEKIT_CUDA_CHECK(cudaMemcpy(dev.y[0], y.data(), y.size() * 2, cudaMemcpyHostToDevice));
+      MOEKIT_CUDA_CHECK(cudaMemcpy(dev.add[0], add.data(), add.size() * 2, cudaMemcpyHostToDevice));
+      if (pass == 0) {
+        ep.combine_send(dev.y[0], stream);
+      } else {
+        std::vector<int32_t> targets;
+        for (int e = 0; e <= E; ++e) targets.push_back((d / 64) * count[e]);
+        MOEKIT_CUDA_CHECK(cudaMemcpy(rig.ready_of(0), targets.data(), targets.size() * 4, cudaMemcpyHostToDevice));
+        ep.combine_send(dev.y[0], stream, rig.ready_of(0), 3);
+      }
+      ep.combine_recv(dev.add[0], dev.out[0], stream);
+      ep.check(stream);
+      const auto got = to_host(dev.out[0], size_t(in.num_tokens) * d);
+      const auto want = combine_reference(c, {in}, ref.row_of, {y}, {add})[0];
+      const size_t exact = compare_combine(got, want, 0);
+      std::printf("[ep] one rank, step %d pass %d: combine bit-identical %zu of %zu\n", step, pass, exact, want.size());
+      if (in.num_tokens > 2)
+        EXPECT_TRUE(std::equal(got.begin() + 2 * d, got.begin() + 3 * d, add.begin() + 2 * d))
+            << "a token with no expert gets add";
+      if (pass == 0) first = got;
+      else EXPECT_TRUE(got == first) << "step " << step << ": the one-kernel combine and the two-kernel one differ";
+    }
+  }
+  const auto left = to_host(rig.ready, rig.ready_ints);
+  for (size_t i = 0; i < left.size(); ++i) EXPECT_EQ(left[i], 0) << "y_ready entry " << i << " not zeroed";
+  cudaFree(ready);
+}
+
 // combine_send with y_ready (the send beside the GEMM that writes y, ep.h): the same bits as the
 // plain send of the same step; a rank whose y and counters land only after its send has started
 // (a copy on another stream, 20 ms later) still sends the new rows, so the send waited for the
@@ -476,6 +545,8 @@ TEST_P(EpLocal, GraphCaptureAndReplay) {
 }
 
 const Shape kShapes[] = {
+    {1, 16, 256, 8, 4},    // one rank: the send writes the layout, the combine is one kernel (ep.h)
+    {1, 64, 2944, 128, 4}, // ... gpt-oss-120b on one GPU: 128 experts, top-4, d = 2880 padded to 2944
     {2, 16, 256, 8, 4},
     {4, 24, 384, 32, 6},
     {8, 32, 512, 64, 8},

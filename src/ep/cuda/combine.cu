@@ -185,10 +185,57 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
 constexpr int kRecvChunks = 4;
 constexpr int kRecvRanks = 8;
 
+//
+// kFromY (one rank, EpArgs::direct, after a combine_send that launched nothing): there is no
+// inbox and no flag; the token's one partial is made here from y, with combine_send's operations
+// in its order (acc = 0, acc + w * y row by row in top-k order, rounded once to bf16), then added
+// to `add` as above: the bits of the two-kernel path, in one kernel. The rows and weights come
+// from the map the send wrote (item t = token t).
+__device__ __forceinline__ void add_partial_from_y(const EpArgs& a, const uint16_t* y, int c_base, int last,
+                                                   const int* rows, const float* ws, int n,
+                                                   float (&acc)[kRecvChunks][8]) {
+  float part[kRecvChunks][8] = {};
+  for (int i = 0; i < n; i += kSendRows) {
+    uint4 v[kSendRows][kRecvChunks];
+#pragma unroll
+    for (int q = 0; q < kSendRows; ++q) {
+      if (i + q >= n) continue;
+      const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(rows[i + q]) * a.hidden);
+#pragma unroll
+      for (int u = 0; u < kRecvChunks; ++u) {
+        const int c = c_base + u * blockDim.x + threadIdx.x;
+        if (c < last) v[q][u] = __ldg(yr + c);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kSendRows; ++q) {
+      if (i + q >= n) continue;
+#pragma unroll
+      for (int u = 0; u < kRecvChunks; ++u) {
+        if (c_base + u * blockDim.x + threadIdx.x >= last) continue;
+        float f[8];
+        unpack8(v[q][u], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part[u][e] = __fadd_rn(part[u][e], __fmul_rn(ws[i + q], f[e]));
+      }
+    }
+  }
+  if (n == 0) return;  // a token with no expert: add alone, as with no target rank
+#pragma unroll
+  for (int u = 0; u < kRecvChunks; ++u) {
+    float f[8];
+    unpack8(pack8(part[u]), f);  // the partial's one rounding to bf16
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], f[e]);
+  }
+}
+
+template <bool kFromY>
 __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
-                                                                  int slices) {
+                                                                  int slices, const uint16_t* y) {
   __shared__ int ok;
   __shared__ int ranks[kEpMaxTopk];
+  __shared__ float weights[kEpMaxTopk];  // kFromY: the token's rows (in ranks) and their weights
   __shared__ int token_ranks;
   const int P = a.num_ranks, k = a.topk;
   begin_ep_kernel(a, kPhaseCombineRecv);
@@ -201,7 +248,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   const int first_route = threadIdx.x < k ? __ldcg(a.route_ranks + size_t(blockIdx.x / slices) * k + threadIdx.x) : -1;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
-  for (int r = threadIdx.x; r < P; r += blockDim.x)
+  for (int r = threadIdx.x; r < (kFromY ? 0 : P); r += blockDim.x)
     if (wait_flag(a, reinterpret_cast<const uint64_t*>(a.combine_inbox(parity, r)), step, kPhaseCombineRecv, r) == 0)
       ok = 0;
   __syncthreads();
@@ -210,7 +257,19 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   for (int item = blockIdx.x; item < num_tokens * slices; item += gridDim.x) {
     const int t = item / slices, first = item % slices * slice_chunks;
     const int last = min(first + slice_chunks, num_chunks);
-    if (threadIdx.x < 32) {
+    if (kFromY && threadIdx.x < 32) {
+      // The token's rows in top-k order (combine_send's order), compacted.
+      const int lane = threadIdx.x;
+      const int row = lane < k ? __ldcg(a.map_rows + size_t(t) * k + lane) : -1;
+      const float w = lane < k ? __ldcg(a.map_w + size_t(t) * k + lane) : 0.0f;
+      const unsigned have = __ballot_sync(0xFFFFFFFFu, row >= 0);
+      if (row >= 0) {
+        const int at = __popc(have & ((1u << lane) - 1));
+        ranks[at] = row;
+        weights[at] = w;
+      }
+      if (lane == 0) token_ranks = __popc(have);
+    } else if (!kFromY && threadIdx.x < 32) {
       // The token's target ranks, ascending, -1 padded: the partials to add are those before
       // the first -1.
       const int lane = threadIdx.x;
@@ -230,7 +289,8 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
           if (c < last) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);  // add may be out
         }
       }
-      for (int i = 0; i < n; i += kRecvRanks) {
+      if constexpr (kFromY) add_partial_from_y(a, y, c_base, last, ranks, weights, n, acc);
+      for (int i = 0; i < (kFromY ? 0 : n); i += kRecvRanks) {
         uint4 part[kRecvRanks][kRecvChunks];
 #pragma unroll
         for (int q = 0; q < kRecvRanks; ++q) {
@@ -276,14 +336,14 @@ void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready
 }
 
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, int max_tokens,
-                         cudaStream_t stream) {
+                         const uint16_t* y, cudaStream_t stream) {
   // Slices per token: as many as the grid has CTAs per token, at most one chunk per thread each.
   const int num_chunks = args.hidden / 8;
   const int max_slices = (num_chunks + kEpThreads - 1) / kEpThreads;
   const int slices = std::max(1, std::min(max_slices, num_ctas / std::max(max_tokens, 1)));
   const int grid = std::min(num_ctas, max_tokens * slices);
-  launch_kernel_ex(combine_recv_kernel, dim3(grid), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out,
-                   slices);
+  launch_kernel_ex(y ? combine_recv_kernel<true> : combine_recv_kernel<false>, dim3(grid), dim3(kEpThreads), 0, stream,
+                   args.pdl != 0, args, add, out, slices, y);
 }
 
 }  // namespace moekit::gpu

@@ -268,7 +268,23 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
   if (finish_cta(a, kPhaseDispatchRecv, false) && threadIdx.x == 0) advance_step(a, kPhaseDispatchRecv, step);
 }
 
+// One rank (EpArgs::direct): the send kernel wrote the masked layout, so the hand-off to a GEMM
+// beside the receive is all that is left: once the send's grid is complete (the wait below),
+// every expert's rows count as landed and the published word is raised, as dispatch_recv_kernel
+// does after its copies. One CTA.
+__global__ void __launch_bounds__(kEpThreads) publish_direct_kernel(EpArgs a) {
+  begin_kernel(a.stamps ? a.stamps + 2 * kPhaseDispatchRecv : nullptr);
+  const int E = a.local_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) ptx::red_release_gpu_add(a.rows_ready + e, __ldcg(a.recv_count + e));
+  publish_recv_counts(a, a.self_slab && threadIdx.x == 0 ? __ldcg(a.recv_count + E) : 0);
+  end_kernel(a.stamps ? a.stamps + 2 * kPhaseDispatchRecv : nullptr);
+}
+
 }  // namespace
+
+void launch_publish_direct(const EpArgs& args, cudaStream_t stream) {
+  launch_kernel_ex(publish_direct_kernel, dim3(1), dim3(kEpThreads), 0, stream, args.pdl != 0, args);
+}
 
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream) {
   const int E = args.local_experts, P = args.num_ranks;

@@ -246,7 +246,22 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     chunk[i] = c;
   }
-  for (int r = 0; r < p.num_targets; ++r) {
+  if (a.direct) {  // one rank: each valid entry's row of the masked layout (code = e << 16 | position)
+    const int kb_count = a.hidden / kQuantBlock;
+    for (int j = 0; j < a.topk; ++j) {
+      const int code = p.entry_code[j];
+      if (code < 0) continue;
+      const size_t e = size_t(code >> 16), m = size_t(code & 0xFFFF);
+#pragma unroll
+      for (int i = 0; i < kQuantRounds; ++i) {
+        const int c = chunk[i];
+        if (c < 0) continue;
+        *reinterpret_cast<uint4*>(a.recv_x + (e * a.max_m + m) * a.hidden + size_t(c) * 16) = out[i];
+        if ((c & 7) == 0) a.recv_scales[(e * kb_count + (c >> 3)) * a.max_m + m] = scale[i];
+      }
+    }
+  }
+  for (int r = 0; r < (a.direct ? 0 : p.num_targets); ++r) {
     uint8_t* msg = p.target_msg[r];
 #pragma unroll
     for (int i = 0; i < kQuantRounds; ++i) {
@@ -299,7 +314,17 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
     __syncthreads();
     while (i < n) {
       const TokenPlan& p = plans[i];
-      if (c_base == 0 && team.tt < p.num_targets) {
+      if (a.direct && c_base == 0 && team.tt < a.topk) {
+        // One rank: the combine's map of token t (item t: every token is an item, those without
+        // an expert have no rows) and each row's source, as dispatch_recv writes them.
+        const int t = b0 + i, j = team.tt, code = p.entry_code[j];
+        const int row = code >= 0 ? (code >> 16) * a.max_m + (code & 0xFFFF) : -1;
+        a.map_rows[size_t(t) * a.topk + j] = row;
+        a.map_w[size_t(t) * a.topk + j] = p.entry_w[j];
+        if (j == 0) a.map_token[t] = t;
+        if (row >= 0) a.recv_src[row] = t;
+      }
+      if (!a.direct && c_base == 0 && team.tt < p.num_targets) {
         const int r = p.target_rank[team.tt];
         int* meta = reinterpret_cast<int*>(p.target_msg[team.tt] + a.msg_meta_off);
         float* wts = reinterpret_cast<float*>(meta + 1 + a.topk);
@@ -330,6 +355,17 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   // per-expert counts into that peer's inbox header (covered by its system fence in finish_cta,
   // like its payload) and the message counts for the last CTA, which raises the flags.
   const int E = a.local_experts;
+  if (a.direct) {  // one rank: its counts are recv_count, and every token is a combine item
+    if (blockIdx.x == gridDim.x - 1) {
+      for (int e = threadIdx.x; e < E; e += blockDim.x) a.recv_count[e] = cnt_slot[e];
+      if (threadIdx.x == 0) a.recv_msgs[0] = num_tokens;
+    }
+    if (finish_cta(a, kPhaseDispatchSend, false) && threadIdx.x == 0) {
+      a.ctr->num_tokens = num_tokens;
+      advance_step(a, kPhaseDispatchSend, step);
+    }
+    return;
+  }
   if (blockIdx.x == gridDim.x - 1) {
     for (int i = threadIdx.x; i < a.num_ranks * E; i += blockDim.x) {
       const int r = i / E, e = i % E;

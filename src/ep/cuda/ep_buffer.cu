@@ -186,6 +186,8 @@ struct EpBuffer::Impl {
   void* private_mem = nullptr;
   void** peer_table = nullptr;
   int expected = kPhaseDispatchSend;  // host-side protocol order check
+  // One rank (args.direct): the y of a combine_send that launched nothing, for combine_recv.
+  const uint16_t* pending_y = nullptr;
 };
 
 EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, const EpPeers& peers,
@@ -243,6 +245,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.combine_inbox_bytes = z.combine_inbox_bytes;
   a.parity_mask = peers.double_buffered ? 1 : 0;
   a.self_slab = config.self_slab ? 1 : 0;
+  a.direct = P == 1 && config.mode == EpMode::kLowLatency ? 1 : 0;
   a.rows_ready = nullptr;  // set per call (dispatch_recv with rows_ready)
   a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);
   a.symmetric = static_cast<uint8_t*>(peers.symmetric);
@@ -311,7 +314,7 @@ void EpBuffer::dispatch_send(const uint16_t* x, const int32_t* topk_idx, const f
                fmtr("EP rank {}: dispatch_send: x must be 16-byte aligned", m.rank));
   PhaseCheck::expect(m.expected, kPhaseDispatchSend, m.rank, "dispatch_send");
   launch_dispatch_send(m.args, x, topk_idx, topk_weights, num_tokens, m.num_ctas, stream);
-  if (m.exchange) m.exchange->after_dispatch_send(stream);
+  if (m.exchange && !m.args.direct) m.exchange->after_dispatch_send(stream);
 }
 
 namespace {
@@ -324,7 +327,8 @@ void launch_low_latency_recv(EpBuffer::Impl& m, int32_t* rows_ready, int num_cta
   PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "dispatch_recv");
   EpArgs args = m.args;
   args.rows_ready = rows_ready;
-  launch_dispatch_recv(args, false, num_ctas, stream);
+  if (!args.direct) launch_dispatch_recv(args, false, num_ctas, stream);
+  else if (rows_ready) launch_publish_direct(args, stream);  // one rank: the send wrote the layout
 }
 
 }  // namespace
@@ -357,8 +361,11 @@ void launch_send_back(EpBuffer::Impl& m, const uint16_t* y, int32_t* y_ready, in
   MOEKIT_CHECK(y != nullptr && reinterpret_cast<uintptr_t>(y) % 16 == 0,
                fmtr("EP rank {}: combine_send: y must be a 16-byte aligned device pointer", m.rank));
   PhaseCheck::expect(m.expected, kPhaseCombineSend, m.rank, "combine_send");
+  // One rank, not beside a GEMM: combine_recv sums the rows itself (one kernel for both).
+  m.pending_y = m.args.direct && !y_ready ? y : nullptr;
+  if (m.pending_y) return;
   launch_combine_send(m.args, y, y_ready, num_ctas, stream);
-  if (m.exchange) m.exchange->after_combine_send(stream);
+  if (m.exchange && !m.args.direct) m.exchange->after_combine_send(stream);
 }
 
 }  // namespace
@@ -387,7 +394,8 @@ void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t str
                fmtr("EP rank {}: combine_recv: out (and add, if given) must be 16-byte aligned device pointers",
                            m.rank));
   PhaseCheck::expect(m.expected, kPhaseCombineRecv, m.rank, "combine_recv");
-  launch_combine_recv(m.args, add, out, m.num_ctas, m.config.max_tokens, stream);
+  launch_combine_recv(m.args, add, out, m.num_ctas, m.config.max_tokens, m.pending_y, stream);
+  m.pending_y = nullptr;
 }
 
 void EpBuffer::set_overlap(bool on) { impl_->args.pdl = on ? 1 : 0; }

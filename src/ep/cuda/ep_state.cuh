@@ -62,6 +62,7 @@ struct EpArgs {
   long long timeout_cycles;
   int pdl;                      // launched as programmatic dependent launches (EpBuffer::set_overlap)
   int self_slab;                // EpConfig::self_slab: the send also fills masked slab E_loc with own tokens
+  int direct;                   // one low-latency rank: the send writes the masked layout itself (ep.h)
   unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
   int32_t* rows_ready;          // dispatch_recv's hand-off to a running GEMM (ep.h), or null
 
@@ -132,10 +133,14 @@ class EpExchange {
 void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                           int num_tokens, int num_ctas, cudaStream_t stream);
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream);
+// One rank (EpArgs::direct) with a GEMM beside the receive: the hand-off's counts, published.
+void launch_publish_direct(const EpArgs& args, cudaStream_t stream);
 // y_ready: null, or the counters of the GEMM running beside the send (EpBuffer::combine_send).
 void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready, int num_ctas, cudaStream_t stream);
 // num_ctas: the buffer's grid; max_tokens: its T_max (the grid and each token's slices follow both).
+// y: null, or (one rank, EpArgs::direct, after a combine_send that launched nothing) the GEMM
+// output whose weighted rows this kernel sums itself.
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, int max_tokens,
-                         cudaStream_t stream);
+                         const uint16_t* y, cudaStream_t stream);
 
 }  // namespace moekit::gpu

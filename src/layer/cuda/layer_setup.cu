@@ -241,8 +241,9 @@ void GpuMoeLayer::Impl::choose_pipeline() {
   MOEKIT_CHECK(s.cfg.shared_ctas >= 0 && s.cfg.shared_ctas < s.num_sms,
                fmtr("rank {}: GpuLayerConfig::shared_ctas = {}, expected 0 (every SM) .. {} (the device's SMs less one)",
                     s.rank, s.cfg.shared_ctas, s.num_sms - 1));
-  // GEMM1 takes each expert's rows from the receive as they land.
-  if (hand_offs && s.cfg.recv_ready) {
+  // GEMM1 takes each expert's rows from the receive as they land. (One rank has no receive: its
+  // send writes the layout, and GEMM1 follows the send's grid.)
+  if (hand_offs && s.cfg.recv_ready && s.ec.num_ranks > 1) {
     // Automatic: at one token per rank 8 CTAs were 0.7% (DeepSeek-V3) and 3.5% (Qwen3.5) faster
     // than 16 and 4 CTAs slower; at 8 tokens per rank 16 were 0.2-1.1% faster than 8 (run 53); at
     // 128 and 256 tokens per rank 32 and 64 (runs 72, 76: 16 left GEMM1 waiting for the rows).
