@@ -166,9 +166,12 @@ class EpBuffer {
   EpTransport transport() const;
 
   // Low-latency and normal mode: the same send. x bf16 bits [T, d], topk_idx int32 [T, k],
-  // topk_weights fp32 [T, k], all device pointers, 0 <= T <= T_max.
+  // topk_weights fp32 [T, k], all device pointers, 0 <= T <= T_max. x_cols > 0: x is [T, x_cols]
+  // (x_cols a multiple of 16, at most d) and its columns past x_cols count as zero, for a model
+  // whose hidden size the buffer pads to a multiple of 128 (gpt-oss: 2880 in 2944) without a
+  // padded copy of x.
   void dispatch_send(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights, int num_tokens,
-                     cudaStream_t stream);
+                     cudaStream_t stream, int x_cols = 0);
   void dispatch_recv(cudaStream_t stream);         // low-latency: masked layout
   // The low-latency receive handing its rows on, expert by expert, to a kernel that already runs
   // beside it (the fused decode pipeline's GEMM1, gemm.h Overlap::kDispatchPerExpert).
@@ -197,7 +200,9 @@ class EpBuffer {
   // there within timeout_s is recorded as this rank's fault, naming the expert. num_ctas: the
   // send's grid, 1..EpConfig::num_ctas.
   void combine_send(const uint16_t* y, cudaStream_t stream, int32_t* y_ready, int num_ctas);
-  void combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream);
+  // out_cols > 0: out is [T, out_cols] (a multiple of 8, at most d) and gets the first out_cols
+  // columns of each row (the padded model of dispatch_send's x_cols); add stays [T, d].
+  void combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream, int out_cols = 0);
 
   // Outputs: device memory owned by the buffer, at fixed addresses for its life.
   // Low-latency: recv_x [E_loc, M_max, d] fp8, recv_scales [E_loc, d/128, M_max], recv_count

@@ -333,6 +333,84 @@ TEST(EpOneRank, TheSendWritesTheLayoutAndTheCombineSumsY) {
   cudaFree(ready);
 }
 
+// x_cols and out_cols (ep.h; a model whose hidden size the buffer pads, gpt-oss): the send reads
+// rows of x_cols columns and counts the rest as zero, the combine writes rows of out_cols columns
+// and nothing past them; both equal the references on the zero-padded rows, for one rank (the
+// direct path) and for two. Bad values are named.
+TEST(EpPaddedRows, XColsAndOutColsEqualAZeroPaddedCopy) {
+  for (int P : {1, 2}) {
+    const EpConfig c = make_config({P, 16, 512, 8, 4});
+    const int d = c.hidden, x_cols = 448, out_cols = 440, T = c.max_tokens;
+    EpLocalGroup group(c);
+    DeviceStep dev(c);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::mt19937 rng(606 + P);
+    std::vector<RankInput> in;
+    std::vector<uint16_t*> x_short(P), out_short(P);
+    const size_t canary = 64;
+    for (int r = 0; r < P; ++r) {
+      in.push_back(random_input(c, T - r, rng));
+      std::vector<uint16_t> rows(size_t(in[r].num_tokens) * x_cols);
+      for (int t = 0; t < in[r].num_tokens; ++t)
+        for (int i = 0; i < d; ++i) {
+          uint16_t& v = in[r].x[size_t(t) * d + i];
+          if (i >= x_cols) v = 0;  // the reference's padded copy
+          else rows[size_t(t) * x_cols + i] = v;
+        }
+      dev.upload(r, in[r]);
+      MOEKIT_CUDA_CHECK(cudaMemset(dev.x[r], 0xFF, size_t(T) * d * 2));  // the send must not read the padded x
+      x_short[r] = to_device(rows);
+      out_short[r] = to_device(std::vector<uint16_t>(size_t(T) * out_cols + canary, 0x7FC1));
+      poison_masked(group.rank(r));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(x_short[r], dev.idx[r], dev.w[r], in[r].num_tokens, stream, x_cols);
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    const Reference ref = masked_reference(c, in);
+    for (int r = 0; r < P; ++r) ASSERT_EQ(compare_masked(group.rank(r), ref.ranks[r], r), 0) << "P = " << P;
+    std::vector<std::vector<uint16_t>> y(P);
+    for (int r = 0; r < P; ++r) {
+      y[r] = random_y(c, ref.ranks[r].count, rng);
+      MOEKIT_CUDA_CHECK(cudaMemcpy(dev.y[r], y[r].data(), y[r].size() * 2, cudaMemcpyHostToDevice));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, out_short[r], stream, out_cols);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    const auto want = combine_reference(c, in, ref.row_of, y, std::vector<std::vector<uint16_t>>(P));
+    for (int r = 0; r < P; ++r) {
+      const int n = in[r].num_tokens;
+      const auto got = to_host(out_short[r], size_t(T) * out_cols + canary);
+      std::vector<uint16_t> g, w;
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < out_cols; ++i) {
+          g.push_back(got[size_t(t) * out_cols + i]);
+          w.push_back(want[r][size_t(t) * d + i]);
+        }
+      compare_combine(g, w, r);
+      size_t touched = 0;
+      for (size_t i = size_t(n) * out_cols; i < got.size(); ++i) touched += got[i] != 0x7FC1;
+      EXPECT_EQ(touched, 0u) << "P = " << P << " rank " << r << ": written past the out rows";
+    }
+    auto rejects = [&](auto&& call, const char* what) {
+      try {
+        call();
+        ADD_FAILURE() << "accepted " << what;
+      } catch (const moekit::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      }
+    };
+    rejects([&] { group.rank(0).dispatch_send(x_short[0], dev.idx[0], dev.w[0], 1, stream, 440); }, "x_cols = 440");
+    rejects([&] { group.rank(0).dispatch_send(x_short[0], dev.idx[0], dev.w[0], 1, stream, 528); }, "x_cols = 528");
+    rejects([&] { group.rank(0).combine_recv(nullptr, out_short[0], stream, 444); }, "out_cols = 444");
+    for (int r = 0; r < P; ++r) {
+      cudaFree(x_short[r]);
+      cudaFree(out_short[r]);
+    }
+    cudaStreamDestroy(stream);
+  }
+}
+
 // combine_send with y_ready (the send beside the GEMM that writes y, ep.h): the same bits as the
 // plain send of the same step; a rank whose y and counters land only after its send has started
 // (a copy on another stream, 20 ms later) still sends the new rows, so the send waited for the

@@ -247,6 +247,20 @@ TEST(GpuLayerMxfp4Kernels, GateMatchesReference) {
     ASSERT_NEAR(logits[i], want_logits[i], 1e-6 * (1 + std::fabs(want_logits[i]))) << "logit " << i;
   }
   EXPECT_LE(logit_diff, logits.size() / 100) << "fp64 sums rounded once differ only where the order matters";
+  {  // x as rows of 160 columns (a padded hidden size, x_cols): the same bits as x zero-padded to 256
+    const int cols = 160;
+    std::vector<uint16_t> x_short(size_t(T) * cols), x_zero(x.size(), 0);
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < cols; ++i) x_short[size_t(t) * cols + i] = x_zero[size_t(t) * hidden + i] = x[size_t(t) * hidden + i];
+    DeviceArray<uint16_t> dshort(x_short.size());
+    DeviceArray<float> dlogits2(size_t(T) * E);
+    dshort.upload(x_short.data(), x_short.size());
+    dx.upload(x_zero.data(), x_zero.size());
+    gpu::launch_router_logits(dx.ptr, T, hidden, drouter.ptr, E, dlogits.ptr, nullptr, {}, dbias.ptr);
+    gpu::launch_router_logits(dshort.ptr, T, hidden, drouter.ptr, E, dlogits2.ptr, nullptr, {}, dbias.ptr, cols);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(dlogits2.download(size_t(T) * E), dlogits.download(size_t(T) * E)) << "x_cols = " << cols;
+  }
   // Routing on the reference's own logits, so that a last-bit logit difference cannot flip a choice.
   dlogits.upload(want_logits.data(), want_logits.size());
   gpu::launch_select_experts(dlogits.ptr, T, E, k, params, nullptr, didx.ptr, dw.ptr, status.ptr, nullptr);

@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 #pragma unroll
       for (int u = 0; u < kRecvChunks; ++u) {
         const int c = c_base + u * blockDim.x + threadIdx.x;
-        if (c < last) reinterpret_cast<uint4*>(out + size_t(t) * a.hidden)[c] = pack8(acc[u]);
+        if (c < last && c < a.out_cols / 8) reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
       }
     }
     __syncthreads();

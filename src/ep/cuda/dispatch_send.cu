@@ -173,10 +173,10 @@ struct Team {
   int tt, threads;  // this thread's index in its team, the team's size
 };
 
-// Loads this thread's chunks of token t from chunk c_base on.
+// Loads this thread's chunks of token t from chunk c_base on (chunks past x's columns: zeros).
 __device__ __forceinline__ void load_x(const EpArgs& a, const uint16_t* x, int t, int c_base, Team team, XBlock& b) {
-  const int num_chunks = a.hidden / 16;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.hidden);
+  const int num_chunks = a.x_cols / 16;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.x_cols);
 #pragma unroll
   for (int i = 0; i < kQuantRounds; ++i) {
     const int c = c_base + i * team.threads + team.tt;

@@ -247,6 +247,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.self_slab = config.self_slab ? 1 : 0;
   a.direct = P == 1 && config.mode == EpMode::kLowLatency ? 1 : 0;
   a.rows_ready = nullptr;  // set per call (dispatch_recv with rows_ready)
+  a.x_cols = a.out_cols = config.hidden;  // set per call (dispatch_send's x_cols, combine_recv's out_cols)
   a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);
   a.symmetric = static_cast<uint8_t*>(peers.symmetric);
   a.peer_dispatch = reinterpret_cast<uint8_t* const*>(m.peer_table);
@@ -302,7 +303,7 @@ struct PhaseCheck {
 };
 
 void EpBuffer::dispatch_send(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights, int num_tokens,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, int x_cols) {
   Impl& m = *impl_;
   MOEKIT_CHECK(num_tokens >= 0 && num_tokens <= m.config.max_tokens,
                fmtr("EP rank {}: dispatch_send: num_tokens = {}, expected 0..T_max = {}", m.rank, num_tokens,
@@ -312,8 +313,13 @@ void EpBuffer::dispatch_send(const uint16_t* x, const int32_t* topk_idx, const f
                            m.rank));
   MOEKIT_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0,
                fmtr("EP rank {}: dispatch_send: x must be 16-byte aligned", m.rank));
+  MOEKIT_CHECK(x_cols >= 0 && x_cols <= m.config.hidden && x_cols % 16 == 0,
+               fmtr("EP rank {}: dispatch_send: x_cols = {}, expected 0 (= d) or a multiple of 16 up to d = {}", m.rank,
+                    x_cols, m.config.hidden));
   PhaseCheck::expect(m.expected, kPhaseDispatchSend, m.rank, "dispatch_send");
-  launch_dispatch_send(m.args, x, topk_idx, topk_weights, num_tokens, m.num_ctas, stream);
+  EpArgs args = m.args;
+  args.x_cols = x_cols > 0 ? x_cols : m.config.hidden;
+  launch_dispatch_send(args, x, topk_idx, topk_weights, num_tokens, m.num_ctas, stream);
   if (m.exchange && !m.args.direct) m.exchange->after_dispatch_send(stream);
 }
 
@@ -388,13 +394,21 @@ void EpBuffer::combine_send(const uint16_t* y, cudaStream_t stream, int32_t* y_r
   launch_send_back(m, y, y_ready, num_ctas, stream);
 }
 
-void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream) {
+void EpBuffer::combine_recv(const uint16_t* add, uint16_t* out, cudaStream_t stream, int out_cols) {
   Impl& m = *impl_;
   MOEKIT_CHECK(out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(add) % 16 == 0,
                fmtr("EP rank {}: combine_recv: out (and add, if given) must be 16-byte aligned device pointers",
                            m.rank));
+  MOEKIT_CHECK(out_cols >= 0 && out_cols <= m.config.hidden && out_cols % 8 == 0,
+               fmtr("EP rank {}: combine_recv: out_cols = {}, expected 0 (= d) or a multiple of 8 up to d = {}", m.rank,
+                    out_cols, m.config.hidden));
+  MOEKIT_CHECK(out_cols == 0 || out_cols == m.config.hidden || add != out,
+               fmtr("EP rank {}: combine_recv: add is out with out_cols = {} < d = {} (their rows would not line up)",
+                    m.rank, out_cols, m.config.hidden));
   PhaseCheck::expect(m.expected, kPhaseCombineRecv, m.rank, "combine_recv");
-  launch_combine_recv(m.args, add, out, m.num_ctas, m.config.max_tokens, m.pending_y, stream);
+  EpArgs args = m.args;
+  args.out_cols = out_cols > 0 ? out_cols : m.config.hidden;
+  launch_combine_recv(args, add, out, m.num_ctas, m.config.max_tokens, m.pending_y, stream);
   m.pending_y = nullptr;
 }
 

@@ -65,6 +65,8 @@ struct EpArgs {
   int direct;                   // one low-latency rank: the send writes the masked layout itself (ep.h)
   unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
   int32_t* rows_ready;          // dispatch_recv's hand-off to a running GEMM (ep.h), or null
+  int x_cols;                   // per call: dispatch_send's x row length (<= hidden; past it, zeros)
+  int out_cols;                 // per call: combine_recv's out row length (<= hidden)
 
   uint8_t* symmetric;
   uint8_t* const* peer_dispatch;  // [P]

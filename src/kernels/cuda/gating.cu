@@ -41,7 +41,7 @@ __device__ void warp_argmax(double& v, int& i) {
   }
 }
 
-__global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden,
+__global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int x_cols,
                                      const float* __restrict__ w, int num_experts, float* __restrict__ logits,
                                      const float* __restrict__ logit_bias, unsigned long long* stamp) {
   begin_kernel(stamp);
@@ -52,12 +52,13 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
   const int nt = min(kLogitTokens, num_tokens - t0);
   double acc[kLogitTokens] = {};
   const float* we = w + size_t(e) * hidden;
-  for (int i = lane * 4; i < hidden; i += kWarp * 4) {
+  // Columns past x_cols are zero in x: their products add nothing to the fp64 sums.
+  for (int i = lane * 4; i < x_cols; i += kWarp * 4) {
     const float4 wv = *reinterpret_cast<const float4*>(we + i);
 #pragma unroll
     for (int tt = 0; tt < kLogitTokens; ++tt) {
       if (tt >= nt) break;
-      const uint2 xv = *reinterpret_cast<const uint2*>(x + size_t(t0 + tt) * hidden + i);
+      const uint2 xv = *reinterpret_cast<const uint2*>(x + size_t(t0 + tt) * x_cols + i);
       // bf16 x fp32 is exact in fp64 (8 + 24 significant bits), so fma == the reference's mul + add.
       acc[tt] += double(bf16_to_float(uint16_t(xv.x & 0xffff))) * double(wv.x);
       acc[tt] += double(bf16_to_float(uint16_t(xv.x >> 16))) * double(wv.y);
@@ -249,11 +250,12 @@ __global__ void map_replicas_kernel(ReplicaMap map, int num_tokens, int k, const
 }  // namespace
 
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
-                          float* logits, cudaStream_t stream, const LaunchOptions& opt, const float* logit_bias) {
+                          float* logits, cudaStream_t stream, const LaunchOptions& opt, const float* logit_bias,
+                          int x_cols) {
   if (num_tokens == 0) return;
   const dim3 grid((num_experts + kLogitWarps - 1) / kLogitWarps, (num_tokens + kLogitTokens - 1) / kLogitTokens);
   launch_kernel_ex(router_logits_kernel, grid, dim3(kLogitWarps * kWarp), 0, stream, opt.pdl, x, num_tokens, hidden,
-                   router_weight, num_experts, logits, logit_bias, opt.stamp);
+                   x_cols > 0 ? x_cols : hidden, router_weight, num_experts, logits, logit_bias, opt.stamp);
 }
 
 void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,

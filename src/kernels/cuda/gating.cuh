@@ -31,10 +31,11 @@ struct RouterParams {
 
 // logits [T, E] fp32 = x [T, d] bf16 . w [E, d] fp32 ^T (+ logit_bias [E] when not null: gpt-oss),
 // each dot product and its bias summed in fp64 and rounded once to fp32 (the products are exact in
-// fp64; only the summation order differs from gating.h's, see docs/layer-gpu.md).
+// fp64; only the summation order differs from gating.h's, see docs/layer-gpu.md). x_cols > 0: x is
+// [T, x_cols] (a multiple of 4, at most d), the rest of each row zero (a padded hidden size).
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
                           float* logits, cudaStream_t stream, const LaunchOptions& opt = {},
-                          const float* logit_bias = nullptr);
+                          const float* logit_bias = nullptr, int x_cols = 0);
 
 // The replica map of eplb.h choose_replicas_for_rank, per (token, entry): logical expert ->
 // physical slot, and counts[e] += 1 for every valid entry (EPLB statistics).

@@ -115,7 +115,9 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
     MOEKIT_CUDA_CHECK(cudaMemcpyAsync(s.clocks, s.clocks_reset, 2 * kNumClocks * sizeof(unsigned long long),
                                       cudaMemcpyDeviceToDevice, stream));
   s.mark(kStart, stream);
-  // MXFP4's padded hidden size: the rank's rows into x_pad, whose padding columns stay zero.
+  // MXFP4's padded hidden size: the router and the send read the model's rows (x_cols), or the
+  // rows go into x_pad, whose padding columns stay zero.
+  const int x_cols = s.d != s.model_d && !s.x_pad ? s.model_d : 0;
   if (s.x_pad && num_tokens > 0) {
     MOEKIT_CUDA_CHECK(cudaMemcpy2DAsync(s.x_pad, size_t(s.d) * 2, x, size_t(s.model_d) * 2, size_t(s.model_d) * 2,
                                         num_tokens, cudaMemcpyDeviceToDevice, stream));
@@ -136,7 +138,8 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
   const ReplicaMap map{s.replicas, s.rank, first_token, s.cfg.replica_seed, s.topk_slot, s.counts};
   const LaunchOptions gate = s.launch(GpuStage::kGate);
   if (!routing_idx) {
-    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream, gate, s.router_logit_bias);
+    launch_router_logits(x, num_tokens, s.d, s.router_w, s.num_experts, s.logits, stream, gate, s.router_logit_bias,
+                         x_cols);
     // Fused: the replica choice happens in the selection kernel itself.
     launch_select_experts(s.logits, num_tokens, s.num_experts, s.k, s.router, s.router_bias, s.topk_idx, s.topk_w,
                           s.status, stream, s.fused ? &map : nullptr, gate);
@@ -145,7 +148,7 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
     launch_map_replicas(map, num_tokens, s.k, routing_idx, routing_weights, s.topk_idx, s.topk_w, s.status, stream,
                         gate);
   s.mark(kGate, stream);
-  s.ep->dispatch_send(x, s.topk_slot, s.topk_w, num_tokens, stream);
+  s.ep->dispatch_send(x, s.topk_slot, s.topk_w, num_tokens, stream, x_cols);
   // Fused: the shared expert streams its weights while the peers' tokens travel (the receive
   // comes next). A persistent GEMM on a side stream holds every SM: started at the fork it kept
   // the gate and the send off the GPU for its whole length (measured, docs/layer-gpu.md).
@@ -191,7 +194,8 @@ void GpuMoeLayer::combine(uint16_t* out, cudaStream_t stream) {
   MOEKIT_CHECK(out != nullptr || s.num_tokens == 0, fmtr("rank {}: out is null", s.rank));
   const bool shared = s.shared_inter > 0 && s.num_tokens > 0;
   if (s.shared_inter > 0 && s.cfg.overlap_shared && !s.fused) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-  s.ep->combine_recv(shared ? s.s_out : nullptr, s.out_pad ? s.out_pad : out, stream);
+  s.ep->combine_recv(shared ? s.s_out : nullptr, s.out_pad ? s.out_pad : out, stream,
+                     s.d != s.model_d && !s.out_pad ? s.model_d : 0);
   if (s.out_pad && s.num_tokens > 0)
     MOEKIT_CUDA_CHECK(cudaMemcpy2DAsync(out, size_t(s.model_d) * 2, s.out_pad, size_t(s.d) * 2, size_t(s.model_d) * 2,
                                         s.num_tokens, cudaMemcpyDeviceToDevice, stream));

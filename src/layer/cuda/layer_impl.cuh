@@ -46,7 +46,8 @@ struct GpuMoeLayer::Impl {
   int32_t* combine_ready = nullptr; // fused, FP8: GEMM2 -> combine send per-expert readiness [slabs]
   int combine_ctas = 0;             // the combine send's grid when combine_ready is set
   // MXFP4 experts (gpt-oss): d and inter are the weights' padded sizes (weights.h), model_d the
-  // model's hidden size; x and out are padded through x_pad and out_pad when they differ.
+  // model's hidden size; where they differ, the kernels read x and write out as [T, model_d] rows,
+  // or (a shared expert, a row length not a multiple of 16) through x_pad and out_pad.
   bool mxfp4 = false;
   int rank = 0, d = 0, model_d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0,
       m_max = 0;
@@ -74,7 +75,7 @@ struct GpuMoeLayer::Impl {
   // MXFP4: w1/w2 hold the GEMM's code order, these the scale words and the biases (gemm.h).
   uint32_t *w1_mx = nullptr, *w2_mx = nullptr;
   float *b1 = nullptr, *b2 = nullptr;
-  uint16_t *x_pad = nullptr, *out_pad = nullptr;  // [T_max, d] when d != model_d
+  uint16_t *x_pad = nullptr, *out_pad = nullptr;  // [T_max, d], or null (above)
   float* logits = nullptr;
   int32_t *topk_idx = nullptr, *topk_slot = nullptr;
   float* topk_w = nullptr;

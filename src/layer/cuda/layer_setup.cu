@@ -271,11 +271,14 @@ void GpuMoeLayer::Impl::allocate_expert_buffers(const MoeLayerWeights& weights) 
   s.act = s.alloc<uint8_t>(total_rows * s.inter);
   s.act_scales = s.alloc<float>(total_rows * (s.inter / kQuantBlock));
   s.y = s.alloc<uint16_t>(total_rows * s.d);
-  if (s.d != s.model_d) {
+  // A padded hidden size (MXFP4): the router, the send and the combine take the model's rows as
+  // they are (x_cols, out_cols); a padded copy of x only for the shared expert's quantisation or a
+  // row length those kernels do not take (two graph nodes per layer, and a break in the PDL chain).
+  if (s.d != s.model_d && (weights.has_shared_experts() || s.model_d % 16 != 0)) {
     s.x_pad = s.alloc<uint16_t>(size_t(s.t_max) * s.d);
-    s.out_pad = s.alloc<uint16_t>(size_t(s.t_max) * s.d);
     MOEKIT_CUDA_CHECK(cudaMemset(s.x_pad, 0, size_t(s.t_max) * s.d * sizeof(uint16_t)));  // the padding stays zero
   }
+  if (s.d != s.model_d && s.model_d % 8 != 0) s.out_pad = s.alloc<uint16_t>(size_t(s.t_max) * s.d);
   if (weights.has_shared_experts()) {
     s.shared_inter = weights.shared_w1.layout.n / 2;
     if (s.owner) {
