@@ -325,7 +325,12 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
     }
     __syncthreads();
   }
-  if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) advance_step(a, kPhaseCombineRecv, step);
+  if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) {
+    advance_step(a, kPhaseCombineRecv, step);
+    // The one kernel stands for both phases: the send's step moves on with the receive's, so that
+    // a later step's two-kernel combine (combine_send with y_ready) raises and waits for one flag.
+    if (kFromY) a.ctr->step[kPhaseCombineSend] += 1;
+  }
 }
 
 }  // namespace
