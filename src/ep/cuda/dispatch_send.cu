@@ -10,6 +10,9 @@
 // known. The CTA with the last tokens ends holding the whole batch's counts and writes every
 // peer's per-expert counts into its inbox header; the last CTA to finish raises the flags, whose
 // release stores cover every CTA's payload and headers (each CTA fences before its sign-off).
+// One rank (EpArgs::direct, ep.h) has nobody to send to: the planned row positions are already
+// the masked layout's rows, so each token is written there once per entry, with the combine's map
+// and recv_src; the CTA with the last tokens writes recv_count, and no flag is raised.
 //
 // A batch's tokens are copied by teams of warps working side by side: at decode sizes (one token
 // per CTA) the whole CTA is one team and latency sets the time, so the token's first x block is
