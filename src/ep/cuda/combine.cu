@@ -46,6 +46,22 @@ __device__ __forceinline__ void unpack8(const uint4 v, float* f) {
 __device__ __forceinline__ uint4 pack8(const float* f) {
   return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
 }
+// The combine's two operations on a chunk of 8 bf16, the only places they are spelled, so that
+// every path (the send, the receive, one rank's single kernel) does them the same way:
+// a partial's row term, acc + w * y (an IEEE-rounded multiply, then an add: no FMA contraction,
+// the CPU reference's `acc += w * y`), and the receive's add of a bf16 partial.
+__device__ __forceinline__ void add_weighted8(float (&acc)[8], float w, const uint4 y8) {
+  float f[8];
+  unpack8(y8, f);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, f[e]));
+}
+__device__ __forceinline__ void add8(float (&acc)[8], const uint4 part8) {
+  float f[8];
+  unpack8(part8, f);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
+}
 
 // combine_send's work item: one message's weighted sum over a slice of 32 * kSendChunks chunks
 // (8 bf16 each). Items are dealt to warps in contiguous runs of equal length, so every warp has
@@ -149,13 +165,8 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
       for (int q = 0; q < kSendRows; ++q) {
         if (q >= n) continue;
 #pragma unroll
-        for (int u = 0; u < kSendChunks; ++u) {
-          if (c0 + 32 * u >= num_chunks) continue;
-          float f[8];
-          unpack8(v[q][u], f);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w[q], f[e]));
-        }
+        for (int u = 0; u < kSendChunks; ++u)
+          if (c0 + 32 * u < num_chunks) add_weighted8(acc[u], w[q], v[q][u]);
       }
     }
 #pragma unroll
@@ -185,7 +196,6 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
 constexpr int kRecvChunks = 4;
 constexpr int kRecvRanks = 8;
 
-//
 // kFromY (one rank, EpArgs::direct, after a combine_send that launched nothing): there is no
 // inbox and no flag; the token's one partial is made here from y, with combine_send's operations
 // in its order (acc = 0, acc + w * y row by row in top-k order, rounded once to bf16), then added
@@ -211,23 +221,13 @@ __device__ __forceinline__ void add_partial_from_y(const EpArgs& a, const uint16
     for (int q = 0; q < kSendRows; ++q) {
       if (i + q >= n) continue;
 #pragma unroll
-      for (int u = 0; u < kRecvChunks; ++u) {
-        if (c_base + u * blockDim.x + threadIdx.x >= last) continue;
-        float f[8];
-        unpack8(v[q][u], f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) part[u][e] = __fadd_rn(part[u][e], __fmul_rn(ws[i + q], f[e]));
-      }
+      for (int u = 0; u < kRecvChunks; ++u)
+        if (c_base + u * blockDim.x + threadIdx.x < last) add_weighted8(part[u], ws[i + q], v[q][u]);
     }
   }
   if (n == 0) return;  // a token with no expert: add alone, as with no target rank
 #pragma unroll
-  for (int u = 0; u < kRecvChunks; ++u) {
-    float f[8];
-    unpack8(pack8(part[u]), f);  // the partial's one rounding to bf16
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], f[e]);
-  }
+  for (int u = 0; u < kRecvChunks; ++u) add8(acc[u], pack8(part[u]));  // the partial rounded once to bf16
 }
 
 template <bool kFromY>
@@ -309,11 +309,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 #pragma unroll
           for (int u = 0; u < kRecvChunks; ++u) {
             const int c = c_base + u * blockDim.x + threadIdx.x;
-            if (c >= last) continue;
-            float v[8];
-            unpack8(part[q][u], v);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], v[e]);
+            if (c < last) add8(acc[u], part[q][u]);
           }
         }
       }

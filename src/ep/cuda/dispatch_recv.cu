@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       // Lane i < k: entry i's output row (-1: not on this rank), its expert and its position.
       int row = -1, e = 0, m = 0;
       if (ld.code >= 0) {
-        e = ld.code >> 16;
-        m = base[e * P + s] + (ld.code & 0xFFFF);
+        e = entry_expert(ld.code);
+        m = base[e * P + s] + entry_pos(ld.code);
         row = kContiguous ? seg[e] + m : e * a.max_m + m;
         if (kContiguous) a.row_expert[row] = e;
         a.recv_src[row] = s * a.max_tokens + ld.token;

@@ -68,7 +68,7 @@ struct TokenPlan {
   int target_rank[kEpMaxTopk];
   uint8_t* target_msg[kEpMaxTopk];  // the message slot in that peer's inbox
   int entry_rank[kEpMaxTopk];       // -1: entry skipped
-  int entry_code[kEpMaxTopk];       // local_expert << 16 | row position
+  int entry_code[kEpMaxTopk];       // pack_entry(local expert, row position), or -1
   float entry_w[kEpMaxTopk];
 };
 
@@ -135,7 +135,7 @@ __device__ void plan_batch(const EpArgs& a, BatchEntry in, int b0, int n, int pa
   if (e.valid) {
     w = weight;
     if (!isfinite(w)) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, j, 0);
-    code = ((slot % a.local_experts) << 16) | row_pos;
+    code = pack_entry(slot % a.local_experts, row_pos);
   }
   if (active) {
     p.entry_rank[j] = e.rank;
@@ -254,7 +254,7 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     for (int j = 0; j < a.topk; ++j) {
       const int code = p.entry_code[j];
       if (code < 0) continue;
-      const size_t e = size_t(code >> 16), m = size_t(code & 0xFFFF);
+      const size_t e = size_t(entry_expert(code)), m = size_t(entry_pos(code));
 #pragma unroll
       for (int i = 0; i < kQuantRounds; ++i) {
         const int c = chunk[i];
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
         // One rank: the combine's map of token t (item t: every token is an item, those without
         // an expert have no rows) and each row's source, as dispatch_recv writes them.
         const int t = b0 + i, j = team.tt, code = p.entry_code[j];
-        const int row = code >= 0 ? (code >> 16) * a.max_m + (code & 0xFFFF) : -1;
+        const int row = code >= 0 ? entry_expert(code) * a.max_m + entry_pos(code) : -1;
         a.map_rows[size_t(t) * a.topk + j] = row;
         a.map_w[size_t(t) * a.topk + j] = p.entry_w[j];
         if (j == 0) a.map_token[t] = t;

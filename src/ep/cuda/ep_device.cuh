@@ -166,6 +166,12 @@ __device__ __forceinline__ EntryInfo classify_entry(int slot, bool active, int g
   return e;
 }
 
+// A top-k entry's code, as the send plans it and a message carries it (ep_state.cuh): the local
+// expert and the entry's row position among its source's rows of that expert; -1 for no row.
+__device__ __forceinline__ int pack_entry(int local_expert, int pos) { return (local_expert << 16) | pos; }
+__device__ __forceinline__ int entry_expert(int code) { return code >> 16; }
+__device__ __forceinline__ int entry_pos(int code) { return code & 0xFFFF; }
+
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 

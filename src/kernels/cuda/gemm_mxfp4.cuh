@@ -36,8 +36,9 @@
 namespace moekit::gemm_detail {
 
 // Shared memory of the MXFP4 kernel, in order: A tiles (1024-aligned for the swizzle), packed
-// weight tiles, weight-scale tiles, A-scale rows, full and empty barriers, then (masked) prefix
-// [E+1] and m_of [E].
+// weight tiles, weight-scale tiles, A-scale rows, full and empty barriers (the stage ring), then
+// (masked) prefix [E+1] and m_of [E]. The widening kernel's layout (gemm_mxfp4_widen.cuh) is this
+// one with its widened tiles before the ring and their barriers after it.
 template <int kBlockT>
 struct Mxfp4SmemLayout {
   static constexpr int kWRows = 128;

@@ -45,21 +45,14 @@ namespace moekit::gemm_detail {
 // bytes), packed code tiles, scale-word tiles, activation-scale rows, the stages' full and empty
 // barriers, the widened tiles' full and empty barriers, then (masked) prefix [E+1] and m_of [E].
 template <int kBlockT>
-struct Mxfp4WidenSmemLayout {
-  static constexpr int kWRows = 128;
+struct Mxfp4WidenSmemLayout : Mxfp4SmemLayout<kBlockT> {  // its stage ring and what a stage holds
+  using Stage = Mxfp4SmemLayout<kBlockT>;
   static constexpr int kWideSlots = 4;
-  static constexpr int kWideTile = kWRows * kBlockK;
-  static constexpr int kATile = kBlockT * kBlockK;
-  static constexpr int kWTile = kWRows * kBlockK / 2;
-  static constexpr int kWsTile = kWRows * 4;
-  static constexpr int kSaFloats = (kBlockT + 31) / 32 * 32;
-  static constexpr int kStageBytes = kATile + kWTile + kWsTile + kSaFloats * 4 + 16;
+  static constexpr int kWideTile = Stage::kWRows * kBlockK;
   static constexpr int kWideBytes = kWideSlots * (kWideTile + 16);
-  static constexpr uint32_t kTxWeights = kWTile + kWsTile;
-  static constexpr uint32_t kTxActivations = kATile + kBlockT * 4;
-  static_assert(kATile % 1024 == 0, "activation tiles keep the next tile 1024-aligned");
+  static_assert(Stage::kATile % 1024 == 0, "activation tiles keep the next tile 1024-aligned");
   static int bytes(int stages, int num_experts) {
-    return 1024 + kWideBytes + stages * kStageBytes + (2 * num_experts + 1) * 4;
+    return 1024 + kWideBytes + stages * Stage::kStageBytes + (2 * num_experts + 1) * 4;
   }
 };
 
