@@ -618,6 +618,8 @@ TEST_P(EpLocal, GraphCaptureAndReplay) {
 const Shape kShapes[] = {
     {1, 16, 256, 8, 4},    // one rank: the send writes the layout, the combine is one kernel (ep.h)
     {1, 64, 2944, 128, 4}, // ... gpt-oss-120b on one GPU: 128 experts, top-4, d = 2880 padded to 2944
+    {1, 1200, 256, 8, 4},  // ... more tokens than the one-rank combine has warps: they loop
+    {1, 3, 1152, 8, 4},    // ... 144 chunks: a token's second pass has work for half a warp's lanes
     {2, 16, 256, 8, 4},
     {4, 24, 384, 32, 6},
     {8, 32, 512, 64, 8},

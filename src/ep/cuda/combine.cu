@@ -1,4 +1,4 @@
-// The combine kernels (both modes).
+// The combine kernels (both modes), and one rank's combine in one kernel (combine_local).
 //
 // combine_send: for each message this rank received (the map dispatch_recv wrote), the weighted
 // sum of its local experts' output rows in top-k order, in fp32 with explicit round-to-nearest
@@ -71,6 +71,48 @@ __device__ __forceinline__ void add8(float (&acc)[8], const uint4 part8) {
 constexpr int kSendChunks = 4;
 constexpr int kSendRows = 4;
 
+// A warp's part of one weighted sum: acc[u] + w * y[row] for its chunks c0 + 32u (< num_chunks)
+// over the rows in `rows` (a ballot: lane j < k holds entry j's row and weight), in top-k order,
+// the reference's operations and order. Up to kSendRows rows' chunks are loaded before any is
+// added. kL2: y is read through the L2 (it is being written beside this kernel; the non-coherent
+// path could hold lines from before those stores). Every lane must call it (the shuffles).
+template <bool kL2>
+__device__ __forceinline__ void add_rows(const EpArgs& a, const uint16_t* y, unsigned rows, int my_row, float my_w,
+                                         int c0, int num_chunks, float (&acc)[kSendChunks][8]) {
+  for (unsigned left = rows; left;) {
+    int row[kSendRows];
+    float w[kSendRows];
+    int n = 0;
+#pragma unroll
+    for (int q = 0; q < kSendRows; ++q) {
+      row[q] = 0;
+      w[q] = 0.0f;
+      if (left) {  // warp-uniform
+        const int from = __ffs(left) - 1;
+        left &= left - 1;
+        row[q] = __shfl_sync(0xFFFFFFFFu, my_row, from);
+        w[q] = __shfl_sync(0xFFFFFFFFu, my_w, from);
+        n = q + 1;
+      }
+    }
+    uint4 v[kSendRows][kSendChunks];
+#pragma unroll
+    for (int q = 0; q < kSendRows; ++q) {
+      const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(row[q]) * a.hidden);
+#pragma unroll
+      for (int u = 0; u < kSendChunks; ++u)
+        if (q < n && c0 + 32 * u < num_chunks) v[q][u] = kL2 ? __ldcg(yr + c0 + 32 * u) : __ldg(yr + c0 + 32 * u);
+    }
+#pragma unroll
+    for (int q = 0; q < kSendRows; ++q) {
+      if (q >= n) continue;
+#pragma unroll
+      for (int u = 0; u < kSendChunks; ++u)
+        if (c0 + 32 * u < num_chunks) add_weighted8(acc[u], w[q], v[q][u]);
+    }
+  }
+}
+
 // Beside the GEMM: lane i < k with a row waits until its expert's counter shows all of the
 // expert's rows stored (the GEMM's ready_out units, gemm.h: hidden / 64 per row, for the
 // recv_count the GEMM itself clamps to [0, M_max]); the warp barrier then passes the acquire on
@@ -137,38 +179,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
     const int c0 = slice * 32 * kSendChunks + lane;
     // acc = 0, then acc + w * y row by row in top-k order: the reference's operations and order.
     float acc[kSendChunks][8] = {};
-    for (unsigned left = rows; left;) {
-      int row[kSendRows];
-      float w[kSendRows];
-      int n = 0;
-#pragma unroll
-      for (int q = 0; q < kSendRows; ++q) {
-        row[q] = 0;
-        w[q] = 0.0f;
-        if (left) {  // warp-uniform
-          const int from = __ffs(left) - 1;
-          left &= left - 1;
-          row[q] = __shfl_sync(0xFFFFFFFFu, my_row, from);
-          w[q] = __shfl_sync(0xFFFFFFFFu, my_w, from);
-          n = q + 1;
-        }
-      }
-      uint4 v[kSendRows][kSendChunks];
-#pragma unroll
-      for (int q = 0; q < kSendRows; ++q) {
-        const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(row[q]) * a.hidden);
-#pragma unroll
-        for (int u = 0; u < kSendChunks; ++u)
-          if (q < n && c0 + 32 * u < num_chunks) v[q][u] = kBeside ? __ldcg(yr + c0 + 32 * u) : __ldg(yr + c0 + 32 * u);
-      }
-#pragma unroll
-      for (int q = 0; q < kSendRows; ++q) {
-        if (q >= n) continue;
-#pragma unroll
-        for (int u = 0; u < kSendChunks; ++u)
-          if (c0 + 32 * u < num_chunks) add_weighted8(acc[u], w[q], v[q][u]);
-      }
-    }
+    add_rows<kBeside>(a, y, rows, my_row, my_w, c0, num_chunks, acc);
 #pragma unroll
     for (int u = 0; u < kSendChunks; ++u)
       if (c0 + 32 * u < num_chunks) dst[c0 + 32 * u] = pack8(acc[u]);
@@ -196,46 +207,11 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
 constexpr int kRecvChunks = 4;
 constexpr int kRecvRanks = 8;
 
-// kFromY (one rank, EpArgs::direct, after a combine_send that launched nothing): there is no
-// inbox and no flag; the token's one partial is made here from y, with combine_send's operations
-// in its order (acc = 0, acc + w * y row by row in top-k order, rounded once to bf16), then added
-// to `add` as above: the bits of the two-kernel path, in one kernel. The rows and weights come
-// from the map the send wrote (item t = token t).
-__device__ __forceinline__ void add_partial_from_y(const EpArgs& a, const uint16_t* y, int c_base, int last,
-                                                   const int* rows, const float* ws, int n,
-                                                   float (&acc)[kRecvChunks][8]) {
-  float part[kRecvChunks][8] = {};
-  for (int i = 0; i < n; i += kSendRows) {
-    uint4 v[kSendRows][kRecvChunks];
-#pragma unroll
-    for (int q = 0; q < kSendRows; ++q) {
-      if (i + q >= n) continue;
-      const uint4* yr = reinterpret_cast<const uint4*>(y + size_t(rows[i + q]) * a.hidden);
-#pragma unroll
-      for (int u = 0; u < kRecvChunks; ++u) {
-        const int c = c_base + u * blockDim.x + threadIdx.x;
-        if (c < last) v[q][u] = __ldg(yr + c);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kSendRows; ++q) {
-      if (i + q >= n) continue;
-#pragma unroll
-      for (int u = 0; u < kRecvChunks; ++u)
-        if (c_base + u * blockDim.x + threadIdx.x < last) add_weighted8(part[u], ws[i + q], v[q][u]);
-    }
-  }
-  if (n == 0) return;  // a token with no expert: add alone, as with no target rank
-#pragma unroll
-  for (int u = 0; u < kRecvChunks; ++u) add8(acc[u], pack8(part[u]));  // the partial rounded once to bf16
-}
 
-template <bool kFromY>
 __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
-                                                                  int slices, const uint16_t* y) {
+                                                                  int slices) {
   __shared__ int ok;
   __shared__ int ranks[kEpMaxTopk];
-  __shared__ float weights[kEpMaxTopk];  // kFromY: the token's rows (in ranks) and their weights
   __shared__ int token_ranks;
   const int P = a.num_ranks, k = a.topk;
   begin_ep_kernel(a, kPhaseCombineRecv);
@@ -248,7 +224,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   const int first_route = threadIdx.x < k ? __ldcg(a.route_ranks + size_t(blockIdx.x / slices) * k + threadIdx.x) : -1;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
-  for (int r = threadIdx.x; r < (kFromY ? 0 : P); r += blockDim.x)
+  for (int r = threadIdx.x; r < P; r += blockDim.x)
     if (wait_flag(a, reinterpret_cast<const uint64_t*>(a.combine_inbox(parity, r)), step, kPhaseCombineRecv, r) == 0)
       ok = 0;
   __syncthreads();
@@ -257,19 +233,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   for (int item = blockIdx.x; item < num_tokens * slices; item += gridDim.x) {
     const int t = item / slices, first = item % slices * slice_chunks;
     const int last = min(first + slice_chunks, num_chunks);
-    if (kFromY && threadIdx.x < 32) {
-      // The token's rows in top-k order (combine_send's order), compacted.
-      const int lane = threadIdx.x;
-      const int row = lane < k ? __ldcg(a.map_rows + size_t(t) * k + lane) : -1;
-      const float w = lane < k ? __ldcg(a.map_w + size_t(t) * k + lane) : 0.0f;
-      const unsigned have = __ballot_sync(0xFFFFFFFFu, row >= 0);
-      if (row >= 0) {
-        const int at = __popc(have & ((1u << lane) - 1));
-        ranks[at] = row;
-        weights[at] = w;
-      }
-      if (lane == 0) token_ranks = __popc(have);
-    } else if (!kFromY && threadIdx.x < 32) {
+    if (threadIdx.x < 32) {
       // The token's target ranks, ascending, -1 padded: the partials to add are those before
       // the first -1.
       const int lane = threadIdx.x;
@@ -289,8 +253,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
           if (c < last) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);  // add may be out
         }
       }
-      if constexpr (kFromY) add_partial_from_y(a, y, c_base, last, ranks, weights, n, acc);
-      for (int i = 0; i < (kFromY ? 0 : n); i += kRecvRanks) {
+      for (int i = 0; i < n; i += kRecvRanks) {
         uint4 part[kRecvRanks][kRecvChunks];
 #pragma unroll
         for (int q = 0; q < kRecvRanks; ++q) {
@@ -321,11 +284,59 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
     }
     __syncthreads();
   }
+  if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) advance_step(a, kPhaseCombineRecv, step);
+}
+
+// One rank (EpArgs::direct, after a combine_send that launched nothing): no inbox and no flag;
+// out[t] = bf16(add[t] + bf16(sum)) with sum made here from y with combine_send's operations in its
+// order (0, then + w * y row by row in top-k order, one bf16 rounding), the two kernels' bits. The
+// work items are (token, part): a token's first out_cols columns in passes of 32 x kSendChunks
+// chunks (8 bf16 each), a warp per item, items dealt over the CTAs first. With few tokens a token's
+// passes go to `team` warps side by side; with many, one warp walks them all, and every token of
+// the step is in flight at once (a CTA per token walked 1024 tokens as eight rounds of two dependent
+// round trips each). Every row's chunks of a pass are loaded (up to kSendRows rows at a time) before
+// any is added. The rows and weights come from the map the send wrote (item t = token t).
+__global__ void __launch_bounds__(kEpThreads) combine_local_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
+                                                                   const uint16_t* __restrict__ y) {
+  begin_ep_kernel(a, kPhaseCombineRecv);
+  const unsigned step = current_step(a, kPhaseCombineRecv);
+  const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int num_tokens = __ldcg(&a.ctr->num_tokens), out_chunks = a.out_cols / 8;
+  constexpr int kPass = 32 * kSendChunks;
+  const int passes = (out_chunks + kPass - 1) / kPass, all_warps = gridDim.x * warps;
+  const int team = max(1, min(passes, all_warps / max(num_tokens, 1)));
+  for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
+    const int t = item / team, first_pass = item - t * team;
+    const int my_row = lane < k ? __ldcg(a.map_rows + size_t(t) * k + lane) : -1;
+    const float my_w = lane < k ? __ldcg(a.map_w + size_t(t) * k + lane) : 0.0f;
+    const unsigned rows = __ballot_sync(0xFFFFFFFFu, my_row >= 0);
+    // The pass loop is warp-uniform (the shuffles below need every lane); a lane's chunks past
+    // the row are skipped one by one.
+    for (int pass0 = first_pass * kPass; pass0 < out_chunks; pass0 += team * kPass) {
+      const int c0 = pass0 + lane;
+      float acc[kSendChunks][8] = {}, part[kSendChunks][8] = {};
+      if (add) {
+#pragma unroll
+        for (int u = 0; u < kSendChunks; ++u) {
+          const int c = c0 + 32 * u;
+          if (c < out_chunks) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);
+        }
+      }
+      add_rows<false>(a, y, rows, my_row, my_w, c0, out_chunks, part);
+#pragma unroll
+      for (int u = 0; u < kSendChunks; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= out_chunks) continue;
+        if (rows) add8(acc[u], pack8(part[u]));  // the sum rounded once to bf16; no expert: add alone
+        reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
+      }
+    }
+  }
   if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) {
     advance_step(a, kPhaseCombineRecv, step);
-    // The one kernel stands for both phases: the send's step moves on with the receive's, so that
-    // a later step's two-kernel combine (combine_send with y_ready) raises and waits for one flag.
-    if (kFromY) a.ctr->step[kPhaseCombineSend] += 1;
+    // This kernel stands for both phases: the send's step moves on with the receive's, so that a
+    // later step's two-kernel combine (combine_send with y_ready) raises and waits for one flag.
+    a.ctr->step[kPhaseCombineSend] += 1;
   }
 }
 
@@ -338,13 +349,18 @@ void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready
 
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, int max_tokens,
                          const uint16_t* y, cudaStream_t stream) {
+  if (y) {  // one rank: a warp per token, tokens over the CTAs first
+    const int grid = std::max(1, std::min(num_ctas, max_tokens));
+    launch_kernel_ex(combine_local_kernel, dim3(grid), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out, y);
+    return;
+  }
   // Slices per token: as many as the grid has CTAs per token, at most one chunk per thread each.
   const int num_chunks = args.hidden / 8;
   const int max_slices = (num_chunks + kEpThreads - 1) / kEpThreads;
   const int slices = std::max(1, std::min(max_slices, num_ctas / std::max(max_tokens, 1)));
   const int grid = std::min(num_ctas, max_tokens * slices);
-  launch_kernel_ex(y ? combine_recv_kernel<true> : combine_recv_kernel<false>, dim3(grid), dim3(kEpThreads), 0, stream,
-                   args.pdl != 0, args, add, out, slices, y);
+  launch_kernel_ex(combine_recv_kernel, dim3(grid), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out,
+                   slices);
 }
 
 }  // namespace moekit::gpu
