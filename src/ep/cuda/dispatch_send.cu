@@ -52,6 +52,9 @@ __device__ void count_tokens(const EpArgs& a, const int32_t* topk_idx, int t0, i
     }
 #pragma unroll
     for (int u = 0; u < kCountRounds; ++u) {
+      // Rounds past t1 classify nothing (warp-uniform, so the shuffles keep every lane): at decode
+      // sizes a CTA counts a few tokens in one round, and the other seven were a chain of matches.
+      if (first + u * stride >= t1) break;
       const int t = first + u * stride + group;
       const bool active = group < per_warp && t < t1;
       const EntryInfo e = classify_entry(slot[u], active, group, a.num_slots, a.local_experts);
