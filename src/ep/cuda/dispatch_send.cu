@@ -117,8 +117,8 @@ __device__ void plan_batch(const EpArgs& a, BatchEntry in, int b0, int n, int pa
   const EntryInfo e = classify_entry(slot, active, group, a.num_slots, a.local_experts);
   if (e.fault) record_fault(a, EpErrorKind(e.fault), kPhaseDispatchSend, -1, step, t, j, slot);
   const unsigned earlier = (1u << lane) - 1;
-  const unsigned same_slot = __match_any_sync(0xFFFFFFFFu, e.valid ? slot : (1 << 30) | lane);
-  const unsigned same_rank = __match_any_sync(0xFFFFFFFFu, e.first_on_rank ? e.rank : (1 << 30) | lane);
+  const unsigned same_slot = __match_any_sync(0xFFFFFFFFu, e.valid ? slot : kNoMatchKey);
+  const unsigned same_rank = __match_any_sync(0xFFFFFFFFu, e.first_on_rank ? e.rank : kNoMatchKey);
   int row_pos = 0, msg_pos = 0;
   const int warps_used = (n + per_warp - 1) / per_warp;
   for (int w = 0; w < warps_used; ++w) {

@@ -149,15 +149,19 @@ struct EntryInfo {
   int rank;   // slot / E_loc for valid entries, -1 otherwise
   int fault;  // 0, or EpErrorKind::kBadSlot / kDuplicateSlot
 };
+// The key of an entry that takes no part in a match: one value for every such lane, not one per
+// lane, since only the participating lanes read their masks and a match over fewer distinct
+// values is cheaper (keys of real entries stay below it: group < 32, slot < 2^20).
+constexpr int kNoMatchKey = 1 << 30;
 __device__ __forceinline__ EntryInfo classify_entry(int slot, bool active, int group, int num_slots, int local_experts) {
   const int lane = threadIdx.x & 31;
   const unsigned earlier = (1u << lane) - 1;
   const bool in_range = active && slot >= 0 && slot < num_slots;
-  const unsigned same_slot = __match_any_sync(0xFFFFFFFFu, in_range ? (group << 20) | slot : (1 << 30) | lane);
+  const unsigned same_slot = __match_any_sync(0xFFFFFFFFu, in_range ? (group << 20) | slot : kNoMatchKey);
   EntryInfo e;
   e.valid = in_range && (same_slot & earlier) == 0;
   e.rank = e.valid ? slot / local_experts : -1;
-  const unsigned same_rank = __match_any_sync(0xFFFFFFFFu, e.valid ? (group << 20) | e.rank : (1 << 30) | lane);
+  const unsigned same_rank = __match_any_sync(0xFFFFFFFFu, e.valid ? (group << 20) | e.rank : kNoMatchKey);
   e.first_on_rank = e.valid && (same_rank & earlier) == 0;
   e.fault = !active || slot == -1 ? 0
             : !in_range           ? int(EpErrorKind::kBadSlot)
