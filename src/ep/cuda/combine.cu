@@ -207,7 +207,6 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
 constexpr int kRecvChunks = 4;
 constexpr int kRecvRanks = 8;
 
-
 __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
                                                                   int slices) {
   __shared__ int ok;

@@ -252,19 +252,20 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     chunk[i] = c;
   }
-  if (a.direct) {  // one rank: each valid entry's row of the masked layout (code = e << 16 | position)
-    const int kb_count = a.hidden / kQuantBlock;
+  // This thread's chunks into row m of masked slab e (layout.h's offsets), with their scales.
+  auto store_masked_row = [&](size_t e, size_t m) {
+#pragma unroll
+    for (int i = 0; i < kQuantRounds; ++i) {
+      const int c = chunk[i];
+      if (c < 0) continue;
+      *reinterpret_cast<uint4*>(a.recv_x + (e * a.max_m + m) * a.hidden + size_t(c) * 16) = out[i];
+      if ((c & 7) == 0) a.recv_scales[(e * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + m] = scale[i];
+    }
+  };
+  if (a.direct) {  // one rank: each valid entry's row of the masked layout
     for (int j = 0; j < a.topk; ++j) {
       const int code = p.entry_code[j];
-      if (code < 0) continue;
-      const size_t e = size_t(entry_expert(code)), m = size_t(entry_pos(code));
-#pragma unroll
-      for (int i = 0; i < kQuantRounds; ++i) {
-        const int c = chunk[i];
-        if (c < 0) continue;
-        *reinterpret_cast<uint4*>(a.recv_x + (e * a.max_m + m) * a.hidden + size_t(c) * 16) = out[i];
-        if ((c & 7) == 0) a.recv_scales[(e * kb_count + (c >> 3)) * a.max_m + m] = scale[i];
-      }
+      if (code >= 0) store_masked_row(size_t(entry_expert(code)), size_t(entry_pos(code)));
     }
   }
   for (int r = 0; r < (a.direct ? 0 : p.num_targets); ++r) {
@@ -277,16 +278,7 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
       if ((c & 7) == 0) *reinterpret_cast<float*>(msg + a.msg_scale_off + (c >> 3) * 4) = scale[i];
     }
   }
-  if (a.self_slab) {  // the rank's own copy: masked slab E_loc, row t (EpConfig::self_slab)
-    const size_t slab = size_t(a.local_experts);
-#pragma unroll
-    for (int i = 0; i < kQuantRounds; ++i) {
-      const int c = chunk[i];
-      if (c < 0) continue;
-      *reinterpret_cast<uint4*>(a.recv_x + (slab * a.max_m + t) * a.hidden + size_t(c) * 16) = out[i];
-      if ((c & 7) == 0) a.recv_scales[(slab * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + t] = scale[i];
-    }
-  }
+  if (a.self_slab) store_masked_row(size_t(a.local_experts), size_t(t));  // the rank's own copy (EpConfig::self_slab)
 }
 
 __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, const uint16_t* x, const int32_t* topk_idx,
