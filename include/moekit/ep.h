@@ -102,6 +102,10 @@ struct EpConfig {
   // with recv_count[E_loc] = T. A shared expert then runs in the same grouped GEMM as the routed
   // experts (the fused decode pipeline, layer.h), with no quantisation kernel of its own.
   bool self_slab = false;
+  // The quantised rows in the MXFP4 GEMM's K order (mxfp4.h mxfp4_k_position: permuted inside each
+  // 128-deep block, 4-byte units moving whole; the scales unchanged): what an MXFP4 layer's
+  // experts read. The send then stores each 16-byte chunk as four words.
+  bool mxfp4_k_order = false;
 
   int slots_per_rank() const { return num_slots / num_ranks; }  // E_loc
   int max_m() const { return num_ranks * max_tokens; }          // M_max = P * T_max

@@ -47,6 +47,10 @@
 //   warpgroups of their own into shared memory); the result is reference.h's MXFP4 contract
 //   (exact widening for groups within 2^14 of their row's largest scale). Tiles are always
 //   swap-AB with block_n = 128; the SiLU·up epilogue is not available with MXFP4 weights.
+//   The FP8 activations `a` are in the MXFP4 GEMM's K order (mxfp4.h mxfp4_k_position: permuted
+//   inside each 128-deep block, so that every value a tensor-core lane widens is of one scale
+//   group; their 1x128 scales as usual): mxfp4_permute_k makes them from natural rows, and an
+//   MXFP4 layer's EP buffer and activation kernel write them so.
 //
 // Requirements (checked when a plan is made, with the bad value in the message): N and K
 // multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
@@ -128,8 +132,8 @@ struct GemmConfig {
   // MXFP4 weights: 0 widens the codes to e4m3 in every math thread's registers; 1 gives the
   // widening a warpgroup of its own that writes each stage's e4m3 tile to shared memory for two
   // math warpgroups, 2 gives it two warpgroups (alternate stages) for one math warpgroup (tiles
-  // of up to 64 tokens). The heuristic takes 2 for masked launches of at least 32 experts and 0
-  // otherwise (measured: docs/gemm-mxfp4.md run 24); MOEKIT_MXFP4_WIDEN=registers, smem or smem2
+  // of up to 64 tokens). The heuristic takes 0 (measured: docs/gemm-mxfp4.md runs 24 and 27);
+  // MOEKIT_MXFP4_WIDEN=registers, smem or smem2
   // sets it over the heuristic's pick. The same products in the same order, so the same results.
   int mxfp4_widen_wgs = 0;
   std::string to_string() const;

@@ -98,15 +98,35 @@ constexpr int kGemmShiftBias = 13, kGemmShiftBits = 5, kGemmShiftFirstBit = 8, k
 void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* codes, const uint8_t* scales,
                            uint32_t* out);
 
+// The MXFP4 GEMM's K order ("lane groups"). In a k32 slice of a wgmma, lane q of a tensor-core
+// quad holds the A fragment's positions 4q..4q+3 and 16+4q..19+4q, so over the four slices of a
+// 128-deep block it would hold a piece of each of the block's four 32-value scale groups, and
+// widen with four groups' tables. The GEMM therefore multiplies K in a permuted order inside each
+// 128-deep block, chosen so that everything lane q holds is group q: position p (4-byte unit
+// m = p / 4, byte p % 4) holds the original K index mxfp4_k_source(p); unit m = 8s + 4h + q (slice
+// s, half h, lane q) holds original unit 8q + 2s + h, a rotation of the unit index by two bits.
+// Both operands are in that order: the loader writes the codes so (mxfp4_codes_for_gemm), and the
+// FP8 activations an MXFP4 GEMM reads (gemm.h) are written so by whoever quantises them (the EP
+// dispatch of an MXFP4 layer, EpConfig::mxfp4_k_order, and its activation kernel); mxfp4_k_position
+// is the inverse. The 1x128 activation scales do not move (the order stays inside each block).
+MOEKIT_HD constexpr int mxfp4_unit_source(int m) { return ((m & 3) << 3) | (m >> 2); }
+MOEKIT_HD constexpr int mxfp4_unit_position(int o) { return ((o & 7) << 2) | (o >> 3); }
+MOEKIT_HD constexpr int mxfp4_k_source(int p) { return (p & ~127) | mxfp4_unit_source((p & 127) >> 2) << 2 | (p & 3); }
+MOEKIT_HD constexpr int mxfp4_k_position(int k) { return (k & ~127) | mxfp4_unit_position((k & 127) >> 2) << 2 | (k & 3); }
+// rows x k FP8 bytes (k a multiple of 128) from the natural order into the GEMM's (host).
+void mxfp4_permute_k(const uint8_t* in, int64_t rows, int k, uint8_t* out);
+
 // Codes: the checkpoint's [E, N, K/2] packed codes -> the same number of bytes, tile-major: the
 // 64-byte run of (expert e, row n, 128-deep block kb) goes to run ((e · N/128 + n/128) · K/128 + kb)
 // · 128 + n % 128, so that the 128 rows x 128 K a GEMM stage holds are one contiguous 8 KB (one
 // sequential read from HBM instead of 128 runs of 64 bytes, K/2 bytes apart). Within a run, one
-// 32-bit word per (32-value group g, lane q of a tensor-core quad) holds the 8 values of K g·32 +
-// 4q + {0..3} (values 0..3) and g·32 + 16 + 4q + {0..3} (values 4..7): the thread's A fragment;
-// word q·4 + g is that of lane q and group g, so a thread reads its 16 bytes at once. Word bits:
-// nibble i (bits 4i..4i+3) has value i's magnitude (code & 7) in bits 0..2; the sign (code & 8) of
-// value i < 4 is bit 8i + 7, of value i >= 4 bit 8(i - 4) + 3. Needs n and k multiples of 128.
+// 32-bit word per (k32 slice s, lane q of a tensor-core quad) holds the values at the GEMM's
+// positions s·32 + 4q + {0..3} (values 0..3) and s·32 + 16 + 4q + {0..3} (values 4..7): the
+// thread's A fragment, which in the GEMM's K order (above) is the original K q·32 + 8s + {0..7},
+// all of group q; word q·4 + s is that of lane q and slice s, so a thread reads its 16 bytes at
+// once. Word bits: nibble i (bits 4i..4i+3) has value i's magnitude (code & 7) in bits 0..2; the
+// sign (code & 8) of value i < 4 is bit 8i + 7, of value i >= 4 bit 8(i - 4) + 3. Needs n and k
+// multiples of 128.
 void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& layout, const uint8_t* codes, uint8_t* out);
 
 }  // namespace moekit

@@ -217,13 +217,14 @@ TEST(Mxfp4, CodesForGemmHoldEachFragmentWithItsSigns) {
     for (int n = 0; n < l.n; ++n)
       for (int kb = 0; kb < l.k / 128; ++kb)
         for (int q = 0; q < 4; ++q)
-          for (int g = 0; g < 4; ++g) {
+          for (int s = 0; s < 4; ++s) {
             // Tile-major: the run of (e, n, kb) is run ((e · N/128 + n/128) · K/128 + kb) · 128 + n % 128.
             const size_t run = ((size_t(e) * (l.n / 128) + n / 128) * (l.k / 128) + kb) * 128 + n % 128;
-            const uint8_t* b = &out[run * 64 + (q * 4 + g) * 4];
+            const uint8_t* b = &out[run * 64 + (q * 4 + s) * 4];
             const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
             for (int i = 0; i < 8; ++i) {
-              const int k = kb * 128 + g * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
+              // Lane q's word of slice s holds original K q·32 + 8s + i: all of scale group q.
+              const int k = kb * 128 + q * 32 + 8 * s + i;
               const int sign_bit = i < 4 ? 8 * i + 7 : 8 * (i - 4) + 3;
               const int got = int((w >> (4 * i)) & 7) | int((w >> sign_bit) & 1) << 3;
               ASSERT_EQ(got, code_at(l.w_offset(e, n), k)) << "e " << e << " n " << n << " k " << k;
@@ -231,6 +232,37 @@ TEST(Mxfp4, CodesForGemmHoldEachFragmentWithItsSigns) {
           }
   expect_error([&] { mxfp4_codes_for_gemm(Mxfp4WeightLayout{1, 128, 96}, codes.data(), out.data()); }, {"K = 96"});
   expect_error([&] { mxfp4_codes_for_gemm(Mxfp4WeightLayout{1, 3, 128}, codes.data(), out.data()); }, {"N = 3"});
+}
+
+// The GEMM's K order inside a 128-deep block: a permutation (source and position inverse to each
+// other), blocks stay in place, 4-byte units move whole, and every position a quad lane q holds in
+// the four k32 slices of a wgmma fragment (4q..4q+3 and 16+4q..19+4q of each slice) is in group q.
+TEST(Mxfp4, KOrderPutsEachLanesFragmentInOneGroup) {
+  std::vector<int> seen(256, 0);
+  for (int p = 0; p < 256; ++p) {
+    const int k = mxfp4_k_source(p);
+    ASSERT_EQ(k / 128, p / 128) << p;
+    ASSERT_EQ(k % 4, p % 4) << p;
+    ASSERT_EQ(mxfp4_k_position(k), p) << p;
+    ++seen[k];
+  }
+  for (int k = 0; k < 256; ++k) ASSERT_EQ(seen[k], 1) << k;
+  for (int q = 0; q < 4; ++q)
+    for (int s = 0; s < 4; ++s)
+      for (int i = 0; i < 8; ++i) {
+        const int p = s * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
+        EXPECT_EQ(mxfp4_k_source(p) / 32, q) << "lane " << q << " slice " << s << " value " << i;
+      }
+  const std::vector<uint8_t> row = [] {
+    std::vector<uint8_t> r(2 * 256);
+    for (size_t i = 0; i < r.size(); ++i) r[i] = uint8_t(i * 7 + 3);
+    return r;
+  }();
+  std::vector<uint8_t> out(row.size());
+  mxfp4_permute_k(row.data(), 2, 256, out.data());
+  for (int r = 0; r < 2; ++r)
+    for (int p = 0; p < 256; ++p) ASSERT_EQ(out[r * 256 + p], row[r * 256 + mxfp4_k_source(p)]);
+  expect_error([&] { mxfp4_permute_k(row.data(), 1, 96, out.data()); }, {"k = 96"});
 }
 
 }  // namespace

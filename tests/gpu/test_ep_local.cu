@@ -18,6 +18,7 @@
 #include "expect_error.h"
 #include "moekit/ep_cpu.h"
 #include "moekit/gemm.h"
+#include "moekit/mxfp4.h"
 #include "test_ep_reference.h"
 
 using namespace ep_test;
@@ -332,6 +333,43 @@ TEST(EpOneRank, TheSendWritesTheLayoutAndTheCombineSumsY) {
   const auto left = to_host(rig.ready, rig.ready_ints);
   for (size_t i = 0; i < left.size(); ++i) EXPECT_EQ(left[i], 0) << "y_ready entry " << i << " not zeroed";
   cudaFree(ready);
+}
+
+// EpConfig::mxfp4_k_order (an MXFP4 layer's buffer): the rows land in the MXFP4 GEMM's K order
+// (mxfp4.h), byte for byte the reference's rows permuted, the scales, counts and sources as
+// without it; for one rank (the direct path) and for two (messages), two steps each.
+TEST(EpMxfp4KOrder, RowsInTheGemmOrder) {
+  for (int P : {1, 2}) {
+    EpConfig c = make_config({P, 24, 384, 8, 4});
+    c.mxfp4_k_order = true;
+    EpLocalGroup group(c);
+    DeviceStep dev(c);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::mt19937 rng(707 + P);
+    for (int step = 0; step < 2; ++step) {
+      std::vector<RankInput> in;
+      for (int r = 0; r < P; ++r) {
+        in.push_back(random_input(c, c.max_tokens - r - step, rng));
+        dev.upload(r, in[r]);
+        poison_masked(group.rank(r));
+      }
+      for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], in[r].num_tokens, stream);
+      for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+      for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+      Reference ref = masked_reference(c, in);
+      for (int r = 0; r < P; ++r) {
+        std::vector<uint8_t> natural = ref.ranks[r].x;
+        moekit::mxfp4_permute_k(natural.data(), int64_t(natural.size() / c.hidden), c.hidden, ref.ranks[r].x.data());
+        ASSERT_EQ(compare_masked(group.rank(r), ref.ranks[r], r), 0) << "P = " << P << ", step " << step;
+      }
+      // The step completes (the combine does not depend on the order).
+      for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+      for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+      for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
 }
 
 // x_cols and out_cols (ep.h; a model whose hidden size the buffer pads, gpt-oss): the send reads

@@ -25,6 +25,7 @@
 #include "moekit/gating.h"
 #include "moekit/layer.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/mxfp4.h"
 #include "moekit/reference.h"
 #include "moekit/spec.h"
 #include "moekit/weights.h"
@@ -93,7 +94,12 @@ void check_gemm1(GpuRig& rig, int r, const Placement& placement, const std::stri
   const int rows = eb.rows;
   const size_t total = size_t(e_loc) * rows;
   gpu::EpBuffer& ep = rig.group->rank(r);
-  const auto recv_x = download(ep.recv_x(), total * d);
+  // The rows arrive in the MXFP4 GEMM's K order (EpConfig::mxfp4_k_order); reference.h's GEMM
+  // reads the natural one.
+  const auto recv_gemm_order = download(ep.recv_x(), total * d);
+  std::vector<uint8_t> recv_x(recv_gemm_order.size());
+  for (size_t row = 0; row < total; ++row)
+    for (int p = 0; p < d; ++p) recv_x[row * d + size_t(mxfp4_k_source(p))] = recv_gemm_order[row * d + p];
   const auto recv_scales = download(ep.recv_scales(), total * (d / 128));
   const auto count = download(ep.recv_count(), size_t(e_loc));
   const auto gate_up = download(eb.gate_up, total * 2 * inter);
@@ -316,6 +322,25 @@ TEST(GpuLayerMxfp4Kernels, ClampedSwigluMatchesReference) {
               scale_diff);
   EXPECT_LE(diff, 2 + n / 1000) << "a rare expf halfway case aside, the same bits";
   EXPECT_EQ(scale_diff, 0u);
+
+  // In the MXFP4 GEMM's K order (an MXFP4 layer's GEMM2 input): the same bytes, permuted inside
+  // each 128-column block, and the same scales.
+  GpuActivation permuted = act;
+  permuted.mxfp4_k_order = true;
+  dq.upload(std::vector<uint8_t>(dq.count, 0x7F).data(), dq.count);
+  gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr, {}, permuted);
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto qp = dq.download(dq.count);
+  const auto sp = ds.download(ds.count);
+  size_t moved = 0;
+  for (int e = 0; e < E; ++e)
+    for (int m = 0; m < masked_m[e]; ++m)
+      for (int c = 0; c < inter; ++c) {
+        const size_t row = (size_t(e) * M + m) * inter;
+        moved += qp[row + c] != q[row + mxfp4_k_source(c)];
+      }
+  EXPECT_EQ(moved, 0u) << "the K-ordered output is the natural one permuted";
+  EXPECT_EQ(std::memcmp(sp.data(), s.data(), s.size() * sizeof(float)), 0);
 }
 
 // What an MXFP4 layer refuses, by name.

@@ -89,6 +89,14 @@ TEST(Mxfp4Widening, EveryCodeAndShiftAgainstTheDefinition) {
 // ---------------------------------------------------------------------------------------------
 // The GEMM
 
+// FP8 activation rows of k values as an MXFP4 GEMM reads them: in its K order (mxfp4.h; the
+// references below take the natural order).
+std::vector<uint8_t> in_gemm_k_order(const std::vector<uint8_t>& a, int k) {
+  std::vector<uint8_t> out(a.size());
+  mxfp4_permute_k(a.data(), int64_t(a.size() / k), k, out.data());
+  return out;
+}
+
 // MXFP4 weights with random codes and scale bytes in [lo, hi]; the last `zero_groups` groups of
 // every row hold only zeros (+0 and -0 codes) with scale byte 127, as the loader pads K.
 struct Weights {
@@ -188,7 +196,7 @@ struct MaskedCase {
   void new_activations(std::mt19937& rng) {
     a = random_fp8(d_a.count, rng);
     a_scales = random_scales(d_as.count, rng);
-    d_a.upload(a);
+    d_a.upload(in_gemm_k_order(a, problem.k));
     d_as.upload(a_scales);
   }
   MaskedGemmBuffers buffers(bool bias) const {
@@ -427,16 +435,15 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
     EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << value << ": " << g.config().to_string();
   }
   unsetenv("MOEKIT_MXFP4_WIDEN");
-  // The heuristic's pick with the knob unset (choose_masked_config): the registers below 32
-  // experts, two widening warpgroups from 32 experts with tiles of up to 64 tokens, the
-  // registers again for 128-token tiles, where two are not compiled.
+  // The heuristic's pick with the knob unset (choose_masked_config): the registers, for few and
+  // many experts and every tile width.
   EXPECT_EQ(MaskedGemm(p, c.buffers(false)).config().mxfp4_widen_wgs, 0);
-  for (auto [max_m, wgs] : {std::pair{16, 2}, std::pair{256, 0}}) {
+  for (int max_m : {16, 48, 256}) {
     MaskedCase many({32, 256, 256, max_m, 0}, rng);
     MaskedGemmProblem pm = many.problem;
     pm.weights = WeightFormat::kMxfp4;
     const MaskedGemm g(pm, many.buffers(false));
-    EXPECT_EQ(g.config().mxfp4_widen_wgs, wgs) << "32 experts, M_max " << max_m << ": " << g.config().to_string();
+    EXPECT_EQ(g.config().mxfp4_widen_wgs, 0) << "32 experts, M_max " << max_m << ": " << g.config().to_string();
   }
   MaskedGemmProblem fp8 = c.problem;  // FP8 weights with an MXFP4-only buffer
   MaskedGemmBuffers fb = c.buffers(true);
@@ -463,7 +470,7 @@ TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
   DeviceBuffer<float> d_as(a_scales.size()), d_bias(w.bias.size());
   DeviceBuffer<int32_t> d_re(row_expert.size());
   DeviceBuffer<uint16_t> d_out(size_t(total) * N);
-  d_a.upload(a);
+  d_a.upload(in_gemm_k_order(a, K));
   d_w.upload(w.gemm_codes);
   d_ws.upload(w.gemm_scales);
   d_as.upload(a_scales);

@@ -27,6 +27,7 @@
 #include "kernels/cuda/silu_fp8.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
+#include "moekit/mxfp4.h"
 #include "moekit/quant.h"
 
 namespace moekit::gpu {
@@ -194,6 +195,20 @@ __device__ __forceinline__ void load_x(const EpArgs& a, const uint16_t* x, int t
   }
 }
 
+// Chunk c (16 values) of a quantised row into `row`: one 16-byte store, or, in the MXFP4 GEMM's K
+// order (EpConfig::mxfp4_k_order), its four 4-byte units each at its place in the 128-deep block.
+__device__ __forceinline__ void store_chunk(uint8_t* row, int c, uint4 v, bool mxfp4_k_order) {
+  if (!mxfp4_k_order) {
+    *reinterpret_cast<uint4*>(row + size_t(c) * 16) = v;
+    return;
+  }
+  uint8_t* block = row + size_t(c / 8) * kQuantBlock;
+  const int unit0 = (c % 8) * 4;
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(block + mxfp4_unit_position(unit0 + j) * 4) = w[j];
+}
+
 // All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
 // scale) in fp32, both divisions IEEE-rounded through silu_fp8.cuh's div_rn, which costs no
 // subroutine call per value as `/` does) of the chunks in b, then one pass per target with a
@@ -258,7 +273,7 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     for (int i = 0; i < kQuantRounds; ++i) {
       const int c = chunk[i];
       if (c < 0) continue;
-      *reinterpret_cast<uint4*>(a.recv_x + (e * a.max_m + m) * a.hidden + size_t(c) * 16) = out[i];
+      store_chunk(a.recv_x + (e * a.max_m + m) * a.hidden, c, out[i], a.mxfp4_k_order);
       if ((c & 7) == 0) a.recv_scales[(e * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + m] = scale[i];
     }
   };
@@ -274,7 +289,7 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
     for (int i = 0; i < kQuantRounds; ++i) {
       const int c = chunk[i];
       if (c < 0) continue;
-      *reinterpret_cast<uint4*>(msg + size_t(c) * 16) = out[i];
+      store_chunk(msg, c, out[i], a.mxfp4_k_order);
       if ((c & 7) == 0) *reinterpret_cast<float*>(msg + a.msg_scale_off + (c >> 3) * 4) = scale[i];
     }
   }

@@ -246,6 +246,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.parity_mask = peers.double_buffered ? 1 : 0;
   a.self_slab = config.self_slab ? 1 : 0;
   a.direct = P == 1 && config.mode == EpMode::kLowLatency ? 1 : 0;
+  a.mxfp4_k_order = config.mxfp4_k_order ? 1 : 0;
   a.rows_ready = nullptr;  // set per call (dispatch_recv with rows_ready)
   a.x_cols = a.out_cols = config.hidden;  // set per call (dispatch_send's x_cols, combine_recv's out_cols)
   a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);

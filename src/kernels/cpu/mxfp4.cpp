@@ -97,6 +97,14 @@ void mxfp4_scales_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, con
     }
 }
 
+void mxfp4_permute_k(const uint8_t* in, int64_t rows, int k, uint8_t* out) {
+  MOEKIT_CHECK(rows >= 0 && k > 0 && k % kQuantBlock == 0,
+               fmt::format("mxfp4_permute_k: rows = {}, k = {}; expected rows >= 0 and k a positive multiple of {}",
+                           rows, k, kQuantBlock));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int p = 0; p < k; ++p) out[r * k + p] = in[r * k + mxfp4_k_source(p)];
+}
+
 void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, uint8_t* out) {
   MOEKIT_CHECK(l.num_experts > 0 && l.n > 0 && l.n % kQuantBlock == 0 && l.k > 0 && l.k % kQuantBlock == 0,
                fmt::format("mxfp4_codes_for_gemm: E = {}, N = {}, K = {}; expected E >= 1 and N, K positive "
@@ -111,14 +119,14 @@ void mxfp4_codes_for_gemm(const Mxfp4WeightLayout& l, const uint8_t* codes, uint
     uint8_t* run_out = out + (run * kQuantBlock + n % kQuantBlock) * 64;
     auto code = [&](int k) { return (in[k / 2] >> (4 * (k % 2))) & 0xF; };
     for (int q = 0; q < 4; ++q)
-      for (int g = 0; g < 4; ++g) {
+      for (int s = 0; s < 4; ++s) {
         uint32_t word = 0;
         for (int i = 0; i < 8; ++i) {
-          const int c = code(g * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4));
+          const int c = code(mxfp4_k_source(s * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4)));
           word |= uint32_t(c & 7) << (4 * i);
           if (c & 8) word |= 1u << (i < 4 ? 8 * i + 7 : 8 * (i - 4) + 3);
         }
-        uint8_t* o = run_out + (q * 4 + g) * 4;
+        uint8_t* o = run_out + (q * 4 + s) * 4;
         for (int b = 0; b < 4; ++b) o[b] = uint8_t(word >> (8 * b));
       }
   }

@@ -19,6 +19,7 @@
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
 #include "moekit/layout.h"
+#include "moekit/mxfp4.h"
 #include "moekit/quant.h"
 #include "moekit/quant_gpu.h"
 
@@ -105,6 +106,13 @@ __device__ __forceinline__ void activate4(const GpuActivation& act, const float*
   }
 }
 
+// Where lane's 4 values of a 128-column group go: bytes 4 lane.., or in the MXFP4 GEMM's K order
+// (GpuActivation::mxfp4_k_order) that unit's place in the block. Either way one warp writes one
+// 128-byte block.
+__device__ __forceinline__ int group_unit_offset(const GpuActivation& act, int lane) {
+  return (act.mxfp4_k_order ? mxfp4_unit_position(lane) : lane) * 4;
+}
+
 // One 128-column group g of one row: gate_up [2 inter] -> out [inter] fp8, its scale to *scale.
 template <bool kClamped>
 __device__ void silu_mul_quant_group(const GpuActivation& act, const float* window,
@@ -117,7 +125,7 @@ __device__ void silu_mul_quant_group(const GpuActivation& act, const float* wind
                       *reinterpret_cast<const uint2*>(gate_up + inter + c), v);
   float scale;
   const uint32_t q = quantize_group(v, scale);
-  *reinterpret_cast<uint32_t*>(out + c) = q;
+  *reinterpret_cast<uint32_t*>(out + g * kQuantBlock + group_unit_offset(act, lane)) = q;
   if (lane == 0) *scale_out = scale;
 }
 
@@ -203,7 +211,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kActCtasPerSm)
       activate4<kClamped>(act, window, gv[u], uv[u], v);
       const uint32_t q = quantize_group(v, scale);
       *reinterpret_cast<uint32_t*>(out + (size_t(e_of[u]) * max_m + m_of[u]) * inter + group[u] * kQuantBlock +
-                                   lane * 4) = q;
+                                   group_unit_offset(act, lane)) = q;
       if (lane == 0) out_scales[(size_t(e_of[u]) * groups + group[u]) * max_m + m_of[u]] = scale;
     }
   }

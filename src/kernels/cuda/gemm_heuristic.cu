@@ -110,13 +110,11 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
     // than 64-token tiles on the same rows (docs/gemm-mxfp4.md run 23).
     cfg.swap_ab = true;
     cfg.block_m = smallest_block(m, {16, 32, 48, 64, 128});
-    // The widening (GemmConfig::mxfp4_widen_wgs), measured on one H100 (docs/gemm-mxfp4.md run 24):
-    // two widening warpgroups won 2-3% at 33-64 tokens per tile with 32 experts and 2% on
-    // gpt-oss-120b's whole step (128 experts per GEMM, in two independent pairs), and lost 3-5% at
-    // up to 16 tokens with 8 experts; one widening warpgroup lost 8-15% everywhere, prefill
-    // included. So two from 32 experts with tiles of up to 64 tokens (where two are compiled), the
-    // registers otherwise.
-    if (cfg.block_m <= 64 && p.num_experts >= 32) cfg.mxfp4_widen_wgs = 2;
+    // The widening stays in the math threads' registers (mxfp4_widen_wgs = 0). Two widening
+    // warpgroups (gemm_mxfp4_widen.cuh) won 2% on gpt-oss-120b's step while the register kernel
+    // made eight e4m3 tables per stage (run 24); with mxfp4.h's K order it makes two, and the
+    // registers won that step at B = 1, 8, 64 and 1024 (1.4-7%) and lost 0.9% at B = 256, in
+    // three calls on H100s (docs/gemm-mxfp4.md run 27). MOEKIT_MXFP4_WIDEN picks the others.
   } else if (m <= 64) {
     cfg.swap_ab = true;
     // 48 where it holds the rows: the pair 3% faster than 64-token tiles at DeepSeek-V3's 44

@@ -10,7 +10,9 @@
 // the registers of a register-sourced wgmma: no widened tile goes through shared memory, and no
 // barrier or proxy fence stands between the widening and the tensor core. The codes are stored
 // in the order of those fragments (mxfp4_codes_for_gemm, mxfp4.h): a thread's 64 codes of one row
-// and stage are 16 consecutive bytes, one conflict-free 16-byte load. Tiles of up to 64 tokens
+// and stage are 16 consecutive bytes, one conflict-free 16-byte load. K runs in the MXFP4 GEMM's
+// order (mxfp4.h), both operands: every value a quad lane holds is of one 32-value scale group,
+// so a thread makes two e4m3 tables per stage (its two rows) instead of eight. Tiles of up to 64 tokens
 // keep two partials in flight: stage kb's wgmmas run while kb - 1 is promoted and kb + 1 widened;
 // 128-token tiles have room for one, and widen kb + 1 while kb's wgmmas run. (Two CTAs per SM,
 // for twice the math warps per scheduler in half the registers, measured 7-20% slower: the
@@ -52,35 +54,32 @@ struct Mxfp4SmemLayout {
   static int bytes(int stages, int num_experts) { return 1024 + stages * kStageBytes + (2 * num_experts + 1) * 4; }
 };
 
-// The A fragments of one stage for this thread: a[g] for the four 32-value groups, rows r and
-// r + 8 of its warp (codes_*: the row's 16 bytes, mxfp4_codes_for_gemm's words; scales_*: the
-// row's scale word of the block).
+// The A fragments of one stage for this thread: a[s] for the four k32 slices, rows r and r + 8 of
+// its warp (codes_*: the row's 16 bytes, mxfp4_codes_for_gemm's words; scales_*: the row's scale
+// word of the block). In the GEMM's K order (mxfp4.h) all of a quad lane's values are in scale group
+// q = lane % 4, so the thread makes the two tables of that group alone (the natural order needed
+// all four groups' tables in every lane, eight per stage, each made by the quad's four lanes).
 __device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& codes_r8, uint32_t scales_r,
                                             uint32_t scales_r8, uint32_t (&a)[4][4]) {
   const uint32_t words_r[4] = {codes_r.x, codes_r.y, codes_r.z, codes_r.w};
   const uint32_t words_r8[4] = {codes_r8.x, codes_r8.y, codes_r8.z, codes_r8.w};
-  uint2 t_r[4], t_r8[4];
+  const int q = threadIdx.x % 4;
+  uint2 t_r, t_r8;
   if (mxfp4_detail::block_shifts_fast(scales_r & scales_r8)) {  // one branch per stage, nearly always taken
-#pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      t_r[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r, g));
-      t_r8[g] = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r8, g));
-    }
-  } else {  // out of line: inlined, its eight rounded tables made every loop copy twice as long
-#pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      t_r[g] = mxfp4_detail::e4m3_table_outlined(mxfp4_detail::group_shift_field(scales_r, g));
-      t_r8[g] = mxfp4_detail::e4m3_table_outlined(mxfp4_detail::group_shift_field(scales_r8, g));
-    }
+    t_r = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r, q));
+    t_r8 = mxfp4_detail::e4m3_table_fast(mxfp4_detail::group_shift_field(scales_r8, q));
+  } else {  // out of line: inlined, its rounded tables made every loop copy twice as long
+    t_r = mxfp4_detail::e4m3_table_outlined(mxfp4_detail::group_shift_field(scales_r, q));
+    t_r8 = mxfp4_detail::e4m3_table_outlined(mxfp4_detail::group_shift_field(scales_r8, q));
   }
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    const uint2 lo = mxfp4_detail::e2m1x8_to_e4m3(words_r[g], t_r[g]);
-    const uint2 hi = mxfp4_detail::e2m1x8_to_e4m3(words_r8[g], t_r8[g]);
-    a[g][0] = lo.x;  // row r,     K 4q .. 4q+3
-    a[g][1] = hi.x;  // row r + 8, K 4q .. 4q+3
-    a[g][2] = lo.y;  // row r,     K 16 + 4q ..
-    a[g][3] = hi.y;  // row r + 8, K 16 + 4q ..
+  for (int s = 0; s < 4; ++s) {
+    const uint2 lo = mxfp4_detail::e2m1x8_to_e4m3(words_r[s], t_r);
+    const uint2 hi = mxfp4_detail::e2m1x8_to_e4m3(words_r8[s], t_r8);
+    a[s][0] = lo.x;  // row r,     positions 32s + 4q .. +3
+    a[s][1] = hi.x;  // row r + 8, positions 32s + 4q .. +3
+    a[s][2] = lo.y;  // row r,     positions 32s + 16 + 4q ..
+    a[s][3] = hi.y;  // row r + 8, positions 32s + 16 + 4q ..
   }
 }
 

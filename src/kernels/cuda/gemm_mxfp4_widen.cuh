@@ -75,11 +75,12 @@ struct Mxfp4WidenRegisters {
 // Row `row` of one stage: its 64 bytes of codes (64-byte swizzled, see the header) and scale word,
 // widened into its 128 e4m3 bytes of the 128-byte-swizzled tile `wide` (chunk c of row r at
 // c ^ (r & 7): eight consecutive rows write eight different bank groups). The codes hold, per
-// 16-byte unit q, one word per 32-value group g with the values K = 32g + 4q .. +3 and
-// 32g + 16 + 4q .. +3 (mxfp4_codes_for_gemm, the order of a register A fragment), so chunk 2g
-// is the first halves of group g's four words and chunk 2g + 1 their second halves.
+// 16-byte unit q, one word per k32 slice s with the values at the GEMM's positions 32s + 4q .. +3
+// and 32s + 16 + 4q .. +3 (mxfp4_codes_for_gemm, the order of a register A fragment), all of
+// scale group q in the GEMM's K order (mxfp4.h), so chunk 2s is the first halves of slice s's four
+// words and chunk 2s + 1 their second halves, and unit q's words take group q's table.
 __device__ __forceinline__ void widen_row(const uint8_t* codes, uint32_t scale_word, uint8_t* wide, int row) {
-  uint32_t c[4][4];  // [q][g]
+  uint32_t c[4][4];  // [q][s]
   const int code_xor = (row >> 1) & 3;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -99,12 +100,12 @@ __device__ __forceinline__ void widen_row(const uint8_t* codes, uint32_t scale_w
   uint8_t* out = wide + row * kBlockK;
   const int wide_xor = row & 7;
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
+  for (int s = 0; s < 4; ++s) {
     uint2 v[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) v[q] = mxfp4_detail::e2m1x8_to_e4m3(c[q][g], table[g]);
-    *reinterpret_cast<uint4*>(out + (((2 * g) ^ wide_xor) * 16)) = make_uint4(v[0].x, v[1].x, v[2].x, v[3].x);
-    *reinterpret_cast<uint4*>(out + (((2 * g + 1) ^ wide_xor) * 16)) = make_uint4(v[0].y, v[1].y, v[2].y, v[3].y);
+    for (int q = 0; q < 4; ++q) v[q] = mxfp4_detail::e2m1x8_to_e4m3(c[q][s], table[q]);
+    *reinterpret_cast<uint4*>(out + (((2 * s) ^ wide_xor) * 16)) = make_uint4(v[0].x, v[1].x, v[2].x, v[3].x);
+    *reinterpret_cast<uint4*>(out + (((2 * s + 1) ^ wide_xor) * 16)) = make_uint4(v[0].y, v[1].y, v[2].y, v[3].y);
   }
 }
 

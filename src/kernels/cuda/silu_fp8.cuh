@@ -62,6 +62,8 @@ struct GpuActivation {
   bool clamped_swiglu = false;
   float alpha = 0.0f, limit = 0.0f;
   const float* gate_table = nullptr;  // [65536], indexed by the gate's bf16 bits
+  // The FP8 output in the MXFP4 GEMM's K order (mxfp4.h): an MXFP4 layer's GEMM2 reads it so.
+  bool mxfp4_k_order = false;
 };
 
 __device__ __forceinline__ float activation_gate(const GpuActivation& a, float gate) {

@@ -47,6 +47,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.block_m = kContiguousAlign;
   c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && shared_expert_in_slab(model) &&
                 c.max_tokens <= fused_max_tokens;
+  c.mxfp4_k_order = model.expert_format == "mxfp4";
   c.validate();
   return c;
 }
@@ -81,6 +82,10 @@ void GpuMoeLayer::Impl::take_shapes(const ModelSpec& model, const MoeLayerWeight
                fmtr("model '{}': expert_format '{}', expected fp8 or mxfp4", model.name, model.expert_format));
   MOEKIT_CHECK(weights.is_mxfp4() == s.mxfp4, fmtr("layer weights are {}, model '{}' has expert_format {}",
                                                    weights.is_mxfp4() ? "MXFP4" : "FP8", model.name, model.expert_format));
+  MOEKIT_CHECK(s.ec.mxfp4_k_order == s.mxfp4,
+               fmtr("EP buffer's mxfp4_k_order = {} for model '{}' with expert_format {}: an MXFP4 layer's experts read "
+                    "their rows in the MXFP4 GEMM's K order, an FP8 layer's in the natural one (layer_ep_config sets it)",
+                    s.ec.mxfp4_k_order, model.name, model.expert_format));
   MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
                fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
                     weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
@@ -154,6 +159,7 @@ void GpuMoeLayer::Impl::set_up_weights(const ModelSpec& model, const MoeLayerWei
                         other->activation.alpha == act.alpha && other->activation.limit == act.limit;
   s.activation_table = same_act ? other->activation_table : std::make_shared<const ActivationTable>(act);
   s.activation = s.activation_table->act();
+  s.activation.mxfp4_k_order = s.mxfp4;  // GEMM2's FP8 input in the MXFP4 GEMM's K order (mxfp4.h)
   // The replica table at a fixed stride (the most replicas any placement of these slots can
   // give an expert), so that set_placement() never changes what a captured graph points at.
   s.replicas.max_replicas = s.ec.num_slots - s.num_experts + 1;
