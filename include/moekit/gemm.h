@@ -132,9 +132,9 @@ struct GemmConfig {
   // MXFP4 weights: 0 widens the codes to e4m3 in every math thread's registers; 1 gives the
   // widening a warpgroup of its own that writes each stage's e4m3 tile to shared memory for two
   // math warpgroups, 2 gives it two warpgroups (alternate stages) for one math warpgroup (tiles
-  // of up to 64 tokens). The heuristic takes 0 (measured: docs/gemm-mxfp4.md runs 24 and 27);
-  // MOEKIT_MXFP4_WIDEN=registers, smem or smem2
-  // sets it over the heuristic's pick. The same products in the same order, so the same results.
+  // of up to 64 tokens). The heuristic takes 0 (measured: docs/gemm-mxfp4.md runs 24, 27 and 29);
+  // MOEKIT_MXFP4_WIDEN=registers, smem or smem2 sets it over the heuristic's pick. The same
+  // products in the same order, so the same results.
   int mxfp4_widen_wgs = 0;
   std::string to_string() const;
 };
