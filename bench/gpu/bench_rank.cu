@@ -327,6 +327,7 @@ struct Result {
   gpu::GpuStageTimes stages;     // eager, ms summed over layers (combine_recv: rank 0's combine)
   double eager_ms = 0;           // eager, rank 0's two intervals summed over layers
   double mem_floor_ms = 0, flop_floor_ms = 0, floor_ms = 0;  // summed over layers (floor: per-layer max)
+  double weight_bytes = 0;  // summed over layers: the hit experts' and the shared expert's weights
   std::vector<double> layer_floor_ms;                        // each layer's floor
   int64_t recv_rows = 0, hit_slots = 0;                      // summed over layers
   double max_over_mean = 0, rank0_over_mean = 0;             // mean over layers
@@ -349,6 +350,12 @@ struct Result {
   }
   double scaled_step() const { return step() * model_layers / layers; }
   double tokens_per_s() const { return batch / (scaled_step() * 1e-3); }
+  // The weights' bytes over the eager GEMM1 + GEMM2 stage times (TB/s): the GEMMs' own stream rate,
+  // to read against the copy bandwidth (the FP8 GEMMs follow it; MXFP4's did not on an H200).
+  double gemm_weight_tbps() const {
+    const double ms = stages.gemm1 + stages.gemm2;
+    return ms > 0 ? weight_bytes / (ms * 1e-3) / 1e12 : 0.0;
+  }
   double stage_sum() const {
     return stages.gate + stages.dispatch_send + stages.dispatch_recv + stages.gemm1 + stages.activation +
            stages.gemm2 + stages.combine_send + stages.combine_recv;
@@ -539,6 +546,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
     for (int l = 0; l < layers; ++l) {
       int64_t rows = 0, hit = 0;
       for (int32_t v : routings[c].recv0[l]) rows += v, hit += v > 0;
+      r.weight_bytes += double(hit) * s.expert_bytes() + s.shared_bytes();
       const double bytes = double(hit) * s.expert_bytes() + s.shared_bytes() +
                            double(rows) * (d + 4.0 * (d / 128) + 2.0 * d) + 2.0 * t0 * 2.0 * d;
       // MXFP4: d and inter are padded, and the padding's FLOPs are counted: the kernel computes them.
@@ -782,7 +790,8 @@ void write_json(const std::string& path, const DeviceInfo& dev, double copy_bw, 
        << ", \"step_us\": " << 1e3 * r.step() << ", \"step_scaled_to_model_us\": " << 1e3 * r.scaled_step()
        << ", \"graph_replay_all_ranks_us\": " << 1e3 * median(r.graph_ms) << ", \"eager_rank0_us\": "
        << 1e3 * r.eager_ms << ", \"eager_stage_sum_us\": " << 1e3 * r.stage_sum()
-       << ", \"graph_over_eager\": " << r.step() / r.stage_sum() << ", \"stages_us_per_layer\": {\"gate\": "
+       << ", \"graph_over_eager\": " << r.step() / r.stage_sum() << ", \"gemm_weight_TBps\": " << r.gemm_weight_tbps()
+       << ", \"stages_us_per_layer\": {\"gate\": "
        << per * t.gate << ", \"dispatch_send\": " << per * t.dispatch_send << ", \"dispatch_recv\": "
        << per * t.dispatch_recv << ", \"gemm1\": " << per * t.gemm1 << ", \"activation\": " << per * t.activation
        << ", \"gemm2\": " << per * t.gemm2 << ", \"combine_send\": " << per * t.combine_send
@@ -853,17 +862,18 @@ void print_tables(const std::vector<Result>& results, int ranks) {
     }
   std::printf("\nrank 0's stages per layer, eager (GpuMoeLayer events; c.recv = rank 0's combine), us; "
               "graph/eager = graph step over the eager sum:\n");
-  std::printf("%-18s %-6s %5s %-10s %-4s %7s %7s %7s %7s %7s %7s %7s %7s %10s %10s %7s %12s\n", "model", "pipe", "B",
+  std::printf("(w TB/s: the hit experts' and the shared expert's weight bytes over gemm1 + gemm2)\n");
+  std::printf("%-18s %-6s %5s %-10s %-4s %7s %7s %7s %7s %7s %7s %7s %7s %10s %10s %7s %12s %7s\n", "model", "pipe", "B",
               "routing", "eplb", "gate", "send", "recv", "gemm1", "act", "gemm2", "c.send", "c.recv", "eager ms", "graph ms",
-              "g/e", "all ranks ms");
+              "g/e", "all ranks ms", "w TB/s");
   for (const Result& r : results) {
     const gpu::GpuStageTimes& t = r.stages;
     const double per = 1e3 / r.layers;
-    std::printf("%-18s %-6s %5d %-10s %-4s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %10.3f %10.3f %7.3f %12.3f\n",
+    std::printf("%-18s %-6s %5d %-10s %-4s %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %10.3f %10.3f %7.3f %12.3f %7.2f\n",
                 r.model.c_str(), r.pipeline.c_str(), r.batch, r.routing.c_str(), r.eplb ? "on" : "off", per * t.gate,
                 per * t.dispatch_send, per * t.dispatch_recv, per * t.gemm1, per * t.activation, per * t.gemm2,
                 per * t.combine_send, per * t.combine_recv, r.stage_sum(), r.step(), r.step() / r.stage_sum(),
-                median(r.graph_ms));
+                median(r.graph_ms), r.gemm_weight_tbps());
   }
   bool all_ok = true;
   double lo = 1e30, hi = 0;
