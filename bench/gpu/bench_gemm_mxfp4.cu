@@ -15,7 +15,8 @@
 // masked plans' ring depth, M the token block of their tiles above 32 rows; --mx-widen: every MXFP4
 // plan widening in registers, or with one or two widening warpgroups (GemmConfig::mxfp4_widen_wgs;
 // smem2 for the masked plans of up to 64 tokens, the others take smem); --masked-only skips the
-// contiguous part)
+// contiguous part; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]: only CTA 0's stage trace
+// of one GEMM1, trace_gemm1 below, in a build configured with -DMOEKIT_STAGE_TRACE=ON)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -193,10 +194,79 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   return us;
 }
 
+// --trace FILE: one GEMM1 (MXFP4, or FP8 with --trace-fp8) of DeepSeek-V3 x 8 (or gpt-oss-120b x 32
+// with --trace-oss) at `rows` rows per expert (--trace-rows, default 16; the heuristic's plan), CTA
+// 0's stage trace (MaskedGemm::set_stage_trace) after two warm-up runs, as CSV (SM cycles from its
+// first event), and the medians of: the stage period at the first math warp; how long that warp
+// waited for the stage; from the wait's end to its wgmmas' commit (the widening, MXFP4) and to its
+// hand-back; from that hand-back to the producer's next copy into the same ring slot; from the
+// copies' issue to the warp's use; and how many stages were issued ahead of the one waited for.
+void trace_gemm1(const std::string& path, bool mx, bool oss, int rows) {
+  const Shape s = oss ? Shape{"gpt-oss-120b", 32, 2944, 2944} : Shape{"deepseek-v3", 8, 7168, 2048};
+  const std::vector<int32_t> mm(s.experts, rows);
+  int32_t* m = device_alloc<int32_t>(mm.size());
+  MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
+  Gemm g(s.experts, 2 * s.inter, s.hidden, 128, mx, 1);
+  auto plan = masked_plan(g, m, rows);
+  constexpr int kN = kStageTraceStages * kStageTraceEvents;
+  long long* d = device_alloc<long long>(kN);
+  plan->run(nullptr);
+  plan->run(nullptr);
+  MOEKIT_CUDA_CHECK(cudaMemset(d, 0, kN * sizeof(long long)));
+  plan->set_stage_trace(d);
+  plan->run(nullptr);
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<long long> t(kN);
+  MOEKIT_CUDA_CHECK(cudaMemcpy(t.data(), d, kN * sizeof(long long), cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  cudaFree(m);
+  auto ev = [&](int i, int k) { return t[size_t(i) * kStageTraceEvents + k]; };
+  int n = 0;  // stages with every event recorded
+  while (n < kStageTraceStages && ev(n, kStageTraceWaitEnd) != 0 && ev(n, kStageTraceWeightsIssued) != 0 &&
+         ev(n, kStageTraceReleased) != 0)
+    ++n;
+  long long t0 = n > 0 ? ev(0, 0) : 0;
+  for (int i = 0; i < n; ++i)
+    for (int k = 0; k < kStageTraceEvents; ++k) t0 = std::min(t0, ev(i, k));
+  std::string csv = "stage,weights_issued,activations_issued,wait_begin,wait_end,mma_committed,released\n";
+  std::vector<double> waited, latency, period, issued_ahead, widen, held, refill;
+  const int stages = plan->config().num_stages;
+  for (int i = 0; i < n; ++i) {
+    csv += std::to_string(i);
+    for (int k = 0; k < kStageTraceEvents; ++k) csv += "," + std::to_string(ev(i, k) - t0);
+    csv += "\n";
+    const long long issued = std::max(ev(i, kStageTraceWeightsIssued), ev(i, kStageTraceActivationsIssued));
+    waited.push_back(double(ev(i, kStageTraceWaitEnd) - ev(i, kStageTraceWaitBegin)));
+    latency.push_back(double(ev(i, kStageTraceWaitEnd) - issued));
+    widen.push_back(double(ev(i, kStageTraceMmaIssued) - ev(i, kStageTraceWaitEnd)));
+    held.push_back(double(ev(i, kStageTraceReleased) - ev(i, kStageTraceWaitEnd)));
+    if (i + stages < n) refill.push_back(double(ev(i + stages, kStageTraceWeightsIssued) - ev(i, kStageTraceReleased)));
+    if (i > 0) period.push_back(double(ev(i, kStageTraceWaitEnd) - ev(i - 1, kStageTraceWaitEnd)));
+    int k = i;  // stages whose weights were issued before this one's wait began
+    while (k + 1 < n && ev(k + 1, kStageTraceWeightsIssued) <= ev(i, kStageTraceWaitBegin)) ++k;
+    issued_ahead.push_back(double(k - i));
+  }
+  write_text_file(path, csv);
+  auto med = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  std::printf("\nstage trace, %s GEMM1 of %s x%d at %d rows, CTA 0, %d stages (%s), SM cycles, medians:\n"
+              "  period %.0f; first math warp waiting %.0f, wait end -> wgmmas committed %.0f, -> handed back %.0f;"
+              " hand-back -> refill issued %.0f; issue -> use %.0f; stages issued ahead of the one waited for %.0f\n"
+              "  wrote %s\n",
+              mx ? "MXFP4" : "FP8", s.name, s.experts, rows, n, plan->config().to_string().c_str(), med(period),
+              med(waited), med(widen), med(held), med(refill), med(latency), med(issued_ahead), path.c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json_path;
+  std::string trace_path;
+  bool trace_fp8 = false, trace_oss = false;
+  int trace_rows = 16;
   bool quick = false, masked_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
@@ -212,13 +282,23 @@ int main(int argc, char** argv) {
       g_mx_widen = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
     }
     else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
+    else if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--trace-fp8")) trace_fp8 = true;
+    else if (!std::strcmp(argv[i], "--trace-oss")) trace_oss = true;
+    else if (!std::strcmp(argv[i], "--trace-rows") && i + 1 < argc) trace_rows = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
-                           "[--mx-widen registers|smem|smem2] [--masked-only]\n");
+                           "[--mx-widen registers|smem|smem2] [--masked-only] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]]\n");
       return 2;
     }
   }
   try {
+    if (!trace_path.empty()) {  // the stage trace alone
+      MOEKIT_CHECK(trace_rows >= 1 && trace_rows <= 128,
+                   "bench_gemm_mxfp4: --trace-rows " + std::to_string(trace_rows) + ", expected 1..128");
+      trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows);
+      return 0;
+    }
     json out;
     const double copy = bench::measure_copy_bandwidth() / 1e12;
     out["copy_TBps"] = copy;

@@ -113,6 +113,11 @@ namespace moekit {
 
 constexpr int kContiguousAlign = 128;  // rows per padded expert segment in the contiguous layout
 
+// MaskedGemm::set_stage_trace's buffer: [stage][event] int64 clocks, events in this order.
+constexpr int kStageTraceStages = 1024, kStageTraceEvents = 6;
+constexpr int kStageTraceWeightsIssued = 0, kStageTraceActivationsIssued = 1, kStageTraceWaitBegin = 2,
+              kStageTraceWaitEnd = 3, kStageTraceMmaIssued = 4, kStageTraceReleased = 5;
+
 // The tile shape and schedule of one launch.
 struct GemmConfig {
   bool swap_ab = false;  // weights on the MMA's M side, tokens on its N side (small M_e)
@@ -224,6 +229,14 @@ class MaskedGemm {
   // its first CTA's start to stamp[0] (atomicMin) and its last CTA's end to stamp[1]
   // (atomicMax); the caller resets the pair. Null (the default) records nothing.
   void set_timeline(unsigned long long* stamp);
+  // A study tool, not for serving, in a library built with -DMOEKIT_STAGE_TRACE=ON (elsewhere a
+  // non-null `trace` throws, naming the option; the kernels of other builds carry no trace code).
+  // With `trace` a device buffer of kStageTraceStages x kStageTraceEvents int64 (zeroed by the
+  // caller), CTA 0 writes its SM clock (clock64) for each of its first kStageTraceStages stages:
+  // when its copies of the weights and of the activations were issued, and when its first math
+  // warp began and ended its wait for the stage, committed the stage's wgmmas and handed the stage
+  // back (the masked FP8 kernel and the MXFP4 register kernel). Null (the default) records nothing.
+  void set_stage_trace(long long* trace);
 
  private:
   struct Impl;

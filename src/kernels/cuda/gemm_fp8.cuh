@@ -247,6 +247,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   auto next_tile = [&](int tile, TileInfo& t) { return tile < num_tiles ? next_tile_from(tile, t, fetch_rows(tile)) : tile; };
   TileInfo t{};
   int tile = next_tile(walk.first, t);
+  int consumed = 0;  // stages waited for (MaskedGemm::set_stage_trace)
+  long long* const tracer = stage_tracer(args);
   WScales ws{};
   if (tile < num_tiles) load_ws(t, t.kb_begin, ws);
   while (tile < num_tiles) {
@@ -278,7 +280,10 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
       float wsc[kWs];
 #pragma unroll
       for (int w = 0; w < kWs; ++w) wsc[w] = __shfl_sync(0xFFFFFFFFu, j < 32 ? ws.lo[w] : ws.hi[w], j & 31);
+      trace_at(tracer, consumed, kStageTraceWaitBegin);
       ptx::mbar_wait(&full[s], phase);
+      trace_at(tracer, consumed, kStageTraceWaitEnd);
+      ++consumed;
       const float* sa = sa_tiles + s * Layout::kSaFloats;
       // Per-register combined scale: a_scale of the register's token times the block's w_scale.
       // Normal orientation: [slab][row][scale block: the column half of a 256-column tile].
@@ -341,9 +346,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
             Mma::mma(part + sl * kRegs, ptx::smem_desc_sw128(desc_m + 2 * k), ptx::smem_desc_sw128(desc_n + 2 * k), k > 0);
         }
         ptx::wgmma_commit();
+        trace_at(tracer, consumed - 1, kStageTraceMmaIssued);
         ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
+        trace_at(tracer, consumed - 1, kStageTraceReleased);
         if constexpr (kCluster == 1) {
           if (lane == 0) ptx::mbar_arrive(&empty[s]);
         } else if (lane < kCluster) {

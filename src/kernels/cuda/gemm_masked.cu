@@ -191,5 +191,13 @@ void MaskedGemm::set_last_expert_first(bool on) {
 }
 
 void MaskedGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
+void MaskedGemm::set_stage_trace(long long* trace) {
+#ifndef MOEKIT_STAGE_TRACE
+  MOEKIT_CHECK(trace == nullptr,
+               "MaskedGemm::set_stage_trace: this library was built without the stage trace; configure with "
+               "-DMOEKIT_STAGE_TRACE=ON for a study build");
+#endif
+  impl_->args.stage_trace = trace;
+}
 
 }  // namespace moekit

@@ -237,9 +237,14 @@ __global__ void __launch_bounds__(384, 1)
   // integer pipe the widening keeps busy (recomputed per tile from loaded values: 8% slower, run 6).
   int s = 0;
   uint32_t phase = 0;
+  int consumed = 0, committed = 0, released = 0;  // stages waited for, committed, handed back (set_stage_trace)
+  long long* const tracer = stage_tracer(args);
   // The A fragments of the stage at the ring position s, once it is full (widen_stage).
   auto widen = [&](uint32_t (&a)[4][4]) {
+    trace_at(tracer, consumed, kStageTraceWaitBegin);
     ptx::mbar_wait(&full[s], phase);
+    trace_at(tracer, consumed, kStageTraceWaitEnd);
+    ++consumed;
     const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
     const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile);
     const uint4 codes_r = *reinterpret_cast<const uint4*>(w_stage + frag_row * (kBlockK / 2) + (lane % 4) * 16);
@@ -264,6 +269,8 @@ __global__ void __launch_bounds__(384, 1)
     ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
     mma_stage(part, a, stage);
     ptx::wgmma_commit();
+    trace_at(tracer, committed, kStageTraceMmaIssued);
+    ++committed;
     fence_part(part);
   };
   // One stage: wait for it, widen its weights into A fragments, issue its wgmmas into `part`;
@@ -291,6 +298,8 @@ __global__ void __launch_bounds__(384, 1)
     mma_stage(pa, a0, sa);
     mma_stage(pb, a1, sb);
     ptx::wgmma_commit();
+    trace_at(tracer, committed, kStageTraceMmaIssued), trace_at(tracer, committed + 1, kStageTraceMmaIssued);
+    committed += 2;
     fence_part(pa);
     fence_part(pb);
   };
@@ -305,6 +314,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int j = 0; j < kBlockT / 8; ++j) sa_pair[j] = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
     __syncwarp();
+    trace_at(tracer, released, kStageTraceReleased);
+    ++released;
     if (lane == 0) ptx::mbar_arrive(&empty[st]);
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {

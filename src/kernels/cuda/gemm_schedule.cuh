@@ -34,6 +34,7 @@ struct KernelArgs {
   uint8_t* act = nullptr;          // gated: SiLU·up in FP8 [E, rows, n/2]
   float* act_scales = nullptr;     // gated: its scales [E, n/256, rows]
   unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
+  long long* stage_trace = nullptr;     // study: CTA 0's SM clock per stage (MaskedGemm::set_stage_trace)
   int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
   int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
                              // (+ kFlagRowsReady: [E + 2])
@@ -368,6 +369,30 @@ __device__ __forceinline__ void begin_gemm(const KernelArgs& args, bool early_we
 // The activations' warp waits for the previous kernel (PDL) and for each expert's readiness; the
 // weights' warp takes the early weights and the PDL trigger.
 constexpr int kProduceBoth = 0, kProduceWeights = 1, kProduceActivations = 2;
+// MaskedGemm::set_stage_trace (a study build, -DMOEKIT_STAGE_TRACE=ON; in every other build these
+// are empty and the kernels' code is unchanged): CTA 0 writes the SM clock of event `what` (gemm.h
+// kStageTrace*) of its stage number `stage` (counted from its first, over all its tiles); stages past
+// the buffer's last overwrite it. A consumer tests once whether it traces (stage_tracer).
+__device__ __forceinline__ void trace_stage([[maybe_unused]] const KernelArgs& args, [[maybe_unused]] int stage,
+                                            [[maybe_unused]] int what) {
+#ifdef MOEKIT_STAGE_TRACE
+  if (args.stage_trace != nullptr && blockIdx.x == 0)
+    args.stage_trace[min(stage, kStageTraceStages - 1) * kStageTraceEvents + what] = clock64();
+#endif
+}
+__device__ __forceinline__ long long* stage_tracer([[maybe_unused]] const KernelArgs& args) {
+#ifdef MOEKIT_STAGE_TRACE
+  return threadIdx.x == 128 && blockIdx.x == 0 ? args.stage_trace : nullptr;
+#else
+  return nullptr;
+#endif
+}
+__device__ __forceinline__ void trace_at([[maybe_unused]] long long* trace, [[maybe_unused]] int stage,
+                                         [[maybe_unused]] int what) {
+#ifdef MOEKIT_STAGE_TRACE
+  if (trace != nullptr) trace[min(stage, kStageTraceStages - 1) * kStageTraceEvents + what] = clock64();
+#endif
+}
 template <class Decode, class LoadW, class LoadA>
 __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, TileWalk walk, uint64_t* full,
                                         uint64_t* empty, uint32_t tx_bytes, bool early_weights, Decode&& decode,
@@ -384,6 +409,7 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
         if (lane == 0) {
           ptx::mbar_arrive_expect_tx(&full[prefetched], tx_bytes);
           load_w(prefetched, kb, t);
+          trace_stage(args, prefetched, kStageTraceWeightsIssued);
         }
       }
     }
@@ -412,6 +438,8 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
           else load_w(s, kb, t);
         }
         if (role == kProduceBoth) load_a(s, kb, t);
+        if (role != kProduceActivations && iter >= prefetched) trace_stage(args, iter, kStageTraceWeightsIssued);
+        if (role != kProduceWeights) trace_stage(args, iter, kStageTraceActivationsIssued);
       }
       if (++s == stages) s = 0, phase ^= 1;
     }
