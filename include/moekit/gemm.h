@@ -235,7 +235,8 @@ class MaskedGemm {
   // caller), CTA 0 writes its SM clock (clock64) for each of its first kStageTraceStages stages:
   // when its copies of the weights and of the activations were issued, and when its first math
   // warp began and ended its wait for the stage, committed the stage's wgmmas and handed the stage
-  // back (the masked FP8 kernel and the MXFP4 register kernel). Null (the default) records nothing.
+  // back (the masked FP8 kernel, whose 256-column tiles record only the copies and the wait, and the
+  // MXFP4 register kernel). Null (the default) records nothing.
   void set_stage_trace(long long* trace);
 
  private:

@@ -298,7 +298,8 @@ __global__ void __launch_bounds__(384, 1)
     mma_stage(pa, a0, sa);
     mma_stage(pb, a1, sb);
     ptx::wgmma_commit();
-    trace_at(tracer, committed, kStageTraceMmaIssued), trace_at(tracer, committed + 1, kStageTraceMmaIssued);
+    trace_at(tracer, committed, kStageTraceMmaIssued);
+    trace_at(tracer, committed + 1, kStageTraceMmaIssued);
     committed += 2;
     fence_part(pa);
     fence_part(pb);
