@@ -247,17 +247,14 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows) {
     issued_ahead.push_back(double(k - i));
   }
   write_text_file(path, csv);
-  auto med = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
+  using bench::median;
   std::printf("\nstage trace, %s GEMM1 of %s x%d at %d rows, CTA 0, %d stages (%s), SM cycles, medians:\n"
               "  period %.0f; first math warp waiting %.0f, wait end -> wgmmas committed %.0f, -> handed back %.0f;"
               " hand-back -> refill issued %.0f; issue -> use %.0f; stages issued ahead of the one waited for %.0f\n"
               "  wrote %s\n",
-              mx ? "MXFP4" : "FP8", s.name, s.experts, rows, n, plan->config().to_string().c_str(), med(period),
-              med(waited), med(widen), med(held), med(refill), med(latency), med(issued_ahead), path.c_str());
+              mx ? "MXFP4" : "FP8", s.name, s.experts, rows, n, plan->config().to_string().c_str(), median(period),
+              median(waited), median(widen), median(held), median(refill), median(latency), median(issued_ahead),
+              path.c_str());
 }
 
 }  // namespace

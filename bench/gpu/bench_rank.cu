@@ -546,9 +546,9 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
     for (int l = 0; l < layers; ++l) {
       int64_t rows = 0, hit = 0;
       for (int32_t v : routings[c].recv0[l]) rows += v, hit += v > 0;
-      r.weight_bytes += double(hit) * s.expert_bytes() + s.shared_bytes();
-      const double bytes = double(hit) * s.expert_bytes() + s.shared_bytes() +
-                           double(rows) * (d + 4.0 * (d / 128) + 2.0 * d) + 2.0 * t0 * 2.0 * d;
+      const double weights = double(hit) * s.expert_bytes() + s.shared_bytes();
+      r.weight_bytes += weights;
+      const double bytes = weights + double(rows) * (d + 4.0 * (d / 128) + 2.0 * d) + 2.0 * t0 * 2.0 * d;
       // MXFP4: d and inter are padded, and the padding's FLOPs are counted: the kernel computes them.
       const double flops = 2.0 * 3.0 * d * (double(rows) * s.inter + double(t0) * s.shared_inter);
       const double mem_ms = 1e3 * bytes / copy_bw, flop_ms = 1e3 * flops / kFp8Flops;

@@ -373,24 +373,20 @@ constexpr int kProduceBoth = 0, kProduceWeights = 1, kProduceActivations = 2;
 // are empty and the kernels' code is unchanged): CTA 0 writes the SM clock of event `what` (gemm.h
 // kStageTrace*) of its stage number `stage` (counted from its first, over all its tiles); stages past
 // the buffer's last overwrite it. A consumer tests once whether it traces (stage_tracer).
-__device__ __forceinline__ void trace_stage([[maybe_unused]] const KernelArgs& args, [[maybe_unused]] int stage,
-                                            [[maybe_unused]] int what) {
+__device__ __forceinline__ void trace_at([[maybe_unused]] long long* trace, [[maybe_unused]] int stage,
+                                         [[maybe_unused]] int what) {
 #ifdef MOEKIT_STAGE_TRACE
-  if (args.stage_trace != nullptr && blockIdx.x == 0)
-    args.stage_trace[min(stage, kStageTraceStages - 1) * kStageTraceEvents + what] = clock64();
+  if (trace != nullptr) trace[min(stage, kStageTraceStages - 1) * kStageTraceEvents + what] = clock64();
 #endif
+}
+__device__ __forceinline__ void trace_stage(const KernelArgs& args, int stage, int what) {
+  trace_at(blockIdx.x == 0 ? args.stage_trace : nullptr, stage, what);
 }
 __device__ __forceinline__ long long* stage_tracer([[maybe_unused]] const KernelArgs& args) {
 #ifdef MOEKIT_STAGE_TRACE
   return threadIdx.x == 128 && blockIdx.x == 0 ? args.stage_trace : nullptr;
 #else
   return nullptr;
-#endif
-}
-__device__ __forceinline__ void trace_at([[maybe_unused]] long long* trace, [[maybe_unused]] int stage,
-                                         [[maybe_unused]] int what) {
-#ifdef MOEKIT_STAGE_TRACE
-  if (trace != nullptr) trace[min(stage, kStageTraceStages - 1) * kStageTraceEvents + what] = clock64();
 #endif
 }
 template <class Decode, class LoadW, class LoadA>
