@@ -8,7 +8,9 @@
 //     MXFP4 / FP8 (target <= 0.55), and the MXFP4 bytes read (codes + scales of the experts with
 //     tokens) over the time, in TB/s and as a fraction of copy.
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
-//     each: TFLOP/s of each format and the ratio (target >= 0.9).
+//     each: TFLOP/s of each format and the ratio (target >= 0.9); MXFP4 three ways: 64- and 128-token
+//     tiles of the MXFP4 kernel, and the FP8 copy (GemmConfig::mxfp4_fp8_copy: the weights widened
+//     once per run, then the FP8 kernel; its time is both kernels').
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
 // holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M]
 // [--mx-widen registers|smem|smem2] [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4
@@ -164,8 +166,10 @@ json run_masked(const Shape& s, const std::string& name, const std::vector<int32
   return r;
 }
 
+// fp8_copy: the MXFP4 weights widened into an FP8 copy per run, then the FP8 kernel
+// (GemmConfig::mxfp4_fp8_copy); the time is both kernels'.
 double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, int iters, std::string& config,
-                       int block_m = 0) {
+                       int block_m = 0, bool fp8_copy = false) {
   const int total = experts * rows_per_expert;
   std::vector<int32_t> re(total);
   for (int i = 0; i < total; ++i) re[i] = i / rows_per_expert;
@@ -183,9 +187,9 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   b.w_scales = w.ws;
   b.w_mx_scales = w.w8m0;
   b.out = g.out;
-  GemmConfig forced = choose_contiguous_config(p, 132);
+  GemmConfig forced = fp8_copy ? choose_mxfp4_fp8_copy_config(p, 132) : choose_contiguous_config(p, 132);
   if (block_m > 0) forced.block_m = block_m;
-  if (mx && g_mx_widen >= 0) forced.mxfp4_widen_wgs = std::min(g_mx_widen, 1);  // (two: masked only)
+  if (mx && !fp8_copy && g_mx_widen >= 0) forced.mxfp4_widen_wgs = std::min(g_mx_widen, 1);  // (two: masked only)
   forced.num_ctas = 0;
   ContiguousGemm plan(p, b, &forced);
   config = plan.config().to_string();
@@ -330,9 +334,15 @@ int main(int argc, char** argv) {
       const double flops = 2.0 * 8 * rows * 4096.0 * 7168.0;
       const double tf8 = flops / (us8 * 1e-6) / 1e12, tf4 = flops / (us4 * 1e-6) / 1e12;
       std::printf("%-12d %10.1f %10.1f %9.1f %9.1f %7.3f   %s\n", rows, us8, us4, tf8, tf4, tf4 / tf8, c4.c_str());
+      std::string cc;
+      const double usc = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, cc, 0, true);
+      const double tfc = flops / (usc * 1e-6) / 1e12;
+      std::printf("%-12d %10s %10.1f %9s %9.1f %7.3f   %s\n", rows, "", usc, "", tfc, tfc / tf8, cc.c_str());
       out["contiguous"].push_back(json{{"rows_per_expert", rows}, {"us_fp8", us8}, {"us_mxfp4", us4},
                                        {"TFLOPs_fp8", tf8}, {"TFLOPs_mxfp4", tf4}, {"ratio", tf4 / tf8},
-                                       {"config_fp8", c8}, {"config_mxfp4", c4}});
+                                       {"config_fp8", c8}, {"config_mxfp4", c4}, {"us_mxfp4_copy", usc},
+                                       {"TFLOPs_mxfp4_copy", tfc}, {"ratio_copy", tfc / tf8},
+                                       {"config_mxfp4_copy", cc}});
     }
     if (!json_path.empty()) write_text_file(json_path, out.dump(1));
   } catch (const std::exception& e) {

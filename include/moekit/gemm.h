@@ -51,6 +51,13 @@
 //   inside each 128-deep block, so that every value a tensor-core lane widens is of one scale
 //   group; their 1x128 scales as usual): mxfp4_permute_k makes them from natural rows, and an
 //   MXFP4 layer's EP buffer and activation kernel write them so.
+//   Contiguous plans may instead widen the weights once per run into an FP8 copy and run the FP8
+//   kernel on it (GemmConfig::mxfp4_fp8_copy; choose_mxfp4_fp8_copy_config): the plan then owns
+//   E_loc x N x K bytes of e4m3 and E_loc x N column factors besides, and `run` launches two
+//   kernels (the copy, then the FP8 GEMM with the row factor and the bias in its epilogue). The
+//   e4m3 values are those the other kernels widen, so the contract above holds unchanged. For
+//   prefill of many rows per expert, where the FP8 kernel's rate is the limit and the other
+//   kernels widen the same weights again in every token tile.
 //
 // Requirements (checked when a plan is made, with the bad value in the message): N and K
 // multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
@@ -141,6 +148,12 @@ struct GemmConfig {
   // MOEKIT_MXFP4_WIDEN=registers, smem or smem2 sets it over the heuristic's pick. The same
   // products in the same order, so the same results.
   int mxfp4_widen_wgs = 0;
+  // MXFP4 weights, contiguous plans: widen the weights into an FP8 copy of the plan's (one kernel,
+  // mxfp4_fp8_copy.cuh), then run the FP8 kernel on it in the normal orientation, block_m 128,
+  // block_n 256, no split-K, no cluster (choose_mxfp4_fp8_copy_config). Not the heuristic's pick
+  // until measured on a GPU (docs/gemm-mxfp4.md); MOEKIT_MXFP4_PREFILL=copy or registers sets it
+  // over the heuristic for contiguous MXFP4 plans made without a config.
+  bool mxfp4_fp8_copy = false;
   std::string to_string() const;
 };
 
@@ -178,6 +191,9 @@ struct ContiguousGemmProblem {
 // Heuristics (pure functions of the problem and the multiprocessor count).
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms);
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms);
+// The config of a contiguous MXFP4 problem through an FP8 copy of its weights
+// (GemmConfig::mxfp4_fp8_copy); throws moekit::Error naming the format for FP8 weights.
+GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_sms);
 
 // The expected_m to plan for when `rows` routed rows fall uniformly on `experts` experts: the mean
 // plus two standard deviations (Poisson), at least 1, so that few experts need a second token

@@ -5,7 +5,9 @@
 //    bias, scale spreads that take the rounded (deep-shift) path, graph replay with new masked_m
 //    and data, the contiguous layout with padding, and bad arguments; each with the weights widened
 //    in the math threads' registers (gemm_mxfp4.cuh) and by one or two widening warpgroups in shared
-//    memory (gemm_mxfp4_widen.cuh, GemmConfig::mxfp4_widen_wgs).
+//    memory (gemm_mxfp4_widen.cuh, GemmConfig::mxfp4_widen_wgs); contiguous plans also through an
+//    FP8 copy of the weights (GemmConfig::mxfp4_fp8_copy, mxfp4_fp8_copy.cuh), replayed in a graph
+//    with new weights.
 // Operands are fresh random draws; outputs are poisoned with a BF16 NaN first, so an unwritten
 // element fails, and padding rows must keep the poison.
 #include <cuda_fp8.h>
@@ -16,6 +18,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_buffer.h"
@@ -157,6 +160,41 @@ std::vector<double> reference_row(const Weights& w, int e, const uint8_t* a, Sca
 }
 
 
+// The operands of a case: MXFP4 weights (with bias) and FP8 activations (rows of k, natural order
+// on the host, the GEMM's K order on the device) with their scales, uploaded.
+struct Mxfp4Operands {
+  int k;
+  Weights w;
+  std::vector<uint8_t> a;
+  std::vector<float> a_scales;
+  DeviceBuffer<uint8_t> d_a, d_w;
+  DeviceBuffer<uint32_t> d_ws;
+  DeviceBuffer<float> d_as, d_bias;
+
+  Mxfp4Operands(Weights weights, size_t a_rows, std::mt19937& rng)
+      : k(weights.layout.k),
+        w(std::move(weights)),
+        d_a(a_rows * k),
+        d_w(w.codes.size()),
+        d_ws(w.gemm_scales.size()),
+        d_as(a_rows * (k / 128)),
+        d_bias(w.bias.size()) {
+    upload_weights();
+    new_activations(rng);
+  }
+  void upload_weights() {
+    d_w.upload(w.gemm_codes);
+    d_ws.upload(w.gemm_scales);
+    d_bias.upload(w.bias);
+  }
+  void new_activations(std::mt19937& rng) {
+    a = random_fp8(d_a.count, rng);
+    a_scales = random_scales(d_as.count, rng);
+    d_a.upload(in_gemm_k_order(a, k));
+    d_as.upload(a_scales);
+  }
+};
+
 // The target of the issue: <= 3e-3 relative to a float64 product (BF16 output rounding alone is
 // up to 2^-9 = 1.95e-3 of a value, about 1.1e-3 rms).
 void expect_good(const ErrorStats& st, const std::string& what) {
@@ -167,38 +205,17 @@ void expect_good(const ErrorStats& st, const std::string& what) {
   std::printf("  %-58s rms rel %.2e, max rel %.2e\n", what.c_str(), st.rel(), st.max_rel);
 }
 
-struct MaskedCase {
+struct MaskedCase : Mxfp4Operands {
   MaskedGemmProblem problem;
-  Weights w;
-  std::vector<uint8_t> a;
-  std::vector<float> a_scales;
-  DeviceBuffer<uint8_t> d_a, d_w;
-  DeviceBuffer<uint32_t> d_ws;
-  DeviceBuffer<float> d_as, d_bias;
   DeviceBuffer<int32_t> d_m;
   DeviceBuffer<uint16_t> d_out;
 
   MaskedCase(const MaskedGemmProblem& p, std::mt19937& rng, int s_lo = 118, int s_hi = 124, int zero_groups = 0)
-      : problem(p),
-        w(p.num_experts, p.n, p.k, s_lo, s_hi, rng, zero_groups),
-        d_a(size_t(p.num_experts) * p.max_m * p.k),
-        d_w(w.codes.size()),
-        d_ws(w.gemm_scales.size()),
-        d_as(size_t(p.num_experts) * (p.k / 128) * p.max_m),
-        d_bias(w.bias.size()),
+      : Mxfp4Operands(Weights(p.num_experts, p.n, p.k, s_lo, s_hi, rng, zero_groups), size_t(p.num_experts) * p.max_m,
+                      rng),
+        problem(p),
         d_m(p.num_experts),
-        d_out(size_t(p.num_experts) * p.max_m * p.n) {
-    d_w.upload(w.gemm_codes);
-    d_ws.upload(w.gemm_scales);
-    d_bias.upload(w.bias);
-    new_activations(rng);
-  }
-  void new_activations(std::mt19937& rng) {
-    a = random_fp8(d_a.count, rng);
-    a_scales = random_scales(d_as.count, rng);
-    d_a.upload(in_gemm_k_order(a, problem.k));
-    d_as.upload(a_scales);
-  }
+        d_out(size_t(p.num_experts) * p.max_m * p.n) {}
   MaskedGemmBuffers buffers(bool bias) const {
     MaskedGemmBuffers b;
     b.a = d_a.ptr;
@@ -452,70 +469,183 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   expect_error([&] { MaskedGemm g(fp8, fb); }, {"bias is supported with MXFP4 weights only"});
 }
 
-TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
-  std::mt19937 rng(106);
-  const int E = 4, N = 384, K = 1024;
-  const std::vector<int> rows = {130, 0, 256, 5};  // real rows per expert
+// A contiguous problem: E experts with the given real rows each, every segment padded to
+// kContiguousAlign rows (padding rows keep their poison), fresh random weights and activations.
+struct ContiguousCase : Mxfp4Operands {
   std::vector<int32_t> row_expert;
-  for (int e = 0; e < E; ++e) {
-    const int padded = (rows[e] + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
-    for (int r = 0; r < padded; ++r) row_expert.push_back(r < rows[e] ? e : -1);
+  int total = 0;
+  ContiguousGemmProblem problem;
+  DeviceBuffer<int32_t> d_re;
+  DeviceBuffer<uint16_t> d_out;
+
+  static std::vector<int32_t> rows_of(const std::vector<int>& rows) {
+    std::vector<int32_t> re;
+    for (int e = 0; e < int(rows.size()); ++e) {
+      const int padded = (rows[e] + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
+      for (int r = 0; r < padded; ++r) re.push_back(r < rows[e] ? e : -1);
+    }
+    return re;
   }
-  const int total = int(row_expert.size());
-  Weights w(E, N, K, 118, 124, rng);
-  const std::vector<uint8_t> a = random_fp8(size_t(total) * K, rng);
-  const std::vector<float> a_scales = random_scales(size_t(K / 128) * total, rng);
-  DeviceBuffer<uint8_t> d_a(a.size()), d_w(w.codes.size());
-  DeviceBuffer<uint32_t> d_ws(w.gemm_scales.size());
-  DeviceBuffer<float> d_as(a_scales.size()), d_bias(w.bias.size());
-  DeviceBuffer<int32_t> d_re(row_expert.size());
-  DeviceBuffer<uint16_t> d_out(size_t(total) * N);
-  d_a.upload(in_gemm_k_order(a, K));
-  d_w.upload(w.gemm_codes);
-  d_ws.upload(w.gemm_scales);
-  d_as.upload(a_scales);
-  d_bias.upload(w.bias);
-  d_re.upload(row_expert);
-  ContiguousGemmProblem p{E, N, K, total};
-  p.weights = WeightFormat::kMxfp4;
-  ContiguousGemmBuffers b;
-  b.a = d_a.ptr;
-  b.a_scales = d_as.ptr;
-  b.row_expert = d_re.ptr;
-  b.w = d_w.ptr;
-  b.w_mx_scales = d_ws.ptr;
-  b.bias = d_bias.ptr;
-  b.out = d_out.ptr;
+  ContiguousCase(const std::vector<int>& rows, int n, int k, std::mt19937& rng, int s_lo = 118, int s_hi = 124)
+      : Mxfp4Operands(Weights(int(rows.size()), n, k, s_lo, s_hi, rng), rows_of(rows).size(), rng),
+        row_expert(rows_of(rows)),
+        total(int(row_expert.size())),
+        problem{int(rows.size()), n, k, total},
+        d_re(row_expert.size()),
+        d_out(size_t(total) * n) {
+    problem.weights = WeightFormat::kMxfp4;
+    d_re.upload(row_expert);
+  }
+  void new_weights(std::mt19937& rng) {
+    w = Weights(problem.num_experts, problem.n, problem.k, 118, 124, rng);
+    upload_weights();
+  }
+  ContiguousGemmBuffers buffers(bool bias) const {
+    ContiguousGemmBuffers b;
+    b.a = d_a.ptr;
+    b.a_scales = d_as.ptr;
+    b.row_expert = d_re.ptr;
+    b.w = d_w.ptr;
+    b.w_mx_scales = d_ws.ptr;
+    b.bias = bias ? d_bias.ptr : nullptr;
+    b.out = d_out.ptr;
+    return b;
+  }
+  ErrorStats check(bool bias) const {
+    const std::vector<uint16_t> out = d_out.download();
+    const int n = problem.n, k = problem.k;
+    ErrorStats st;
+    for (int m = 0; m < total; ++m) {
+      const uint16_t* got = &out[size_t(m) * n];
+      if (row_expert[m] < 0) {
+        st.check_untouched(got, n);
+        continue;
+      }
+      auto sc = [&](int kb) { return double(a_scales[size_t(kb) * total + m]); };
+      st.add_row(got, reference_row(w, row_expert[m], &a[size_t(m) * k], sc, bias));
+    }
+    return st;
+  }
+  ErrorStats run_once(const GemmConfig* cfg, bool bias) {
+    d_out.poison(0xFF);
+    ContiguousGemm gemm(problem, buffers(bias), cfg);
+    gemm.run(nullptr);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    return check(bias);
+  }
+};
+
+// The contiguous configs: the register kernel's 128-token tiles, one widening warpgroup, and the
+// FP8 copy (the FP8 kernel's 128 x 256 tiles on the widened weights).
+std::vector<GemmConfig> contiguous_configs(const ContiguousGemmProblem& p) {
+  std::vector<GemmConfig> out;
   for (int widen : {0, 1}) {
     GemmConfig cfg = choose_contiguous_config(p, 132);
     cfg.mxfp4_widen_wgs = widen;
     cfg.num_ctas = 0;
-    d_out.poison(0xFF);
-    ContiguousGemm gemm(p, b, &cfg);
-    EXPECT_TRUE(gemm.config().swap_ab);
-    gemm.run(nullptr);
-    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<uint16_t> out = d_out.download();
-    ErrorStats st;
-    for (int m = 0; m < total; ++m) {
-      const uint16_t* got = &out[size_t(m) * N];
-      if (row_expert[m] < 0) {
-        st.check_untouched(got, N);
-        continue;
-      }
-      auto sc = [&](int kb) { return double(a_scales[size_t(kb) * total + m]); };
-      st.add_row(got, reference_row(w, row_expert[m], &a[size_t(m) * K], sc, true));
-    }
-    expect_good(st, "contiguous, 4 experts with padding" + widen_name(widen));
+    out.push_back(cfg);
   }
+  GemmConfig copy = choose_mxfp4_fp8_copy_config(p, 132);
+  copy.num_ctas = 0;
+  out.push_back(copy);
+  return out;
+}
+
+TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
+  // N = 384: the FP8 copy's last 256-column tile of each expert reaches past N (its second half
+  // is never stored); an expert without rows; segments of 130, 256 and 5 rows.
+  std::mt19937 rng(106);
+  ContiguousCase c({130, 0, 256, 5}, 384, 1024, rng);
+  for (const GemmConfig& cfg : contiguous_configs(c.problem))
+    for (bool bias : {true, false}) {
+      const ErrorStats st = c.run_once(&cfg, bias);
+      expect_good(st, "contiguous, 4 experts with padding, " + cfg.to_string() + (bias ? ", bias" : ""));
+    }
   // MOEKIT_MXFP4_WIDEN=smem2 over a contiguous plan: one widening warpgroup (two are compiled for
   // masked tiles only).
   setenv("MOEKIT_MXFP4_WIDEN", "smem2", 1);
   {
-    ContiguousGemm gemm(p, b);
+    ContiguousGemm gemm(c.problem, c.buffers(true));
     EXPECT_EQ(gemm.config().mxfp4_widen_wgs, 1) << gemm.config().to_string();
   }
   unsetenv("MOEKIT_MXFP4_WIDEN");
+}
+
+TEST(GemmMxfp4Contiguous, Fp8CopyOnGptOssShapesAndWideSpread) {
+  std::mt19937 rng(107);
+  {  // gpt-oss-120b's GEMM2 shape after the loader's padding (N = K = 2944, an odd number of 128s)
+    ContiguousCase c({200, 128}, 2944, 2944, rng);
+    const GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+    expect_good(c.run_once(&copy, true), "contiguous fp8_copy, N 2944 K 2944");
+  }
+  {  // scale bytes over 100..140: many groups take the widening's rounded tables
+    ContiguousCase c({128, 70}, 256, 1024, rng, 100, 140);
+    const GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+    expect_good(c.run_once(&copy, true), "contiguous fp8_copy, scale bytes 100..140");
+  }
+}
+
+TEST(GemmMxfp4Contiguous, Fp8CopyGraphReplayWithNewWeightsAndData) {
+  // The copy is made in every run: a graph replayed after new weights were uploaded must use
+  // them (a stale copy fails here), and the plan's overlap with a kernel before it keeps the order.
+  std::mt19937 rng(108);
+  ContiguousCase c({100, 256, 30}, 512, 768, rng);
+  const GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  for (Overlap overlap : {Overlap::kNone, Overlap::kPreviousKernel}) {
+    ContiguousGemm gemm(c.problem, c.buffers(true), &copy);
+    gemm.set_overlap(overlap);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
+    {
+      const CapturedGraph graph(stream, [&] { gemm.run(stream); });
+      for (int rep = 0; rep < 3; ++rep) {
+        c.new_weights(rng);
+        c.new_activations(rng);
+        c.d_out.poison(0xFF);
+        graph.launch(stream);
+        MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        expect_good(c.check(true), std::string("fp8_copy graph replay ") + std::to_string(rep) +
+                                       (overlap == Overlap::kNone ? "" : ", overlap"));
+      }
+    }
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+TEST(GemmMxfp4Contiguous, Fp8CopyBadArgumentsAreNamed) {
+  std::mt19937 rng(109);
+  ContiguousCase c({128}, 256, 256, rng);
+  GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  copy.block_n = 128;
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true), &copy); },
+               {"fp8_copy", "block_n = 256", "choose_mxfp4_fp8_copy_config"});
+  copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  copy.mxfp4_widen_wgs = 1;
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true), &copy); }, {"widen_wgs=1", "fp8_copy"});
+  ContiguousGemmProblem fp8 = c.problem;
+  fp8.weights = WeightFormat::kFp8;
+  expect_error([&] { choose_mxfp4_fp8_copy_config(fp8, 132); }, {"weights are FP8"});
+  ContiguousGemmBuffers fb = c.buffers(false);
+  fb.w_mx_scales = nullptr;
+  fb.w_scales = c.d_as.ptr;
+  copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  expect_error([&] { ContiguousGemm g(fp8, fb, &copy); }, {"fp8_copy", "needs MXFP4 weights"});
+  MaskedCase m({2, 256, 256, 16, 0}, rng);
+  MaskedGemmProblem mp = m.problem;
+  mp.weights = WeightFormat::kMxfp4;
+  GemmConfig masked_copy = forced_mx(16, 1, 0);
+  masked_copy.mxfp4_fp8_copy = true;
+  expect_error([&] { MaskedGemm g(mp, m.buffers(false), &masked_copy); }, {"fp8_copy", "contiguous plans"});
+  // The study knob over the heuristic: a bad value is named; copy and registers are taken.
+  setenv("MOEKIT_MXFP4_PREFILL", "fp8", 1);
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true)); },
+               {"MOEKIT_MXFP4_PREFILL = 'fp8'", "copy or registers"});
+  setenv("MOEKIT_MXFP4_PREFILL", "copy", 1);
+  EXPECT_TRUE(ContiguousGemm(c.problem, c.buffers(true)).config().mxfp4_fp8_copy);
+  setenv("MOEKIT_MXFP4_PREFILL", "registers", 1);
+  EXPECT_FALSE(ContiguousGemm(c.problem, c.buffers(true)).config().mxfp4_fp8_copy);
+  unsetenv("MOEKIT_MXFP4_PREFILL");
+  EXPECT_FALSE(ContiguousGemm(c.problem, c.buffers(true)).config().mxfp4_fp8_copy) << "not the heuristic's pick yet";
 }
 
 }  // namespace

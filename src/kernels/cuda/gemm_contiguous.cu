@@ -9,6 +9,7 @@ using namespace gemm_detail;
 
 struct ContiguousGemm::Impl : PlanCore {
   ContiguousGemmProblem problem;
+  Mxfp4Fp8Copy copy;  // GemmConfig::mxfp4_fp8_copy: the widened weights (w8 null otherwise)
 };
 
 namespace {
@@ -61,14 +62,22 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_contiguous_config(p, num_sms());
-  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, false);
+  if (config == nullptr && mxfp4) apply_mxfp4_prefill_knob(im.cfg, p);
+  if (config == nullptr && mxfp4 && !im.cfg.mxfp4_fp8_copy) apply_mxfp4_widen_knob(im.cfg, false);
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
                "contiguous GEMM config " + im.cfg.to_string() +
                    ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
+  MOEKIT_CHECK(mxfp4 || !im.cfg.mxfp4_fp8_copy,
+               "contiguous GEMM config " + im.cfg.to_string() + ": fp8_copy (an FP8 copy of MXFP4 weights) needs "
+                   "MXFP4 weights");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
-  if (mxfp4) {
+  const float* w_scales = b.w_scales;
+  if (mxfp4 && im.cfg.mxfp4_fp8_copy) {
+    bind_mxfp4_fp8_copy(im, im.copy, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
+    w_scales = im.copy.unit_scales;
+  } else if (mxfp4) {
     bind_mxfp4_weights(im, false, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
   } else {
     with_contiguous_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, 0); });
@@ -80,7 +89,7 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, 128);
   im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, 0);
 
-  im.bind(p.num_experts, p.n, p.k, p.total_m, b.w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
+  im.bind(p.num_experts, p.n, p.k, p.total_m, w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
   im.args.row_expert = b.row_expert;
   maybe_print_config("contiguous", describe(p), im.cfg);
 }
@@ -89,7 +98,10 @@ ContiguousGemm::~ContiguousGemm() = default;
 
 const GemmConfig& ContiguousGemm::config() const { return impl_->cfg; }
 
-void ContiguousGemm::run(cudaStream_t stream) const { impl_->run(stream); }
+void ContiguousGemm::run(cudaStream_t stream) const {
+  if (impl_->copy.w8) impl_->copy.run(stream, impl_->args.stamp);
+  impl_->run(stream);
+}
 
 void ContiguousGemm::set_timeline(unsigned long long* stamp) { impl_->args.stamp = stamp; }
 
@@ -102,6 +114,10 @@ void ContiguousGemm::set_overlap(Overlap overlap) {
                                     " needs the masked layout (the schedule of the contiguous layout depends on "
                                     "row_expert, which the previous kernel may write)");
   impl_->set_overlap(overlap);
+  if (impl_->copy.w8) {  // the copy is the plan's first kernel; the GEMM always overlaps the copy
+    impl_->copy.pdl = overlap == Overlap::kPreviousKernel;
+    impl_->args.flags |= kFlagPdl;
+  }
 }
 
 }  // namespace moekit

@@ -145,7 +145,10 @@ constexpr int epilogue_smem_bytes(bool swap_ab, bool gated, int math_wgs, int bl
          : stages_transposed(swap_ab, gated, block_t) ? math_wgs * 4 * block_t * 32
                                                        : 0;
 }
-template <bool kMasked, int kRegs>
+// kAffine (an MXFP4 plan's FP8 copy, mxfp4_fp8_copy.cuh): column n's value is acc · out_col_scale[e, n]
+// + bias[e, n] in fp32 before the rounding (the row factor 2^(base - 127) of the MXFP4 kernels, a
+// power of two, and gpt-oss's bias), as gemm_mxfp4.cuh computes it.
+template <bool kMasked, int kRegs, bool kAffine = false>
 __device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInfo& t, const float* acc,
                                            const Fragment& f, uint8_t* warp_rows) {
   static_assert(kRegs == 64 || kRegs == 128, "a 64 x 128 or 64 x 256 accumulator per warpgroup");
@@ -160,11 +163,27 @@ __device__ __forceinline__ void store_bf16(const KernelArgs& args, const TileInf
   for (int part = 0; part < kRegs / 32; ++part) {
     if (t.w0 + part * 64 >= args.n) break;
     // Register pair i holds row lane/4 + 8·((i/2) % 2), columns (i/4)·8 + 2q, +1.
+    float scale[8][2], bias[8][2];  // kAffine: this part's columns j·8 + 2q, +1 of the thread
+    if constexpr (kAffine) {
+      const size_t col0 = size_t(t.e) * args.n + t.w0 + part * 64 + 2 * q;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          scale[j][c] = __ldg(args.out_col_scale + col0 + j * 8 + c);
+          bias[j][c] = args.bias ? __ldg(args.bias + col0 + j * 8 + c) : 0.0f;
+        }
+    }
 #pragma unroll
     for (int ii = 0; ii < 32; ii += 2) {
       const int i = part * 32 + ii;
       const int r = lane / 4 + ((i / 2) % 2) * 8, j = ii / 4;
-      buf[r * kEpiRowWords + j * 4 + q] = ptx::pack_bf16x2(acc[i], acc[i + 1]);
+      float lo = acc[i], hi = acc[i + 1];
+      if constexpr (kAffine) {
+        lo = lo * scale[j][0] + bias[j][0];
+        hi = hi * scale[j][1] + bias[j][1];
+      }
+      buf[r * kEpiRowWords + j * 4 + q] = ptx::pack_bf16x2(lo, hi);
     }
     __syncwarp();
 #pragma unroll

@@ -45,6 +45,10 @@
 // on this kernel's grid, so GEMM2 streams the experts GEMM1 has finished while GEMM1 finishes the
 // rest.
 //
+// kAffine (normal orientation): each output column n is acc · out_col_scale[e, n] + bias[e, n] before
+// the BF16 rounding: an MXFP4 plan's prefill through a widened FP8 copy of its weights
+// (mxfp4_fp8_copy.cuh), whose per-row factor and bias this applies as the MXFP4 kernels do.
+//
 // Split-K: the splits of one tile write fp32 partials to a workspace; the last split to finish
 // (an atomic counter per tile, which it resets for the next launch) adds them in split order and
 // writes BF16, so the result does not depend on which split finished last.
@@ -62,7 +66,8 @@
 
 namespace moekit::gemm_detail {
 
-template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated = false, int kCluster = 1>
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated = false, int kCluster = 1,
+          bool kAffine = false>
 __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                         const __grid_constant__ CUtensorMap tma_sa, const KernelArgs args) {
@@ -79,6 +84,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
                 "gated tiles: masked swap-AB, 128 gate + 128 up rows, at most 64 tokens");
   static_assert(kCluster == 1 || (kCluster == 2 && !kGated && kBlockT >= 16),
                 "clusters of 2 multicast halves of the token tile (8-row swizzle atoms); not for gated tiles");
+  static_assert(!kAffine || (!kSwapAB && !kGated), "the affine epilogue (an MXFP4 plan's FP8 copy): normal orientation");
   // Weight slabs per warpgroup: gate (and up), or the two 128-row halves of a 256-row tile.
   constexpr int kSlabs = kGated || kWideSwap ? 2 : 1;
   // A 256-column tile (normal orientation) is two 128-column halves, each multiplied into one
@@ -399,7 +405,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
         }
       }
     } else {
-      store_bf16<kMasked, kAccRegs>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
+      store_bf16<kMasked, kAccRegs, kAffine>(args, t, acc, f, epi_rows + (warp - 4) * kEpiWarp);
     }
     if constexpr (kMasked) {
       if (store && args.ready_out) expert_ready_add<kMathThreads, kBlockW, kBlockT>(args, t, mtid);

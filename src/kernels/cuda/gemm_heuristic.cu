@@ -179,4 +179,17 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
   return cfg;
 }
 
+GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_sms) {
+  MOEKIT_CHECK(p.weights == WeightFormat::kMxfp4,
+               "choose_mxfp4_fp8_copy_config: the problem's weights are FP8; the FP8 copy is of MXFP4 weights");
+  GemmConfig cfg;  // the FP8 kernel's prefill tile (docs/gemm.md runs 17-29)
+  cfg.swap_ab = false;
+  cfg.block_m = 128;
+  cfg.block_n = 256;
+  cfg.num_splits = 1;
+  cfg.num_ctas = num_sms;
+  cfg.mxfp4_fp8_copy = true;
+  return cfg;
+}
+
 }  // namespace moekit

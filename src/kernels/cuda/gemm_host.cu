@@ -17,6 +17,7 @@ std::string GemmConfig::to_string() const {
      << " stages=" << num_stages << " splits=" << num_splits << " cluster=" << cluster << " ctas=" << num_ctas
      << " smem=" << smem_bytes;
   if (mxfp4_widen_wgs != 0) os << " widen_wgs=" << mxfp4_widen_wgs;
+  if (mxfp4_fp8_copy) os << " fp8_copy";
   return os.str();
 }
 
@@ -109,6 +110,16 @@ void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked) {
                "MOEKIT_MXFP4_WIDEN = '" + v + "'; expected registers, smem or smem2 (or unset)");
   const bool two = v == "smem2" && masked && cfg.block_m <= 64;  // where two are compiled
   cfg.mxfp4_widen_wgs = v == "registers" ? 0 : two ? 2 : 1;
+}
+
+void apply_mxfp4_prefill_knob(GemmConfig& cfg, const ContiguousGemmProblem& p) {
+  const char* env = std::getenv("MOEKIT_MXFP4_PREFILL");
+  if (env == nullptr || env[0] == '\0') return;
+  const std::string v = env;
+  MOEKIT_CHECK(v == "copy" || v == "registers",
+               "MOEKIT_MXFP4_PREFILL = '" + v + "'; expected copy or registers (or unset)");
+  if (v == "copy") cfg = choose_mxfp4_fp8_copy_config(p, cfg.num_ctas > 0 ? cfg.num_ctas : num_sms());
+  else cfg.mxfp4_fp8_copy = false;
 }
 
 int max_smem_per_block() {

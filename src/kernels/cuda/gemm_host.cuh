@@ -37,6 +37,9 @@ void maybe_print_config(const char* kind, const std::string& problem, const Gemm
 // knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2; smem2
 // takes one widening warpgroup where two are not compiled: contiguous plans, tiles above 64 tokens).
 void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked);
+// MOEKIT_MXFP4_PREFILL (copy | registers, or unset) over a heuristic's contiguous MXFP4 config: copy
+// takes choose_mxfp4_fp8_copy_config, registers the heuristic's (GemmConfig::mxfp4_fp8_copy).
+void apply_mxfp4_prefill_knob(GemmConfig& cfg, const ContiguousGemmProblem& p);
 int max_smem_per_block();
 int num_sms();
 
@@ -79,10 +82,10 @@ struct Launch {
   int cluster = 1;
 };
 
-template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated, int kCluster>
+template <bool kSwapAB, bool kMasked, int kMathWGs, int kBlockT, int kBlockW, bool kGated, int kCluster, bool kAffine>
 Launch get_launch(int smem_bytes) {
   Launch l;
-  l.kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster>;
+  l.kernel = &grouped_gemm_kernel<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster, kAffine>;
   allow_smem(reinterpret_cast<const void*>(l.kernel), smem_bytes);
   l.threads = (kMathWGs + 1) * 128;
   l.cluster = kCluster;
@@ -129,8 +132,9 @@ namespace moekit::gemm_detail {
 
 // One compiled kernel instance, as a type the plans dispatch on. kGated: the SiLU·up + FP8
 // epilogue (a tile holds kBlockW gate rows and kBlockW up rows). kCluster: CTAs per cluster.
+// kAffine: the per-column factor and bias of an MXFP4 plan's FP8 copy (KernelArgs::out_col_scale).
 template <bool kSwapAB_, bool kMasked_, int kMathWGs_, int kBlockT_, int kBlockW_, bool kGated_ = false,
-          int kCluster = 1>
+          int kCluster = 1, bool kAffine = false>
 struct Instance {
   static constexpr bool kSwapAB = kSwapAB_;
   static constexpr bool kMasked = kMasked_;
@@ -145,7 +149,7 @@ struct Instance {
                                               std::to_string(kCluster));
     constexpr int kEpiBytes = epilogue_smem_bytes(kSwapAB, kGated, kMathWGs, kBlockT);
     finish_config<SmemLayout<kBlockT, kWRows, kEpiBytes>>(cfg, num_experts, kExtraStatic);
-    Launch l = get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster>(cfg.smem_bytes);
+    Launch l = get_launch<kSwapAB, kMasked, kMathWGs, kBlockT, kBlockW, kGated, kCluster, kAffine>(cfg.smem_bytes);
     cfg.num_ctas = cluster_ctas(l, cfg);
     return l;
   }
@@ -179,6 +183,29 @@ struct Mxfp4Instance {
 // instance, builds the weight and scale TMA maps (tma_a and tma_sa are the FP8 plan's).
 void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
                         const uint32_t* w_mx_scales, const float* bias);
+
+// A contiguous MXFP4 plan's FP8 copy of its weights (GemmConfig::mxfp4_fp8_copy, mxfp4_fp8_copy.cuh):
+// the workspace it owns and the widening kernel that fills it before each run of the FP8 GEMM.
+struct Mxfp4Fp8Copy {
+  uint8_t* w8 = nullptr;             // [E, N, K] e4m3, in the MXFP4 GEMM's K order
+  float* col_scale = nullptr;        // [E, N] the rows' factors 2^(base - 127)
+  float* unit_scales = nullptr;      // [E, N/128, K/128] 1.0: the FP8 kernel's block scales
+  const uint8_t* codes = nullptr;    // the plan's MXFP4 buffers
+  const uint32_t* words = nullptr;
+  int runs = 0, k = 0;
+  bool pdl = false;                  // the plan's overlap with the kernel before it
+  Mxfp4Fp8Copy() = default;
+  Mxfp4Fp8Copy(const Mxfp4Fp8Copy&) = delete;
+  Mxfp4Fp8Copy& operator=(const Mxfp4Fp8Copy&) = delete;
+  ~Mxfp4Fp8Copy();
+  void run(cudaStream_t stream, unsigned long long* stamp) const;
+};
+
+// The FP8-copy parts of a contiguous MXFP4 plan (gemm_mxfp4.cu): checks the config, allocates
+// the copy, picks the FP8 kernel with the affine epilogue and builds its weight TMA map; the GEMM
+// always waits for the copy (kFlagPdl). The caller binds with copy.unit_scales as w_scales.
+void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, int n, int k, const uint8_t* w,
+                         const uint32_t* w_mx_scales, const float* bias);
 
 // Split-K factor: 1 unless the tiles leave SMs idle in the only wave (gemm_heuristic.cu).
 int choose_splits(long tiles, int num_sms, int k_blocks);

@@ -126,6 +126,8 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
                "masked GEMM config " + im.cfg.to_string() +
                    ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
+  MOEKIT_CHECK(!im.cfg.mxfp4_fp8_copy, "masked GEMM config " + im.cfg.to_string() +
+                                           ": fp8_copy (an FP8 copy of MXFP4 weights) is for contiguous plans");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));

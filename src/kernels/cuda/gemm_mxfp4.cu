@@ -1,8 +1,12 @@
 // The MXFP4 parts of the grouped GEMM plans (gemm.h, kernel in gemm_mxfp4.cuh): the compiled
-// instances, the weight and scale TMA maps, the bias.
+// instances, the weight and scale TMA maps, the bias; and the FP8 copy of contiguous plans
+// (GemmConfig::mxfp4_fp8_copy, mxfp4_fp8_copy.cuh).
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/gemm_host.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/mxfp4_fp8_copy.cuh"
 
 namespace moekit::gemm_detail {
 
@@ -64,6 +68,44 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
   plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, 0);
   plan.args.bias = bias;
   plan.args.w_mx_scales = w_mx_scales;
+}
+
+void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, int n, int k, const uint8_t* w,
+                         const uint32_t* w_mx_scales, const float* bias) {
+  const GemmConfig& c = plan.cfg;
+  MOEKIT_CHECK(!c.swap_ab && c.block_m == 128 && c.block_n == 256 && c.cluster == 1 && c.num_splits == 1 &&
+                   c.mxfp4_widen_wgs == 0,
+               "contiguous MXFP4 GEMM config " + c.to_string() +
+                   " is not compiled; the FP8 copy (fp8_copy) runs the normal orientation with block_m = 128, "
+                   "block_n = 256, splits = 1, cluster = 1 and no widening warpgroups "
+                   "(choose_mxfp4_fp8_copy_config)");
+  plan.launch = Instance<false, false, 2, 128, 256, false, 1, true>::launch(plan.cfg, 0);
+  const int k_blocks = k / kBlockK;
+  const size_t rows = size_t(num_experts) * n;
+  MOEKIT_CUDA_CHECK(cudaMalloc(&copy.w8, rows * k));
+  MOEKIT_CUDA_CHECK(cudaMalloc(&copy.col_scale, rows * sizeof(float)));
+  const std::vector<float> ones(size_t(num_experts) * (n / kBlockK) * k_blocks, 1.0f);
+  MOEKIT_CUDA_CHECK(cudaMalloc(&copy.unit_scales, ones.size() * sizeof(float)));
+  MOEKIT_CUDA_CHECK(cudaMemcpy(copy.unit_scales, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+  copy.codes = w;
+  copy.words = w_mx_scales;
+  copy.runs = int(size_t(num_experts) * (n / kBlockK) * k_blocks);
+  copy.k = k;
+  plan.tma_w = make_tma_2d(copy.w8, false, rows, k, k, plan.cfg.block_n, kBlockK, 128);
+  plan.args.bias = bias;
+  plan.args.out_col_scale = copy.col_scale;
+  plan.args.flags |= kFlagPdl;  // the GEMM's prologue under the copy's tail; it waits for the copy
+}
+
+Mxfp4Fp8Copy::~Mxfp4Fp8Copy() {
+  cudaFree(w8);  // no throw from a destructor; freeing null is a no-op
+  cudaFree(col_scale);
+  cudaFree(unit_scales);
+}
+
+void Mxfp4Fp8Copy::run(cudaStream_t stream, unsigned long long* stamp) const {
+  launch_kernel_ex(mxfp4_fp8_copy_kernel, dim3(runs), dim3(kFp8CopyThreads), 0, stream, pdl,
+                   reinterpret_cast<const uint32_t*>(codes), words, k, w8, col_scale, stamp);
 }
 
 }  // namespace moekit::gemm_detail

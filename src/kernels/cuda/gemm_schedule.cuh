@@ -38,6 +38,10 @@ struct KernelArgs {
   int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
   int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
                              // (+ kFlagRowsReady: [E + 2])
+  // Affine epilogue (the FP8 kernel's kAffine instances: an MXFP4 plan's FP8 copy, mxfp4_fp8_copy.cuh):
+  // output column n of expert e is acc · out_col_scale[e, n] + bias[e, n] (bias optional). Last,
+  // so that the fields above keep their offsets in every other instance's parameter bank.
+  const float* out_col_scale = nullptr;
 };
 
 // Programmatic dependent launch: this kernel may start while the previous kernel on the stream

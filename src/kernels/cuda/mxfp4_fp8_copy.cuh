@@ -1,0 +1,79 @@
+// mxfp4_fp8_copy.cuh: an MXFP4 plan's weights widened into an FP8 copy, for prefill
+// (GemmConfig::mxfp4_fp8_copy; the plan side is in gemm_mxfp4.cu).
+//
+// Why: a contiguous (prefill) GEMM of many rows per expert is bound by the tensor cores, and the
+// MXFP4 kernel pays for its widening inside every tile: each 128-token tile widens the same
+// weights again, in the math threads, between their wgmmas (docs/gemm-mxfp4.md: 0.63-0.75x of the
+// FP8 kernel's rate). Widening each weight once per run into an FP8 copy, then running the FP8
+// kernel on it, costs one pass over the weights (4.25 bits read, 8 written) and then FP8's own
+// rate; for enough rows per expert the pass is the smaller share.
+//
+// What the copy holds, per expert e: w8 [N, K] e4m3 in the MXFP4 GEMM's K order (mxfp4.h: the
+// activations of an MXFP4 plan are in that order, so both operands agree) and out_col_scale [N]
+// fp32, the row factor 2^(base - 127) (mxfp4_convert.cuh). The e4m3 bytes are exactly those the
+// register kernel widens (the same table and lookup), so the products are the same; the FP8 kernel
+// runs with unit block scales and applies factor and bias in its affine epilogue (gemm_fp8.cuh
+// kAffine), before the single BF16 rounding.
+//
+// One CTA per run of the tile-major codes (128 rows x one 128-deep block, 8 KB; mxfp4.h
+// mxfp4_gemm_run): each thread widens eight code words (8 values each; their loads all in flight
+// at once) and writes each row's 128 bytes of the block as two 4-byte pieces per word. With PDL
+// the copy waits for the previous kernel before it writes: that kernel may be this plan's FP8
+// GEMM of the run before, still reading the copy. It lets the FP8 GEMM be scheduled as soon as
+// every CTA of it has started; the GEMM waits for the whole copy (launch.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/mxfp4_convert.cuh"
+#include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/stamp.cuh"
+#include "moekit/mxfp4.h"
+
+namespace moekit::gemm_detail {
+
+constexpr int kFp8CopyThreads = 256;
+
+// Grid: E · N/128 · K/128 CTAs of kFp8CopyThreads, CTA = run. codes: the run's 128 rows x 16 words
+// (mxfp4_codes_for_gemm); words: its 128 scale words (mxfp4_scales_for_gemm).
+__global__ void __launch_bounds__(kFp8CopyThreads)
+    mxfp4_fp8_copy_kernel(const uint32_t* __restrict__ codes, const uint32_t* __restrict__ words, int k,
+                          uint8_t* __restrict__ w8, float* __restrict__ out_col_scale, unsigned long long* stamp) {
+  ptx::grid_dependency_wait();  // (a no-op without PDL)
+  ptx::launch_dependents();     // the GEMM's CTAs may take the SMs ours leave; it waits for this grid
+  if (threadIdx.x == 0) stamp_start(stamp);
+  const int k_blocks = k / 128;
+  const size_t run = blockIdx.x;
+  const int kb = int(run % k_blocks);
+  const size_t row_block = run / k_blocks;  // e · N/128 + n / 128
+  const uint32_t* run_codes = codes + run * 128 * 16;
+  const uint32_t* run_words = words + run * 128;
+  uint8_t* block0 = w8 + row_block * 128 * size_t(k) + kb * 128;
+  constexpr int kWordsPerThread = 128 * 16 / kFp8CopyThreads;
+  uint32_t code[kWordsPerThread], word[kWordsPerThread];
+#pragma unroll
+  for (int j = 0; j < kWordsPerThread; ++j) {  // every load in flight before the first use
+    const int i = threadIdx.x + j * kFp8CopyThreads;
+    code[j] = __ldg(run_codes + i);
+    word[j] = __ldg(run_words + i / 16);
+  }
+#pragma unroll
+  for (int j = 0; j < kWordsPerThread; ++j) {
+    const int i = threadIdx.x + j * kFp8CopyThreads;
+    const int r = i / 16, q = (i % 16) / 4, s = i % 4;  // word q·4 + s of row r: lane q, slice s
+    const int field = mxfp4_detail::group_shift_field(word[j], q);
+    const uint2 table = mxfp4_detail::block_shifts_fast(word[j]) ? mxfp4_detail::e4m3_table_fast(field)
+                                                                 : mxfp4_detail::e4m3_table_outlined(field);
+    const uint2 v = mxfp4_detail::e2m1x8_to_e4m3(code[j], table);
+    uint8_t* out = block0 + size_t(r) * k + s * 32 + 4 * q;  // values 0..3; 4..7 sit 16 further
+    *reinterpret_cast<uint32_t*>(out) = v.x;
+    *reinterpret_cast<uint32_t*>(out + 16) = v.y;
+  }
+  if (kb == 0 && threadIdx.x < 128)
+    out_col_scale[row_block * 128 + threadIdx.x] = mxfp4_detail::row_factor(__ldg(run_words + threadIdx.x));
+  if (threadIdx.x == 0) stamp_end(stamp);
+}
+
+}  // namespace moekit::gemm_detail
