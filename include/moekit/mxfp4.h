@@ -113,6 +113,13 @@ MOEKIT_HD constexpr int mxfp4_unit_source(int m) { return ((m & 3) << 3) | (m >>
 MOEKIT_HD constexpr int mxfp4_unit_position(int o) { return ((o & 7) << 2) | (o >> 3); }
 MOEKIT_HD constexpr int mxfp4_k_source(int p) { return (p & ~127) | mxfp4_unit_source((p & 127) >> 2) << 2 | (p & 3); }
 MOEKIT_HD constexpr int mxfp4_k_position(int k) { return (k & ~127) | mxfp4_unit_position((k & 127) >> 2) << 2 | (k & 3); }
+// The GEMM position (inside its 128-deep block) of value i (0..7) of the code word of lane q and k32
+// slice s (mxfp4_codes_for_gemm below): the A fragment's 4q + i of the slice for values 0..3, 16 + 4q +
+// (i - 4) for 4..7. The FP8 copy of an MXFP4 plan (gemm.h GemmConfig::mxfp4_fp8_copy) writes each
+// widened word there.
+MOEKIT_HD constexpr int mxfp4_fragment_position(int q, int s, int i) {
+  return s * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
+}
 // rows x k FP8 bytes (k a multiple of 128) from the natural order into the GEMM's (host).
 void mxfp4_permute_k(const uint8_t* in, int64_t rows, int k, uint8_t* out);
 

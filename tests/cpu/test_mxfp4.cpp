@@ -252,6 +252,10 @@ TEST(Mxfp4, KOrderPutsEachLanesFragmentInOneGroup) {
       for (int i = 0; i < 8; ++i) {
         const int p = s * 32 + (i < 4 ? 4 * q + i : 16 + 4 * q + i - 4);
         EXPECT_EQ(mxfp4_k_source(p) / 32, q) << "lane " << q << " slice " << s << " value " << i;
+        // The code word's value i (CodesForGemmHoldEachFragmentWithItsSigns: original K q·32 + 8s + i)
+        // sits at GEMM position p, where the FP8 copy writes it.
+        EXPECT_EQ(mxfp4_fragment_position(q, s, i), p);
+        EXPECT_EQ(mxfp4_k_source(p) % 128, q * 32 + 8 * s + i) << "lane " << q << " slice " << s << " value " << i;
       }
   const std::vector<uint8_t> row = [] {
     std::vector<uint8_t> r(2 * 256);

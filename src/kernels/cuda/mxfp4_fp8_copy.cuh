@@ -67,9 +67,9 @@ __global__ void __launch_bounds__(kFp8CopyThreads)
     const uint2 table = mxfp4_detail::block_shifts_fast(word[j]) ? mxfp4_detail::e4m3_table_fast(field)
                                                                  : mxfp4_detail::e4m3_table_outlined(field);
     const uint2 v = mxfp4_detail::e2m1x8_to_e4m3(code[j], table);
-    uint8_t* out = block0 + size_t(r) * k + s * 32 + 4 * q;  // values 0..3; 4..7 sit 16 further
-    *reinterpret_cast<uint32_t*>(out) = v.x;
-    *reinterpret_cast<uint32_t*>(out + 16) = v.y;
+    uint8_t* row = block0 + size_t(r) * k;
+    *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 0)) = v.x;  // values 0..3
+    *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 4)) = v.y;  // values 4..7
   }
   if (kb == 0 && threadIdx.x < 128)
     out_col_scale[row_block * 128 + threadIdx.x] = mxfp4_detail::row_factor(__ldg(run_words + threadIdx.x));
