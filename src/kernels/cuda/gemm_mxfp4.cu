@@ -82,10 +82,15 @@ void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, in
   plan.launch = Instance<false, false, 2, 128, 256, false, 1, true>::launch(plan.cfg, 0);
   const int k_blocks = k / kBlockK;
   const size_t rows = size_t(num_experts) * n;
-  MOEKIT_CUDA_CHECK(cudaMalloc(&copy.w8, rows * k));
-  MOEKIT_CUDA_CHECK(cudaMalloc(&copy.col_scale, rows * sizeof(float)));
   const std::vector<float> ones(size_t(num_experts) * (n / kBlockK) * k_blocks, 1.0f);
-  MOEKIT_CUDA_CHECK(cudaMalloc(&copy.unit_scales, ones.size() * sizeof(float)));
+  auto allocate = [&](auto** ptr, size_t bytes, const char* what) {  // the size in the message: it may be GBs
+    const cudaError_t err = cudaMalloc(reinterpret_cast<void**>(ptr), bytes);
+    MOEKIT_CHECK(err == cudaSuccess, std::string("contiguous MXFP4 GEMM (fp8_copy): allocating ") + what + " of " +
+                                         std::to_string(bytes) + " bytes failed: " + cudaGetErrorString(err));
+  };
+  allocate(&copy.w8, rows * k, "the FP8 copy (E x N x K)");
+  allocate(&copy.col_scale, rows * sizeof(float), "the column factors");
+  allocate(&copy.unit_scales, ones.size() * sizeof(float), "the unit block scales");
   MOEKIT_CUDA_CHECK(cudaMemcpy(copy.unit_scales, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   copy.codes = w;
   copy.words = w_mx_scales;
