@@ -8,7 +8,8 @@
 //
 // Plan once, run many. A plan binds the problem shape and the device buffers, builds the TMA
 // descriptors (which hold the addresses) and owns any workspace (split-K partials and their
-// counters). `run` is graph-safe: it launches one kernel on the stream, allocates nothing,
+// counters, an FP8 copy of MXFP4 weights). `run` is graph-safe: it launches one kernel on the stream (two for a contiguous plan
+// through an FP8 copy of MXFP4 weights, GemmConfig::mxfp4_fp8_copy), allocates nothing,
 // never synchronises, and never reads shapes on the host: masked_m stays on the device, so a
 // CUDA Graph captured once and replayed with new masked_m contents and new data in the same
 // buffers computes the new result. A plan's workspace is used by one run at a time (runs of one
