@@ -53,8 +53,9 @@
 //   group; their 1x128 scales as usual): mxfp4_permute_k makes them from natural rows, and an
 //   MXFP4 layer's EP buffer and activation kernel write them so.
 //   Contiguous plans may instead widen the weights once per run into an FP8 copy and run the FP8
-//   kernel on it (GemmConfig::mxfp4_fp8_copy; choose_mxfp4_fp8_copy_config): the plan then owns
-//   E_loc x N x K bytes of e4m3 and E_loc x N column factors besides, and `run` launches two
+//   kernel on it (GemmConfig::mxfp4_fp8_copy; choose_mxfp4_fp8_copy_config): the plan then uses
+//   E_loc x N x K bytes of e4m3 (its own, or the caller's fp8_copy_workspace, which plans that never
+//   run at once may share) and E_loc x N column factors besides, and `run` launches two
 //   kernels (the copy, then the FP8 GEMM with the row factor and the bias in its epilogue). The
 //   e4m3 values are those the other kernels widen, so the contract above holds unchanged. For
 //   prefill of many rows per expert, where the FP8 kernel's rate is the limit and the other
@@ -226,7 +227,13 @@ struct ContiguousGemmBuffers {
   uint16_t* out = nullptr;
   const uint32_t* w_mx_scales = nullptr;  // kMxfp4
   const float* bias = nullptr;      // kMxfp4, optional
+  // GemmConfig::mxfp4_fp8_copy, optional: mxfp4_fp8_copy_bytes(problem) bytes of device memory for
+  // the copy, 16-byte aligned. Plans that never run at the same time may share one (a layer's
+  // GEMMs on one stream, every layer of a model); null: the plan allocates its own.
+  uint8_t* fp8_copy_workspace = nullptr;
 };
+// The bytes of an FP8 copy of a contiguous problem's MXFP4 weights: E_loc x N x K.
+size_t mxfp4_fp8_copy_bytes(const ContiguousGemmProblem& p);
 
 class MaskedGemm {
  public:

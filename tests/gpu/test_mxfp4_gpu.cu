@@ -591,8 +591,12 @@ TEST(GemmMxfp4Contiguous, Fp8CopyGraphReplayWithNewWeightsAndData) {
   std::mt19937 rng(108);
   ContiguousCase c({100, 256, 30}, 512, 768, rng);
   const GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  // The second plan writes its copy into the caller's workspace (fp8_copy_workspace).
+  DeviceBuffer<uint8_t> workspace(mxfp4_fp8_copy_bytes(c.problem));
   for (Overlap overlap : {Overlap::kNone, Overlap::kPreviousKernel}) {
-    ContiguousGemm gemm(c.problem, c.buffers(true), &copy);
+    ContiguousGemmBuffers b = c.buffers(true);
+    if (overlap == Overlap::kPreviousKernel) b.fp8_copy_workspace = workspace.ptr;
+    ContiguousGemm gemm(c.problem, b, &copy);
     gemm.set_overlap(overlap);
     cudaStream_t stream;
     MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -605,7 +609,7 @@ TEST(GemmMxfp4Contiguous, Fp8CopyGraphReplayWithNewWeightsAndData) {
         graph.launch(stream);
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
         expect_good(c.check(true), std::string("fp8_copy graph replay ") + std::to_string(rep) +
-                                       (overlap == Overlap::kNone ? "" : ", overlap"));
+                                       (overlap == Overlap::kNone ? "" : ", overlap, the caller's workspace"));
       }
     }
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -625,6 +629,14 @@ TEST(GemmMxfp4Contiguous, Fp8CopyBadArgumentsAreNamed) {
   ContiguousGemmProblem fp8 = c.problem;
   fp8.weights = WeightFormat::kFp8;
   expect_error([&] { choose_mxfp4_fp8_copy_config(fp8, 132); }, {"weights are FP8"});
+  DeviceBuffer<uint8_t> workspace(mxfp4_fp8_copy_bytes(c.problem) + 16);
+  ContiguousGemmBuffers wb = c.buffers(true);
+  wb.fp8_copy_workspace = workspace.ptr;
+  expect_error([&] { ContiguousGemm g(c.problem, wb); }, {"fp8_copy_workspace is set", "no FP8 copy"});
+  wb.fp8_copy_workspace = workspace.ptr + 8;
+  copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  expect_error([&] { ContiguousGemm g(c.problem, wb, &copy); }, {"fp8_copy_workspace is not 16-byte aligned"});
+  expect_error([&] { mxfp4_fp8_copy_bytes(ContiguousGemmProblem{0, 256, 256, 128}); }, {"E_loc = 0"});
   ContiguousGemmBuffers fb = c.buffers(false);
   fb.w_mx_scales = nullptr;
   fb.w_scales = c.d_as.ptr;

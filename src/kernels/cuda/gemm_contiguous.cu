@@ -74,8 +74,12 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
                "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
   const float* w_scales = b.w_scales;
+  MOEKIT_CHECK(b.fp8_copy_workspace == nullptr || im.cfg.mxfp4_fp8_copy,
+               "contiguous GEMM config " + im.cfg.to_string() +
+                   ": fp8_copy_workspace is set, but the plan makes no FP8 copy (GemmConfig::mxfp4_fp8_copy)");
+  if (b.fp8_copy_workspace) check_pointer(b.fp8_copy_workspace, "fp8_copy_workspace");
   if (mxfp4 && im.cfg.mxfp4_fp8_copy) {
-    bind_mxfp4_fp8_copy(im, im.copy, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
+    bind_mxfp4_fp8_copy(im, im.copy, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias, b.fp8_copy_workspace);
     w_scales = im.copy.unit_scales;
   } else if (mxfp4) {
     bind_mxfp4_weights(im, false, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
@@ -92,6 +96,13 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   im.bind(p.num_experts, p.n, p.k, p.total_m, w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
   im.args.row_expert = b.row_expert;
   maybe_print_config("contiguous", describe(p), im.cfg);
+}
+
+size_t mxfp4_fp8_copy_bytes(const ContiguousGemmProblem& p) {
+  MOEKIT_CHECK(p.num_experts > 0 && p.n > 0 && p.k > 0,
+               "mxfp4_fp8_copy_bytes: E_loc = " + std::to_string(p.num_experts) + ", N = " + std::to_string(p.n) +
+                   ", K = " + std::to_string(p.k) + "; expected all positive");
+  return size_t(p.num_experts) * size_t(p.n) * size_t(p.k);
 }
 
 ContiguousGemm::~ContiguousGemm() = default;

@@ -188,6 +188,7 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
 // the workspace it owns and the widening kernel that fills it before each run of the FP8 GEMM.
 struct Mxfp4Fp8Copy {
   uint8_t* w8 = nullptr;             // [E, N, K] e4m3, in the MXFP4 GEMM's K order
+  bool owns_w8 = false;              // allocated here (the caller gave no fp8_copy_workspace)
   float* col_scale = nullptr;        // [E, N] the rows' factors 2^(base - 127)
   float* unit_scales = nullptr;      // [E, N/128, K/128] 1.0: the FP8 kernel's block scales
   const uint8_t* codes = nullptr;    // the plan's MXFP4 buffers
@@ -202,10 +203,11 @@ struct Mxfp4Fp8Copy {
 };
 
 // The FP8-copy parts of a contiguous MXFP4 plan (gemm_mxfp4.cu): checks the config, allocates
-// the copy, picks the FP8 kernel with the affine epilogue and builds its weight TMA map; the GEMM
-// always waits for the copy (kFlagPdl). The caller binds with copy.unit_scales as w_scales.
+// the copy (in `workspace` where given: checked non-null and aligned by the caller), picks the FP8
+// kernel with the affine epilogue and builds its weight TMA map; the GEMM always waits for the copy
+// (kFlagPdl). The caller binds with copy.unit_scales as w_scales.
 void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, int n, int k, const uint8_t* w,
-                         const uint32_t* w_mx_scales, const float* bias);
+                         const uint32_t* w_mx_scales, const float* bias, uint8_t* workspace);
 
 // Split-K factor: 1 unless the tiles leave SMs idle in the only wave (gemm_heuristic.cu).
 int choose_splits(long tiles, int num_sms, int k_blocks);

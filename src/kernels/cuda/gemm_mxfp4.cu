@@ -71,7 +71,7 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
 }
 
 void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, int n, int k, const uint8_t* w,
-                         const uint32_t* w_mx_scales, const float* bias) {
+                         const uint32_t* w_mx_scales, const float* bias, uint8_t* workspace) {
   const GemmConfig& c = plan.cfg;
   MOEKIT_CHECK(!c.swap_ab && c.block_m == 128 && c.block_n == 256 && c.cluster == 1 && c.num_splits == 1 &&
                    c.mxfp4_widen_wgs == 0,
@@ -88,7 +88,9 @@ void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, in
     MOEKIT_CHECK(err == cudaSuccess, std::string("contiguous MXFP4 GEMM (fp8_copy): allocating ") + what + " of " +
                                          std::to_string(bytes) + " bytes failed: " + cudaGetErrorString(err));
   };
-  allocate(&copy.w8, rows * k, "the FP8 copy (E x N x K)");
+  copy.owns_w8 = workspace == nullptr;
+  if (copy.owns_w8) allocate(&copy.w8, rows * k, "the FP8 copy (E x N x K)");
+  else copy.w8 = workspace;
   allocate(&copy.col_scale, rows * sizeof(float), "the column factors");
   allocate(&copy.unit_scales, ones.size() * sizeof(float), "the unit block scales");
   MOEKIT_CUDA_CHECK(cudaMemcpy(copy.unit_scales, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -103,7 +105,7 @@ void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, in
 }
 
 Mxfp4Fp8Copy::~Mxfp4Fp8Copy() {
-  cudaFree(w8);  // no throw from a destructor; freeing null is a no-op
+  if (owns_w8) cudaFree(w8);  // no throw from a destructor; freeing null is a no-op
   cudaFree(col_scale);
   cudaFree(unit_scales);
 }
