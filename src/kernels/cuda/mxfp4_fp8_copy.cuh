@@ -19,8 +19,8 @@
 // mxfp4_gemm_run): each thread widens eight code words (8 values each; their loads all in flight
 // at once) and writes each row's 128 bytes of the block as two 4-byte pieces per word. With PDL
 // the copy waits for the previous kernel before it writes: that kernel may be this plan's FP8
-// GEMM of the run before, still reading the copy. It lets the FP8 GEMM be scheduled as soon as
-// every CTA of it has started; the GEMM waits for the whole copy (launch.cuh).
+// GEMM of the run before, still reading the copy. It lets the FP8 GEMM be scheduled once every
+// CTA of the copy has started; the GEMM then waits for the whole copy (launch.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
