@@ -571,6 +571,15 @@ TEST(GemmMxfp4Contiguous, SegmentsWithPadding) {
   unsetenv("MOEKIT_MXFP4_WIDEN");
 }
 
+TEST(GemmMxfp4Contiguous, RaggedExpertsOnEveryPath) {
+  // Segments of 0, 1, 127, 128 and 129 real rows: a segment's last block is full, one row short,
+  // one row long, or a single row.
+  std::mt19937 rng(110);
+  ContiguousCase c({1, 127, 0, 128, 129}, 256, 512, rng);
+  for (const GemmConfig& cfg : contiguous_configs(c.problem))
+    expect_good(c.run_once(&cfg, true), "contiguous, ragged experts, " + cfg.to_string());
+}
+
 TEST(GemmMxfp4Contiguous, Fp8CopyOnGptOssShapesAndWideSpread) {
   std::mt19937 rng(107);
   {  // gpt-oss-120b's GEMM2 shape after the loader's padding (N = K = 2944, an odd number of 128s)
