@@ -196,6 +196,11 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
 // The config of a contiguous MXFP4 problem through an FP8 copy of its weights
 // (GemmConfig::mxfp4_fp8_copy); throws moekit::Error naming the format for FP8 weights.
 GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_sms);
+// The config a ContiguousGemm made without one takes: choose_contiguous_config on the current
+// device's SMs, then, for MXFP4 weights, the MOEKIT_MXFP4_PREFILL and MOEKIT_MXFP4_WIDEN knobs.
+// For callers that size memory by the config before they make the plan (a layer that gives its
+// GEMMs one FP8 copy workspace).
+GemmConfig contiguous_plan_config(const ContiguousGemmProblem& p);
 
 // The expected_m to plan for when `rows` routed rows fall uniformly on `experts` experts: the mean
 // plus two standard deviations (Poisson), at least 1, so that few experts need a second token

@@ -160,7 +160,20 @@ struct GpuLayerConfig {
   // W1, W2 and scales beside the live slots (0: no staged moves; set_placement still works).
   int staging_slots = 0;
   size_t move_chunk_bytes = size_t(4) << 20;  // one copy of a move's chunked transfer
+  // Prefill, MXFP4: where the contiguous GEMMs widen their weights into an FP8 copy once per run
+  // (gemm.h GemmConfig::mxfp4_fp8_copy), the memory for that copy: fp8_copy_workspace_bytes of
+  // device memory, at least gpu_layer_fp8_copy_bytes, 16-byte aligned. The layer's two GEMMs share
+  // it, and so may layers that run one after another on one stream (gpt-oss-120b on one GPU: one
+  // 2.2 GB copy for all 36 layers, where each layer's own would be 2.2 GB). Null: a layer whose
+  // GEMMs copy allocates its own; one whose GEMMs do not copy ignores it.
+  uint8_t* fp8_copy_workspace = nullptr;
+  size_t fp8_copy_workspace_bytes = 0;
 };
+
+// The FP8 copy workspace a prefill layer of `model` on an EP buffer of config `ec` takes where its
+// GEMMs copy their MXFP4 weights (GpuLayerConfig::fp8_copy_workspace): E_loc x 2 inter x d bytes of
+// the loaded (padded) sizes, GEMM1's copy, which GEMM2's fits in. 0 for FP8 models.
+size_t gpu_layer_fp8_copy_bytes(const ModelSpec& model, const EpConfig& ec);
 
 // Where one rank's FP8 expert slots live (MXFP4 layers: invalid), as this process addresses them: device pointers of this
 // GPU, or of a peer's mapped into this process. W1 [E_loc, 2 inter, d] fp8 and its scales

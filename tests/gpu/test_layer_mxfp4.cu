@@ -6,10 +6,12 @@
 // and fused) and prefill for P in {1, 2, 4} virtual ranks, with the router and with the caller's
 // routing; GEMM1 of every rank against reference.h's MXFP4 GEMM on the same received rows; the
 // gate and the activation kernels alone against their references; a step captured in a graph and
-// replayed with new tokens and a new placement (set_placement); what MXFP4 layers refuse.
+// replayed with new tokens and a new placement (set_placement); prefill through an FP8 copy of the
+// weights on one workspace the caller gives every layer; what MXFP4 layers refuse.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -211,6 +213,79 @@ TEST(GpuLayerMxfp4Graph, ReplayWithNewDataAndPlacement) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// Sets an environment variable for a scope and puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Prefill through an FP8 copy of the weights (MOEKIT_MXFP4_PREFILL=copy), every GEMM of both ranks
+// on one caller workspace (GpuLayerConfig::fp8_copy_workspace): poisoned first, written by the
+// step, and the outputs within the layer's bound of the CPU layer and the oracle, two steps in a
+// row (each rank's GEMM2 copy overwrites its GEMM1 copy, and the next rank's overwrites both). A
+// workspace one byte short is refused by name.
+TEST(GpuLayerMxfp4Copy, PrefillOnOneSharedFp8Copy) {
+  const ScopedEnv knob("MOEKIT_MXFP4_PREFILL", "copy");
+  const int P = 2;
+  const uint64_t seed = 31;
+  const Placement placement = oss_placement(P, true);
+  const gpu::EpConfig ec =
+      gpu::layer_ep_config(oss().model, placement.num_slots, P, (kBatch + P - 1) / P, gpu::EpMode::kNormal);
+  const size_t bytes = gpu::gpu_layer_fp8_copy_bytes(oss().model, ec);
+  const MoeLayerWeights& lw = oss().weights;
+  EXPECT_EQ(bytes, size_t(placement.num_slots / P) * 2 * lw.padded_intermediate * lw.padded_hidden)
+      << "E_loc x 2 inter x d of the padded sizes";
+  DeviceArray<uint8_t> workspace(bytes);
+  const std::vector<uint8_t> poison(bytes, 0x7f);  // e4m3 NaN: a byte the copy never writes
+  workspace.upload(poison.data(), poison.size());
+  const auto share = [&](gpu::GpuLayerConfig& cfg) {
+    cfg.fp8_copy_workspace = workspace.ptr;
+    cfg.fp8_copy_workspace_bytes = bytes;
+  };
+  GpuRig rig(P, gpu::EpMode::kNormal, placement, seed, nullptr, gpu::GpuPipeline::kStaged, true, 0, size_t(4) << 20,
+             oss(), true, true, true, share);
+  std::mt19937 rng(41);
+  for (int step = 0; step < 2; ++step) {
+    const auto x = random_tokens(kBatch, d_model(), rng);
+    rig.load(x, nullptr, nullptr);
+    rig.issue(false);
+    rig.check();
+    const CpuResult cpu = run_cpu_oss(P, EpProtocol::kNormal, placement, x, nullptr, nullptr, seed);
+    compare_step(rig, cpu, x, "prefill on one FP8 copy, step " + std::to_string(step));
+  }
+  const auto after = workspace.download(bytes);
+  size_t written = 0;
+  for (uint8_t v : after) written += v != 0x7f;
+  EXPECT_EQ(written, bytes) << "GEMM1's copy fills the caller's workspace (E_loc x 2 inter x d)";
+
+  const auto short_by_one = [&](gpu::GpuLayerConfig& cfg) {
+    cfg.fp8_copy_workspace = workspace.ptr;
+    cfg.fp8_copy_workspace_bytes = bytes - 1;
+  };
+  try {
+    GpuRig small(P, gpu::EpMode::kNormal, placement, seed, nullptr, gpu::GpuPipeline::kStaged, true, 0,
+                 size_t(4) << 20, oss(), true, true, true, short_by_one);
+    FAIL() << "a workspace one byte short was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_copy_workspace_bytes = " + std::to_string(bytes - 1)),
+              std::string::npos) << e.what();
+  }
 }
 
 // The gate alone: the logit bias and top-k-then-softmax against gating.h, the same experts and

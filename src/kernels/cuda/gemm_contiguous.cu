@@ -61,9 +61,7 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
 
   Impl& im = *impl_;
   im.problem = p;
-  im.cfg = config ? *config : choose_contiguous_config(p, num_sms());
-  if (config == nullptr && mxfp4) apply_mxfp4_prefill_knob(im.cfg, p);
-  if (config == nullptr && mxfp4 && !im.cfg.mxfp4_fp8_copy) apply_mxfp4_widen_knob(im.cfg, false);
+  im.cfg = config ? *config : contiguous_plan_config(p);
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
                "contiguous GEMM config " + im.cfg.to_string() +
                    ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
@@ -96,6 +94,14 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   im.bind(p.num_experts, p.n, p.k, p.total_m, w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
   im.args.row_expert = b.row_expert;
   maybe_print_config("contiguous", describe(p), im.cfg);
+}
+
+GemmConfig contiguous_plan_config(const ContiguousGemmProblem& p) {
+  GemmConfig cfg = choose_contiguous_config(p, num_sms());
+  if (p.weights != WeightFormat::kMxfp4) return cfg;
+  apply_mxfp4_prefill_knob(cfg, p);
+  if (!cfg.mxfp4_fp8_copy) apply_mxfp4_widen_knob(cfg, false);
+  return cfg;
 }
 
 size_t mxfp4_fp8_copy_bytes(const ContiguousGemmProblem& p) {

@@ -107,6 +107,8 @@ struct GpuMoeLayer::Impl {
   Impl& operator=(const Impl&) = delete;
   ~Impl();
 
+  // The FP8 copy both contiguous MXFP4 GEMMs widen into: the config's workspace, or allocated here.
+  uint8_t* fp8_copy_workspace(const ContiguousGemmProblem& p1, const ContiguousGemmProblem& p2);
   template <class T>
   T* alloc(size_t count) {
     void* p = nullptr;

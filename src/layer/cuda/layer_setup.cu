@@ -52,6 +52,12 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   return c;
 }
 
+size_t gpu_layer_fp8_copy_bytes(const ModelSpec& model, const EpConfig& ec) {
+  if (model.expert_format != "mxfp4") return 0;
+  const ExpertWeightSizes sizes = loaded_expert_sizes(model);
+  return size_t(ec.slots_per_rank()) * size_t(2 * sizes.intermediate) * size_t(sizes.hidden);
+}
+
 GpuMoeLayer::GpuMoeLayer(const ModelSpec& model, const MoeLayerWeights& weights, const Placement& placement,
                          int placement_layer, EpBuffer& ep, const GpuLayerConfig& config,
                          const GpuMoeLayer* share_weights_with)
@@ -349,12 +355,22 @@ void GpuMoeLayer::Impl::plan_gemms() {
     const bool shared_first = s.cfg.shared_first == -1 ? s.t_max > 1 : s.cfg.shared_first == 1;
     s.gemm1->set_last_expert_first(s.merged && s.recv_ready && shared_first);
   } else {
+    const ContiguousGemmProblem c1{s.e_loc, 2 * s.inter, s.d, s.rows, format};
+    const ContiguousGemmProblem c2{s.e_loc, s.d, s.inter, s.rows, format};
+    const GemmConfig cfg1 = contiguous_plan_config(c1), cfg2 = contiguous_plan_config(c2);
+    // MXFP4 GEMMs that widen into an FP8 copy share one: prefill launches no kernel early (no PDL
+    // outside a plan), so GEMM2's copy starts only once GEMM1's grid is done; GEMM1's is the larger.
+    uint8_t* copy = cfg1.mxfp4_fp8_copy || cfg2.mxfp4_fp8_copy ? s.fp8_copy_workspace(c1, c2) : nullptr;
     s.cgemm1 = std::make_unique<ContiguousGemm>(
-        ContiguousGemmProblem{s.e_loc, 2 * s.inter, s.d, s.rows, format},
-        ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up, s.w1_mx, s.b1});
+        c1,
+        ContiguousGemmBuffers{ep.recv_x(), ep.recv_scales(), ep.row_expert(), s.w1, s.w1s, s.gate_up, s.w1_mx, s.b1,
+                              cfg1.mxfp4_fp8_copy ? copy : nullptr},
+        &cfg1);
     s.cgemm2 = std::make_unique<ContiguousGemm>(
-        ContiguousGemmProblem{s.e_loc, s.d, s.inter, s.rows, format},
-        ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y, s.w2_mx, s.b2});
+        c2,
+        ContiguousGemmBuffers{s.act, s.act_scales, ep.row_expert(), s.w2, s.w2s, s.y, s.w2_mx, s.b2,
+                              cfg2.mxfp4_fp8_copy ? copy : nullptr},
+        &cfg2);
   }
   if (s.shared_inter > 0 && !s.merged) {
     // The shared expert is a masked GEMM with one "expert" of every token.
@@ -372,6 +388,27 @@ void GpuMoeLayer::Impl::plan_gemms() {
       s.shared2->set_overlap(Overlap::kPreviousKernelStaticWeights);
     }
   }
+}
+
+uint8_t* GpuMoeLayer::Impl::fp8_copy_workspace(const ContiguousGemmProblem& p1, const ContiguousGemmProblem& p2) {
+  const size_t need = std::max(mxfp4_fp8_copy_bytes(p1), mxfp4_fp8_copy_bytes(p2));
+  if (cfg.fp8_copy_workspace != nullptr) {
+    MOEKIT_CHECK(cfg.fp8_copy_workspace_bytes >= need,
+                 fmtr("rank {}: GpuLayerConfig::fp8_copy_workspace_bytes = {}, the layer's FP8 copy of its MXFP4 weights "
+                      "needs {} (gpu_layer_fp8_copy_bytes)",
+                      rank, cfg.fp8_copy_workspace_bytes, need));
+    return cfg.fp8_copy_workspace;  // its alignment is checked by the GEMM plans
+  }
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, need);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // an allocation failure is not sticky; keep it from the next check
+    throw Error(fmtr("rank {}: allocating the FP8 copy of the layer's MXFP4 weights, {} bytes: {} (give the layers one "
+                     "GpuLayerConfig::fp8_copy_workspace)",
+                     rank, need, cudaGetErrorString(e)));
+  }
+  allocations.push_back(p);
+  return static_cast<uint8_t*>(p);
 }
 
 void GpuMoeLayer::Impl::create_clocks_and_streams() {
