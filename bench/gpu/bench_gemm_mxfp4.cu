@@ -8,6 +8,7 @@
 //     MXFP4 / FP8 (target <= 0.55), and the MXFP4 bytes read (codes + scales of the experts with
 //     tokens) over the time, in TB/s and as a fraction of copy.
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
+//     each, and gpt-oss-120b's GEMM1 over its 128 experts (N 5760, K 2944) at 64 / 256 / 1024 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9); MXFP4 three ways: 64- and 128-token
 //     tiles of the MXFP4 kernel, and the FP8 copy (GemmConfig::mxfp4_fp8_copy: the weights widened
 //     once per run, then the FP8 kernel; its time is both kernels').
@@ -198,6 +199,37 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   return us;
 }
 
+// One contiguous row count: the FP8 kernel, the MXFP4 kernel in 64- and 128-token tiles, and the
+// FP8 copy, with what the copy adds over the FP8 kernel against the bytes it moves (codes, scale
+// words, e4m3 written).
+json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool quick) {
+  const int iters = quick ? 5 : 10;
+  std::string c8, c4, c4b, cc;
+  const double us8 = time_contiguous(false, experts, rows, n, k, iters, c8);
+  const double us4 = time_contiguous(true, experts, rows, n, k, iters, c4);
+  const double us4b = time_contiguous(true, experts, rows, n, k, iters, c4b, 64);
+  const double usc = time_contiguous(true, experts, rows, n, k, iters, cc, 0, true);
+  const double flops = 2.0 * experts * rows * double(n) * k;
+  const auto tf = [&](double us) { return flops / (us * 1e-6) / 1e12; };
+  const double tf8 = tf(us8);
+  const std::string label = std::string(shape) + ", " + std::to_string(rows);
+  std::printf("%-28s %10s %10.1f %9s %9.1f %7.3f   %s\n", label.c_str(), "", us4b, "", tf(us4b), tf(us4b) / tf8,
+              c4b.c_str());
+  std::printf("%-28s %10.1f %10.1f %9.1f %9.1f %7.3f   %s\n", label.c_str(), us8, us4, tf8, tf(us4), tf(us4) / tf8,
+              c4.c_str());
+  const double weights = double(experts) * n * k, copy_bytes = weights / 2 + weights / 128 * 4 + weights;
+  const double copy_us = usc - us8;
+  std::printf("%-28s %10s %10.1f %9s %9.1f %7.3f   %s (over fp8: %.1f us, %.2f TB/s of copy bytes)\n", label.c_str(),
+              "", usc, "", tf(usc), tf(usc) / tf8, cc.c_str(), copy_us, copy_bytes / (copy_us * 1e-6) / 1e12);
+  return json{{"shape", shape},         {"experts", experts},          {"n", n},
+              {"k", k},                 {"rows_per_expert", rows},     {"us_fp8", us8},
+              {"us_mxfp4", us4},        {"us_mxfp4_64", us4b},         {"TFLOPs_fp8", tf8},
+              {"TFLOPs_mxfp4", tf(us4)}, {"ratio", tf(us4) / tf8},     {"ratio_64", tf(us4b) / tf8},
+              {"config_fp8", c8},       {"config_mxfp4", c4},          {"us_mxfp4_copy", usc},
+              {"TFLOPs_mxfp4_copy", tf(usc)}, {"ratio_copy", tf(usc) / tf8}, {"copy_over_fp8_us", copy_us},
+              {"config_mxfp4_copy", cc}};
+}
+
 // --trace FILE: one GEMM1 (MXFP4, or FP8 with --trace-fp8) of DeepSeek-V3 x 8 (or gpt-oss-120b x 32
 // with --trace-oss) at `rows` rows per expert (--trace-rows, default 16; the heuristic's plan), CTA
 // 0's stage trace (MaskedGemm::set_stage_trace) after two warm-up runs, as CSV (SM cycles from its
@@ -321,33 +353,16 @@ int main(int argc, char** argv) {
                {"all 64", std::vector<int32_t>(s.experts, 64)}})
         out["masked"].push_back(run_masked(s, name, mm, copy, iters));
     }
-    std::printf("\ncontiguous, 8 experts, N 4096 K 7168\n%-12s %10s %10s %9s %9s %7s   %s\n", "rows/expert", "us fp8",
-                "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
-    for (int rows : {512, 2048, 8192}) {
-      if (masked_only) break;
-      std::string c8, c4, c4b;
-      const double us8 = time_contiguous(false, 8, rows, 4096, 7168, quick ? 5 : 10, c8);
-      const double us4 = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, c4);
-      const double us4b = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, c4b, 64);
-      std::printf("%-12d %10s %10.1f %9s %9.1f %7.3f   %s\n", rows, "", us4b, "", 2.0 * 8 * rows * 4096.0 * 7168.0 /
-                  (us4b * 1e-6) / 1e12, us8 / us4b, c4b.c_str());
-      const double flops = 2.0 * 8 * rows * 4096.0 * 7168.0;
-      const double tf8 = flops / (us8 * 1e-6) / 1e12, tf4 = flops / (us4 * 1e-6) / 1e12;
-      std::printf("%-12d %10.1f %10.1f %9.1f %9.1f %7.3f   %s\n", rows, us8, us4, tf8, tf4, tf4 / tf8, c4.c_str());
-      std::string cc;
-      const double usc = time_contiguous(true, 8, rows, 4096, 7168, quick ? 5 : 10, cc, 0, true);
-      const double tfc = flops / (usc * 1e-6) / 1e12;
-      // What the copy adds to the FP8 kernel's time, against the bytes it moves: codes, scale words, e4m3.
-      const double weights = 8 * 4096.0 * 7168.0, copy_bytes = weights / 2 + weights / 128 * 4 + weights;
-      const double copy_us = usc - us8;
-      std::printf("%-12d %10s %10.1f %9s %9.1f %7.3f   %s (over fp8: %.1f us, %.2f TB/s of copy bytes)\n", rows, "",
-                  usc, "", tfc, tfc / tf8, cc.c_str(), copy_us, copy_bytes / (copy_us * 1e-6) / 1e12);
-      out["contiguous"].push_back(json{{"rows_per_expert", rows}, {"us_fp8", us8}, {"us_mxfp4", us4},
-                                       {"TFLOPs_fp8", tf8}, {"TFLOPs_mxfp4", tf4}, {"ratio", tf4 / tf8},
-                                       {"config_fp8", c8}, {"config_mxfp4", c4}, {"us_mxfp4_copy", usc},
-                                       {"TFLOPs_mxfp4_copy", tfc}, {"ratio_copy", tfc / tf8},
-                                       {"copy_over_fp8_us", copy_us},
-                                       {"config_mxfp4_copy", cc}});
+    if (!masked_only) {
+      // The MISSION shapes, then gpt-oss-120b's GEMM1 over all 128 experts at the rows per expert
+      // a prefill chunk of 2K / 8K / 32K tokens per rank gives (T k / E = T / 32): where the copy,
+      // which widens every expert once per run, has the fewest rows to pay for it.
+      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy)\n%-28s %10s %10s %9s %9s "
+                  "%7s   %s\n", "shape, rows/expert", "us fp8", "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
+      for (int rows : {512, 2048, 8192})
+        out["contiguous"].push_back(run_contiguous("8 experts N 4096 K 7168", 8, 4096, 7168, rows, quick));
+      for (int rows : {64, 256, 1024})
+        out["contiguous_oss"].push_back(run_contiguous("gpt-oss-120b 128 x N 5760 K 2944", 128, 5760, 2944, rows, quick));
     }
     if (!json_path.empty()) write_text_file(json_path, out.dump(1));
   } catch (const std::exception& e) {
