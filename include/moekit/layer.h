@@ -163,9 +163,9 @@ struct GpuLayerConfig {
   // Prefill, MXFP4: where the contiguous GEMMs widen their weights into an FP8 copy once per run
   // (gemm.h GemmConfig::mxfp4_fp8_copy), the memory for that copy: fp8_copy_workspace_bytes of
   // device memory, at least gpu_layer_fp8_copy_bytes, 16-byte aligned. The layer's two GEMMs share
-  // it, and so may layers that run one after another on one stream (gpt-oss-120b on one GPU: one
-  // 2.2 GB copy for all 36 layers, where each layer's own would be 2.2 GB). Null: a layer whose
-  // GEMMs copy allocates its own; one whose GEMMs do not copy ignores it.
+  // it, and so may layers that run one after another on one stream, never two at once (gpt-oss-120b
+  // on one GPU: one 2.2 GB copy for all 36 layers, where copies of their own would take 79 GB).
+  // Null: a layer whose GEMMs copy allocates its own; one whose GEMMs do not copy ignores it.
   uint8_t* fp8_copy_workspace = nullptr;
   size_t fp8_copy_workspace_bytes = 0;
 };
