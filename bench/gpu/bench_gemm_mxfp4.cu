@@ -213,13 +213,13 @@ json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool
   const auto tf = [&](double us) { return flops / (us * 1e-6) / 1e12; };
   const double tf8 = tf(us8);
   const std::string label = std::string(shape) + ", " + std::to_string(rows);
-  std::printf("%-28s %10s %10.1f %9s %9.1f %7.3f   %s\n", label.c_str(), "", us4b, "", tf(us4b), tf(us4b) / tf8,
+  std::printf("%-40s %10s %10.1f %9s %9.1f %7.3f   %s\n", label.c_str(), "", us4b, "", tf(us4b), tf(us4b) / tf8,
               c4b.c_str());
-  std::printf("%-28s %10.1f %10.1f %9.1f %9.1f %7.3f   %s\n", label.c_str(), us8, us4, tf8, tf(us4), tf(us4) / tf8,
+  std::printf("%-40s %10.1f %10.1f %9.1f %9.1f %7.3f   %s\n", label.c_str(), us8, us4, tf8, tf(us4), tf(us4) / tf8,
               c4.c_str());
   const double weights = double(experts) * n * k, copy_bytes = weights / 2 + weights / 128 * 4 + weights;
   const double copy_us = usc - us8;
-  std::printf("%-28s %10s %10.1f %9s %9.1f %7.3f   %s (over fp8: %.1f us, %.2f TB/s of copy bytes)\n", label.c_str(),
+  std::printf("%-40s %10s %10.1f %9s %9.1f %7.3f   %s (over fp8: %.1f us, %.2f TB/s of copy bytes)\n", label.c_str(),
               "", usc, "", tf(usc), tf(usc) / tf8, cc.c_str(), copy_us, copy_bytes / (copy_us * 1e-6) / 1e12);
   return json{{"shape", shape},         {"experts", experts},          {"n", n},
               {"k", k},                 {"rows_per_expert", rows},     {"us_fp8", us8},
@@ -357,7 +357,7 @@ int main(int argc, char** argv) {
       // The MISSION shapes, then gpt-oss-120b's GEMM1 over all 128 experts at the rows per expert
       // a prefill chunk of 2K / 8K / 32K tokens per rank gives (T k / E = T / 32): where the copy,
       // which widens every expert once per run, has the fewest rows to pay for it.
-      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy)\n%-28s %10s %10s %9s %9s "
+      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy)\n%-40s %10s %10s %9s %9s "
                   "%7s   %s\n", "shape, rows/expert", "us fp8", "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
       for (int rows : {512, 2048, 8192})
         out["contiguous"].push_back(run_contiguous("8 experts N 4096 K 7168", 8, 4096, 7168, rows, quick));
