@@ -11,14 +11,16 @@
 //     each, and gpt-oss-120b's GEMM1 over its 128 experts (N 5760, K 2944) at 64 / 256 / 1024 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9); MXFP4 three ways: 64- and 128-token
 //     tiles of the MXFP4 kernel, and the FP8 copy (GemmConfig::mxfp4_fp8_copy: the weights widened
-//     once per run, then the FP8 kernel; its time is both kernels').
+//     once per run, then the FP8 kernel; its time is both kernels'), made first and made beside the
+//     GEMM on C SMs (GemmConfig::mxfp4_fp8_copy_ctas; --beside-ctas C1,C2,...: one row each, 0 = the
+//     heuristic's count; default 0).
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
 // holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M]
-// [--mx-widen registers|smem|smem2] [--masked-only] (study knobs, 0 = the heuristic's: N the MXFP4
+// [--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] (study knobs, 0 = the heuristic's: N the MXFP4
 // masked plans' ring depth, M the token block of their tiles above 32 rows; --mx-widen: every MXFP4
 // plan widening in registers, or with one or two widening warpgroups (GemmConfig::mxfp4_widen_wgs;
 // smem2 for the masked plans of up to 64 tokens, the others take smem); --masked-only skips the
-// contiguous part; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]: only CTA 0's stage trace
+// contiguous part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]: only CTA 0's stage trace
 // of one GEMM1, trace_gemm1 below, in a build configured with -DMOEKIT_STAGE_TRACE=ON)
 #include <algorithm>
 #include <cstdio>
@@ -26,6 +28,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -96,6 +99,7 @@ int g_mx_block_m = 0;
 // --mx-widen: -1 the heuristic's, else GemmConfig::mxfp4_widen_wgs (0 registers, 1 or 2 widening
 // warpgroups, gemm_mxfp4_widen.cuh).
 int g_mx_widen = -1;
+std::vector<int> g_beside_ctas = {0};
 
 std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
@@ -168,9 +172,10 @@ json run_masked(const Shape& s, const std::string& name, const std::vector<int32
 }
 
 // fp8_copy: the MXFP4 weights widened into an FP8 copy per run, then the FP8 kernel
-// (GemmConfig::mxfp4_fp8_copy); the time is both kernels'.
+// (GemmConfig::mxfp4_fp8_copy); the time is both kernels'. beside_ctas >= 0 (with fp8_copy): the copy
+// beside the GEMM on that many SMs (0: the heuristic's count).
 double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, int iters, std::string& config,
-                       int block_m = 0, bool fp8_copy = false) {
+                       int block_m = 0, bool fp8_copy = false, int beside_ctas = -1) {
   const int total = experts * rows_per_expert;
   std::vector<int32_t> re(total);
   for (int i = 0; i < total; ++i) re[i] = i / rows_per_expert;
@@ -192,6 +197,12 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   if (block_m > 0) forced.block_m = block_m;
   if (mx && !fp8_copy && g_mx_widen >= 0) forced.mxfp4_widen_wgs = std::min(g_mx_widen, 1);  // (two: masked only)
   forced.num_ctas = 0;
+  if (fp8_copy && beside_ctas >= 0) {
+    int dev = 0, sms = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    forced = choose_mxfp4_fp8_copy_beside_config(p, sms, beside_ctas);
+  }
   ContiguousGemm plan(p, b, &forced);
   config = plan.config().to_string();
   const double us = median_us(iters, [&](int) { plan.run(nullptr); });
@@ -221,7 +232,15 @@ json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool
   const double copy_us = usc - us8;
   std::printf("%-40s %10s %10.1f %9s %9.1f %7.3f   %s (over fp8: %.1f us, %.2f TB/s of copy bytes)\n", label.c_str(),
               "", usc, "", tf(usc), tf(usc) / tf8, cc.c_str(), copy_us, copy_bytes / (copy_us * 1e-6) / 1e12);
-  return json{{"shape", shape},         {"experts", experts},          {"n", n},
+  json beside = json::array();
+  for (int ctas : g_beside_ctas) {
+    std::string cb;
+    const double usb = time_contiguous(true, experts, rows, n, k, iters, cb, 0, true, ctas);
+    std::printf("%-40s %10s %10.1f %9s %9.1f %7.3f   %s (beside: %.0f%% of the copy-first time)\n", label.c_str(), "",
+                usb, "", tf(usb), tf(usb) / tf8, cb.c_str(), 100 * usb / usc);
+    beside.push_back({{"ctas_asked", ctas}, {"us", usb}, {"ratio", tf(usb) / tf8}, {"config", cb}});
+  }
+  return json{{"shape", shape},         {"experts", experts},          {"n", n}, {"beside", beside},
               {"k", k},                 {"rows_per_expert", rows},     {"us_fp8", us8},
               {"us_mxfp4", us4},        {"us_mxfp4_64", us4b},         {"TFLOPs_fp8", tf8},
               {"TFLOPs_mxfp4", tf(us4)}, {"ratio", tf(us4) / tf8},     {"ratio_64", tf(us4b) / tf8},
@@ -300,7 +319,7 @@ int main(int argc, char** argv) {
   std::string trace_path;
   bool trace_fp8 = false, trace_oss = false;
   int trace_rows = 16;
-  bool quick = false, masked_only = false;
+  bool quick = false, masked_only = false, only_oss = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
@@ -315,13 +334,26 @@ int main(int argc, char** argv) {
       g_mx_widen = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
     }
     else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
+    else if (!std::strcmp(argv[i], "--only-oss")) only_oss = true;
+    else if (!std::strcmp(argv[i], "--beside-ctas") && i + 1 < argc) {
+      g_beside_ctas.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string v; std::getline(list, v, ',');) {
+        const int c = std::atoi(v.c_str());
+        if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos || c > 131) {
+          std::fprintf(stderr, "bench_gemm_mxfp4: --beside-ctas value '%s'; expected 0..131\n", v.c_str());
+          return 2;
+        }
+        g_beside_ctas.push_back(c);
+      }
+    }
     else if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_path = argv[++i];
     else if (!std::strcmp(argv[i], "--trace-fp8")) trace_fp8 = true;
     else if (!std::strcmp(argv[i], "--trace-oss")) trace_oss = true;
     else if (!std::strcmp(argv[i], "--trace-rows") && i + 1 < argc) trace_rows = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
-                           "[--mx-widen registers|smem|smem2] [--masked-only] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]]\n");
+                           "[--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]]\n");
       return 2;
     }
   }
@@ -357,10 +389,10 @@ int main(int argc, char** argv) {
       // The MISSION shapes, then gpt-oss-120b's GEMM1 over all 128 experts at the rows per expert
       // a prefill chunk of 2K / 8K / 32K tokens per rank gives (T k / E = T / 32): where the copy,
       // which widens every expert once per run, has the fewest rows to pay for it.
-      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy)\n%-40s %10s %10s %9s %9s "
+      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy first, beside)\n%-40s %10s %10s %9s %9s "
                   "%7s   %s\n", "shape, rows/expert", "us fp8", "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
       for (int rows : {512, 2048, 8192})
-        out["contiguous"].push_back(run_contiguous("8 experts N 4096 K 7168", 8, 4096, 7168, rows, quick));
+        if (!only_oss) out["contiguous"].push_back(run_contiguous("8 experts N 4096 K 7168", 8, 4096, 7168, rows, quick));
       for (int rows : {64, 256, 1024})
         out["contiguous_oss"].push_back(run_contiguous("gpt-oss-120b 128 x N 5760 K 2944", 128, 5760, 2944, rows, quick));
     }

@@ -156,6 +156,11 @@ struct GemmConfig {
   // until measured on a GPU (docs/gemm-mxfp4.md); MOEKIT_MXFP4_PREFILL=copy or registers sets it
   // over the heuristic for contiguous MXFP4 plans made without a config.
   bool mxfp4_fp8_copy = false;
+  // With mxfp4_fp8_copy: > 0 makes the copy beside the GEMM, on this many SMs of their own, and
+  // hands each 128-row block of it to the GEMM (on num_ctas other SMs) once it is widened over all
+  // of K (mxfp4_fp8_copy.cuh); 0 makes the whole copy first. choose_mxfp4_fp8_copy_beside_config;
+  // MOEKIT_MXFP4_PREFILL=beside (or beside:N for N SMs) sets it over the heuristic.
+  int mxfp4_fp8_copy_ctas = 0;
   std::string to_string() const;
 };
 
@@ -196,6 +201,10 @@ GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms)
 // The config of a contiguous MXFP4 problem through an FP8 copy of its weights
 // (GemmConfig::mxfp4_fp8_copy); throws moekit::Error naming the format for FP8 weights.
 GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_sms);
+// The same with the copy beside the GEMM (GemmConfig::mxfp4_fp8_copy_ctas): `copy_ctas` SMs for the
+// copy, or 0 for the fewest that keep it ahead of the GEMM on the rest (counted from the problem's
+// bytes and FLOPs, gemm_heuristic.cu); throws moekit::Error naming copy_ctas outside 0..num_sms-1.
+GemmConfig choose_mxfp4_fp8_copy_beside_config(const ContiguousGemmProblem& p, int num_sms, int copy_ctas = 0);
 // The config a ContiguousGemm made without one takes: choose_contiguous_config on the current
 // device's SMs, then, for MXFP4 weights, the MOEKIT_MXFP4_PREFILL and MOEKIT_MXFP4_WIDEN knobs.
 // For callers that size memory by the config before they make the plan (a layer that gives its

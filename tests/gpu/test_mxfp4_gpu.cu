@@ -535,8 +535,22 @@ struct ContiguousCase : Mxfp4Operands {
   }
 };
 
-// The contiguous configs: the register kernel's 128-token tiles, one widening warpgroup, and the
-// FP8 copy (the FP8 kernel's 128 x 256 tiles on the widened weights).
+int device_sms() {
+  int dev = 0, sms = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+// The FP8 copy made beside the GEMM on `copy_ctas` SMs (1: the GEMM waits for almost every row
+// block) with the GEMM on the rest of this device's SMs.
+GemmConfig beside_config(const ContiguousGemmProblem& p, int copy_ctas) {
+  return choose_mxfp4_fp8_copy_beside_config(p, device_sms(), copy_ctas);
+}
+
+// The contiguous configs: the register kernel's 128-token tiles, one widening warpgroup, the
+// FP8 copy (the FP8 kernel's 128 x 256 tiles on the widened weights) made first, and made beside
+// the GEMM on 1 and on 5 SMs.
 std::vector<GemmConfig> contiguous_configs(const ContiguousGemmProblem& p) {
   std::vector<GemmConfig> out;
   for (int widen : {0, 1}) {
@@ -548,6 +562,7 @@ std::vector<GemmConfig> contiguous_configs(const ContiguousGemmProblem& p) {
   GemmConfig copy = choose_mxfp4_fp8_copy_config(p, 132);
   copy.num_ctas = 0;
   out.push_back(copy);
+  for (int ctas : {1, 5}) out.push_back(beside_config(p, ctas));
   return out;
 }
 
@@ -586,6 +601,9 @@ TEST(GemmMxfp4Contiguous, Fp8CopyOnGptOssShapesAndWideSpread) {
     ContiguousCase c({200, 128}, 2944, 2944, rng);
     const GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
     expect_good(c.run_once(&copy, true), "contiguous fp8_copy, N 2944 K 2944");
+    const GemmConfig beside = beside_config(c.problem, 0);  // the heuristic's count
+    EXPECT_GT(beside.mxfp4_fp8_copy_ctas, 0) << beside.to_string();
+    expect_good(c.run_once(&beside, true), "contiguous fp8_copy beside, N 2944 K 2944, " + beside.to_string());
   }
   {  // scale bytes over 100..140: many groups take the widening's rounded tables
     ContiguousCase c({128, 70}, 256, 1024, rng, 100, 140);
@@ -598,10 +616,11 @@ TEST(GemmMxfp4Contiguous, Fp8CopyGraphReplayWithNewWeightsAndData) {
   // The copy is made in every run: a graph replayed after new weights were uploaded must use
   // them (a stale copy fails here), and the plan's overlap with a kernel before it keeps the order.
   std::mt19937 rng(108);
+  // Beside the GEMM, the row-block counters must also start again from zero in every replay.
   ContiguousCase c({100, 256, 30}, 512, 768, rng);
-  const GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
   // The second plan writes its copy into the caller's workspace (fp8_copy_workspace).
   DeviceBuffer<uint8_t> workspace(mxfp4_fp8_copy_bytes(c.problem));
+  for (const GemmConfig& copy : {choose_mxfp4_fp8_copy_config(c.problem, 132), beside_config(c.problem, 2)})
   for (Overlap overlap : {Overlap::kNone, Overlap::kPreviousKernel}) {
     ContiguousGemmBuffers b = c.buffers(true);
     if (overlap == Overlap::kPreviousKernel) b.fp8_copy_workspace = workspace.ptr;
@@ -617,7 +636,7 @@ TEST(GemmMxfp4Contiguous, Fp8CopyGraphReplayWithNewWeightsAndData) {
         c.d_out.poison(0xFF);
         graph.launch(stream);
         MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        expect_good(c.check(true), std::string("fp8_copy graph replay ") + std::to_string(rep) +
+        expect_good(c.check(true), "fp8_copy graph replay " + std::to_string(rep) + ", " + copy.to_string() +
                                        (overlap == Overlap::kNone ? "" : ", overlap, the caller's workspace"));
       }
     }
@@ -657,10 +676,30 @@ TEST(GemmMxfp4Contiguous, Fp8CopyBadArgumentsAreNamed) {
   GemmConfig masked_copy = forced_mx(16, 1, 0);
   masked_copy.mxfp4_fp8_copy = true;
   expect_error([&] { MaskedGemm g(mp, m.buffers(false), &masked_copy); }, {"fp8_copy", "contiguous plans"});
-  // The study knob over the heuristic: a bad value is named; copy and registers are taken.
-  setenv("MOEKIT_MXFP4_PREFILL", "fp8", 1);
-  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true)); },
-               {"MOEKIT_MXFP4_PREFILL = 'fp8'", "copy or registers"});
+  // Beside the GEMM: the copy's SM count must leave the GEMM some, and the two fit the device.
+  const int sms = device_sms();
+  expect_error([&] { choose_mxfp4_fp8_copy_beside_config(c.problem, 132, 132); }, {"copy_ctas = 132", "1..131"});
+  expect_error([&] { choose_mxfp4_fp8_copy_beside_config(c.problem, 132, -1); }, {"copy_ctas = -1"});
+  copy = beside_config(c.problem, 4);
+  copy.num_ctas = sms;
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true), &copy); },
+               {"beside_ctas=4", "ctas + beside_ctas <= the device's " + std::to_string(sms) + " SMs"});
+  copy.num_ctas = 0;
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true), &copy); }, {"beside_ctas", "with ctas set"});
+  // The study knob over the heuristic: a bad value is named; copy, beside and registers are taken.
+  for (const char* bad : {"fp8", "beside:", "beside:0", "beside:x", "besides", "beside:99999999"}) {
+    setenv("MOEKIT_MXFP4_PREFILL", bad, 1);
+    expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true)); },
+                 {"MOEKIT_MXFP4_PREFILL = '" + std::string(bad) + "'", "copy, beside, beside:N"});
+  }
+  setenv("MOEKIT_MXFP4_PREFILL", "beside:3", 1);
+  {
+    const ContiguousGemm g(c.problem, c.buffers(true));
+    EXPECT_EQ(g.config().mxfp4_fp8_copy_ctas, 3) << g.config().to_string();
+    EXPECT_EQ(g.config().num_ctas, sms - 3) << g.config().to_string();
+  }
+  setenv("MOEKIT_MXFP4_PREFILL", "beside", 1);
+  EXPECT_GT(ContiguousGemm(c.problem, c.buffers(true)).config().mxfp4_fp8_copy_ctas, 0);
   setenv("MOEKIT_MXFP4_PREFILL", "copy", 1);
   EXPECT_TRUE(ContiguousGemm(c.problem, c.buffers(true)).config().mxfp4_fp8_copy);
   setenv("MOEKIT_MXFP4_PREFILL", "registers", 1);

@@ -131,8 +131,11 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // written by this kernel. With early weights only the producer warp waits, after its first
   // loads; the consumers touch nothing the previous kernel writes except through the producer's
   // loads, and write nothing it reads.
+  // kFlagWeightsReady (contiguous): the copy before this kernel waited for the kernel before it, and
+  // the producer waits for the copy's row blocks tile by tile (weights_ready_wait).
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
-  begin_gemm(args, early_weights, full, empty, kMathWGs * 4 * kCluster);
+  const bool weights_ready = !kMasked && (args.flags & kFlagWeightsReady);
+  begin_gemm(args, early_weights || weights_ready, full, empty, kMathWGs * 4 * kCluster);
   const int rank = kCluster > 1 ? int(ptx::cluster_ctarank()) : 0;
   if constexpr (kCluster > 1) ptx::cluster_sync();  // the peer's barriers exist before we load into them
   if (threadIdx.x == 0) {
@@ -184,6 +187,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
     // up box inter rows further down.
     auto load_w = [&](int stage, int kb, const TileInfo& t) {
       const bool kept = (args.flags & kFlagLastExpertFirst) && t.e == args.num_experts - 1;
+      if (weights_ready && kb == t.kb_begin) weights_ready_wait<kBlockW>(args, t.e, t.w0);
 #pragma unroll
       for (int sl = 0; sl < (kGated ? 2 : 1); ++sl)
         ptx::tma_load_2d(w_tiles + stage * Layout::kWTile + sl * kBlockW * kBlockK, &tma_w, &full[stage],
@@ -416,6 +420,8 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   }
   if constexpr (kMasked) {
     if (args.ready_in) expert_ready_reset<kMathThreads>(args, mtid, &last_flag);
+  } else {
+    if (weights_ready) weights_ready_reset<kMathThreads>(args, mtid, &last_flag);
   }
   if (mtid == 0) stamp_end(args.stamp);
   end_cluster<kCluster>();

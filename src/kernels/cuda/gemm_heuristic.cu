@@ -192,4 +192,27 @@ GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_
   return cfg;
 }
 
+// The copy beside the GEMM must finish no later than the GEMM on the SMs left to it. Per SM, the
+// FP8 kernel multiplies at ~9 TFLOP/s (1200 over 132 SMs) and a copy CTA moves ~100 GB/s of the
+// copy's 1.53 bytes per weight (4.25 bits read, 8 written). With x = copy bytes per copy SM over
+// FLOPs per GEMM SM in time, C SMs suffice when C / (SMs - C) >= x; a quarter more for the GEMM's
+// head start on the first row blocks, and at least 4, at most half the SMs.
+GemmConfig choose_mxfp4_fp8_copy_beside_config(const ContiguousGemmProblem& p, int num_sms, int copy_ctas) {
+  MOEKIT_CHECK(copy_ctas >= 0 && copy_ctas < num_sms, "choose_mxfp4_fp8_copy_beside_config: copy_ctas = " +
+                                                          std::to_string(copy_ctas) + "; expected 0 (the heuristic's) "
+                                                          "or 1.." + std::to_string(num_sms - 1));
+  GemmConfig cfg = choose_mxfp4_fp8_copy_config(p, num_sms);
+  if (copy_ctas == 0) {
+    constexpr double kGemmFlopsPerSm = 9.0e12, kCopyBytesPerSm = 100e9;
+    const double weights = double(p.num_experts) * p.n * p.k;
+    const double flops = 2.0 * double(p.total_m) * p.n * p.k;
+    const double x = 1.53 * weights / kCopyBytesPerSm / (flops / kGemmFlopsPerSm);
+    const double c = 1.25 * num_sms * x / (1 + x);
+    copy_ctas = std::clamp(int(std::ceil(c)), std::min(4, num_sms / 2), num_sms / 2);
+  }
+  cfg.mxfp4_fp8_copy_ctas = copy_ctas;
+  cfg.num_ctas = num_sms - copy_ctas;
+  return cfg;
+}
+
 }  // namespace moekit

@@ -18,6 +18,7 @@ std::string GemmConfig::to_string() const {
      << " smem=" << smem_bytes;
   if (mxfp4_widen_wgs != 0) os << " widen_wgs=" << mxfp4_widen_wgs;
   if (mxfp4_fp8_copy) os << " fp8_copy";
+  if (mxfp4_fp8_copy_ctas > 0) os << " beside_ctas=" << mxfp4_fp8_copy_ctas;
   return os.str();
 }
 
@@ -116,9 +117,23 @@ void apply_mxfp4_prefill_knob(GemmConfig& cfg, const ContiguousGemmProblem& p) {
   const char* env = std::getenv("MOEKIT_MXFP4_PREFILL");
   if (env == nullptr || env[0] == '\0') return;
   const std::string v = env;
-  MOEKIT_CHECK(v == "copy" || v == "registers",
-               "MOEKIT_MXFP4_PREFILL = '" + v + "'; expected copy or registers (or unset)");
-  if (v == "copy") cfg = choose_mxfp4_fp8_copy_config(p, cfg.num_ctas > 0 ? cfg.num_ctas : num_sms());
+  const int sms = cfg.num_ctas > 0 ? cfg.num_ctas : num_sms();
+  const std::string bad = "MOEKIT_MXFP4_PREFILL = '" + v + "'; expected copy, beside, beside:N (N SMs for the copy, 1.." +
+                          std::to_string(sms - 1) + ") or registers (or unset)";
+  if (v.rfind("beside", 0) == 0) {
+    int ctas = 0;
+    if (v != "beside") {
+      MOEKIT_CHECK(v.size() > 7 && v[6] == ':' && v.find_first_not_of("0123456789", 7) == std::string::npos &&
+                       v.size() <= 10,
+                   bad);
+      ctas = std::stoi(v.substr(7));
+      MOEKIT_CHECK(ctas >= 1 && ctas < sms, bad);
+    }
+    cfg = choose_mxfp4_fp8_copy_beside_config(p, sms, ctas);
+    return;
+  }
+  MOEKIT_CHECK(v == "copy" || v == "registers", bad);
+  if (v == "copy") cfg = choose_mxfp4_fp8_copy_config(p, sms);
   else cfg.mxfp4_fp8_copy = false;
 }
 
@@ -213,7 +228,7 @@ void PlanCore::run(cudaStream_t stream) const {
 }
 
 void PlanCore::set_overlap(Overlap overlap) {
-  args.flags = (args.flags & (kFlagEarlyTrigger | kFlagLastExpertFirst)) |
+  args.flags = (args.flags & (kFlagEarlyTrigger | kFlagLastExpertFirst | kFlagWeightsReady)) |
                (overlap == Overlap::kNone                        ? 0
                : overlap == Overlap::kPreviousKernel            ? kFlagPdl
                : overlap == Overlap::kPreviousKernelStaticWeights ? kFlagPdl | kFlagEarlyWeights

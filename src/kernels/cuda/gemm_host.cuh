@@ -195,6 +195,8 @@ struct Mxfp4Fp8Copy {
   const uint32_t* words = nullptr;
   int runs = 0, k = 0;
   bool pdl = false;                  // the plan's overlap with the kernel before it
+  int ctas = 0;                      // > 0: the copy beside the GEMM on this many SMs
+  int* ready = nullptr;              // beside: [E x N / 128 + 1] row-block counters (gemm_schedule.cuh)
   Mxfp4Fp8Copy() = default;
   Mxfp4Fp8Copy(const Mxfp4Fp8Copy&) = delete;
   Mxfp4Fp8Copy& operator=(const Mxfp4Fp8Copy&) = delete;
@@ -205,7 +207,8 @@ struct Mxfp4Fp8Copy {
 // The FP8-copy parts of a contiguous MXFP4 plan (gemm_mxfp4.cu): checks the config, allocates
 // the copy (in `workspace` where given: checked non-null and aligned by the caller), picks the FP8
 // kernel with the affine epilogue and builds its weight TMA map; the GEMM always waits for the copy
-// (kFlagPdl). The caller binds with copy.unit_scales as w_scales.
+// (kFlagPdl), for all of it or (GemmConfig::mxfp4_fp8_copy_ctas) row block by row block
+// (kFlagWeightsReady). The caller binds with copy.unit_scales as w_scales.
 void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, int n, int k, const uint8_t* w,
                          const uint32_t* w_mx_scales, const float* bias, uint8_t* workspace);
 

@@ -79,6 +79,12 @@ void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, in
                    " is not compiled; the FP8 copy (fp8_copy) runs the normal orientation with block_m = 128, "
                    "block_n = 256, splits = 1, cluster = 1 and no widening warpgroups "
                    "(choose_mxfp4_fp8_copy_config)");
+  const int sms = num_sms();
+  MOEKIT_CHECK(c.mxfp4_fp8_copy_ctas >= 0 && c.mxfp4_fp8_copy_ctas < sms &&
+                   (c.mxfp4_fp8_copy_ctas == 0 || (c.num_ctas > 0 && c.num_ctas + c.mxfp4_fp8_copy_ctas <= sms)),
+               "contiguous MXFP4 GEMM config " + c.to_string() + ": beside_ctas (the SMs of the copy beside the GEMM) = " +
+                   std::to_string(c.mxfp4_fp8_copy_ctas) + "; expected 0, or 1.." + std::to_string(sms - 1) +
+                   " with ctas set and ctas + beside_ctas <= the device's " + std::to_string(sms) + " SMs");
   plan.launch = Instance<false, false, 2, 128, 256, false, 1, true>::launch(plan.cfg, 0);
   const int k_blocks = k / kBlockK;
   const size_t rows = size_t(num_experts) * n;
@@ -102,15 +108,30 @@ void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, in
   plan.args.bias = bias;
   plan.args.out_col_scale = copy.col_scale;
   plan.args.flags |= kFlagPdl;  // the GEMM's prologue under the copy's tail; it waits for the copy
+  copy.ctas = c.mxfp4_fp8_copy_ctas;
+  if (copy.ctas > 0) {  // the GEMM on the other SMs, row block by row block
+    const size_t counters = rows / kBlockK + 1;
+    allocate(&copy.ready, counters * sizeof(int), "the row-block counters");
+    MOEKIT_CUDA_CHECK(cudaMemset(copy.ready, 0, counters * sizeof(int)));
+    allow_smem(reinterpret_cast<const void*>(&mxfp4_fp8_copy_beside_kernel), kBesideSmemBytes);
+    plan.args.ready_in = copy.ready;
+    plan.args.flags |= kFlagWeightsReady;
+  }
 }
 
 Mxfp4Fp8Copy::~Mxfp4Fp8Copy() {
   if (owns_w8) cudaFree(w8);  // no throw from a destructor; freeing null is a no-op
   cudaFree(col_scale);
   cudaFree(unit_scales);
+  cudaFree(ready);
 }
 
 void Mxfp4Fp8Copy::run(cudaStream_t stream, unsigned long long* stamp) const {
+  if (ctas > 0) {
+    launch_kernel_ex(mxfp4_fp8_copy_beside_kernel, dim3(ctas), dim3(kBesideThreads), kBesideSmemBytes, stream, pdl,
+                     reinterpret_cast<const uint32_t*>(codes), words, k, long(runs), w8, col_scale, ready, stamp);
+    return;
+  }
   launch_kernel_ex(mxfp4_fp8_copy_kernel, dim3(runs), dim3(kFp8CopyThreads), 0, stream, pdl,
                    reinterpret_cast<const uint32_t*>(codes), words, k, w8, col_scale, stamp);
 }

@@ -76,6 +76,13 @@ constexpr int kFlagEarlyTrigger = 16;
 // carries little else, and the CTAs that take the expert's tiles first find them there
 // (gemm.h set_last_expert_first).
 constexpr int kFlagLastExpertFirst = 32;
+// Contiguous, an MXFP4 plan's FP8 copy made beside the GEMM (mxfp4_fp8_copy.cuh, the previous
+// kernel on the stream): the copy adds 1 to ready_in[rb] for every 128-deep block of weight row
+// block rb (128 rows of the [E x N] copy) it has stored, and the producer waits for a tile's row
+// blocks to reach K / 128 before it loads their first stage. Nothing else this kernel reads is
+// written by the copy, and the copy waited for the kernel before it, so the GEMM does not wait
+// for the copy's grid until its end (before its trigger and the counters' reset).
+constexpr int kFlagWeightsReady = 64;
 
 // The expert at position p of the walk, and the position of expert e (kFlagLastExpertFirst:
 // E-1, 0, 1, ..., E-2; otherwise 0, 1, ..., E-1).
@@ -120,6 +127,13 @@ __device__ __forceinline__ void spin_until(Done&& done) {
 // Until a counter reaches target.
 __device__ __forceinline__ void ready_wait(const int* counter, int target) {
   spin_until([&] { return ptx::ld_acquire_gpu(counter) >= target; });
+}
+// kFlagWeightsReady: the row blocks a tile of kBlockW weight rows starting at row t.w0 of expert
+// t.e reads (the last may reach past N: its rows are never stored), each widened over all of K.
+template <int kBlockW>
+__device__ __forceinline__ void weights_ready_wait(const KernelArgs& args, int e, int w0) {
+  const int first = (e * args.n + w0) / 128, k_blocks = args.k / 128;
+  for (int j = 0; j < kBlockW / 128 && w0 + j * 128 < args.n; ++j) ready_wait(args.ready_in + first + j, k_blocks);
 }
 // kFlagRowsReady: expert e's rows from the EP receive, or the receive's abort (gemm.h
 // kRowsReadyAbort in the published word: a receive CTA timed out, so some rows never come).
@@ -445,7 +459,7 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
     }
   }
   // The PDL chain's rule: trigger only after this kernel's own wait (the weights' warp, if split).
-  if (per_expert && role != kProduceActivations) {
+  if ((per_expert && role != kProduceActivations) || (args.flags & kFlagWeightsReady)) {
     ptx::grid_dependency_wait();
     ptx::launch_dependents();
   }
@@ -480,14 +494,27 @@ __device__ __forceinline__ void expert_ready_add(const KernelArgs& args, const T
 // The waiting side, by every math thread at the CTA's end: the last CTA zeroes the counters for
 // the next step. Every CTA's producer has read its counters before its consumers got their last
 // stage, so no read is still to come.
+// kFlagWeightsReady: the same over the copy's E x N / 128 row-block counters (element E x N / 128
+// counts the CTAs), once the copy's grid is complete: it also counts the row blocks of experts
+// without rows, which no tile waits for.
+// `count` counters, then the CTA count; `extra` more words past it are zeroed too.
 template <int kMathThreads>
-__device__ __forceinline__ void expert_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
+__device__ __forceinline__ void ready_reset(int* counters, int count, int extra, int mtid, int* last_flag) {
   math_barrier<kMathThreads>();
-  if (mtid == 0) *last_flag = atomicAdd(args.ready_in + args.num_experts, 1) == int(gridDim.x) - 1;
+  if (mtid == 0) *last_flag = atomicAdd(counters + count, 1) == int(gridDim.x) - 1;
   math_barrier<kMathThreads>();
   if (!*last_flag) return;
-  const int last = args.num_experts + ((args.flags & kFlagRowsReady) ? 1 : 0);  // the published word too
-  for (int e = mtid; e <= last; e += kMathThreads) args.ready_in[e] = 0;
+  for (int i = mtid; i <= count + extra; i += kMathThreads) counters[i] = 0;
+}
+template <int kMathThreads>
+__device__ __forceinline__ void expert_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
+  // (with kFlagRowsReady the published word too)
+  ready_reset<kMathThreads>(args.ready_in, args.num_experts, (args.flags & kFlagRowsReady) ? 1 : 0, mtid, last_flag);
+}
+template <int kMathThreads>
+__device__ __forceinline__ void weights_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
+  ptx::grid_dependency_wait();
+  ready_reset<kMathThreads>(args.ready_in, args.num_experts * (args.n / 128), 0, mtid, last_flag);
 }
 
 }  // namespace moekit::gemm_detail
