@@ -59,7 +59,10 @@
 //   kernels (the copy, then the FP8 GEMM with the row factor and the bias in its epilogue). The
 //   e4m3 values are those the other kernels widen, so the contract above holds unchanged. For
 //   prefill of many rows per expert, where the FP8 kernel's rate is the limit and the other
-//   kernels widen the same weights again in every token tile.
+//   kernels widen the same weights again in every token tile. With GemmConfig::mxfp4_fp8_copy_ctas
+//   the copy runs beside the GEMM on that many SMs and the GEMM (on num_ctas others, the two
+//   together at most the device's SMs) starts on each 128-row block of the copy once it is made;
+//   the plan then also owns E_loc x N / 128 + 1 counters, which each run leaves at zero.
 //
 // Requirements (checked when a plan is made, with the bad value in the message): N and K
 // multiples of 128, M_max and M_total multiples of 4 (16-byte rows of scales for TMA),
