@@ -193,8 +193,9 @@ GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_
 }
 
 // The copy beside the GEMM must finish no later than the GEMM on the SMs left to it. Per SM, the
-// FP8 kernel multiplies at ~9 TFLOP/s (1200 over 132 SMs) and a copy CTA moves ~100 GB/s of the
-// copy's 1.53 bytes per weight (4.25 bits read, 8 written). With x = copy bytes per copy SM over
+// FP8 kernel multiplies at ~9 TFLOP/s (1200 over 132 SMs) and a copy CTA is assumed to move ~100 GB/s
+// of the copy's 1.53 bytes per weight (4.25 bits read, 8 written): not yet measured for the kernel
+// that signals every 8 runs (the one that signalled every run made 28, docs/gemm-mxfp4.md run 32). With x = copy bytes per copy SM over
 // FLOPs per GEMM SM in time, C SMs suffice when C / (SMs - C) >= x; a quarter more for the GEMM's
 // head start on the first row blocks, and at least 4, at most half the SMs.
 GemmConfig choose_mxfp4_fp8_copy_beside_config(const ContiguousGemmProblem& p, int num_sms, int copy_ctas) {
