@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(kBesideThreads, 1)
       widen_code_word(code[i], word[i / 16], i, block0, k);
     }
     if (kb == 0 && threadIdx.x < 128) out_col_scale[row_block * 128 + threadIdx.x] = mxfp4_detail::row_factor(word[threadIdx.x]);
-    // Every kBesideSignalEvery runs (and after the last): the fence waits for this thread's stores,
-    // a memory round trip, so fencing every run made one run per round trip (~28 GB/s of copy bytes
-    // per SM, measured); then the runs since the last signal are released to the GEMM.
+    // Every kBesideSignalEvery runs (and after the last): the fence and the release wait for stores
+    // to complete, a memory round trip; done every run they made ~28 GB/s of copy bytes per SM
+    // (measured; docs/gemm-mxfp4.md run 32). Then the runs since the last signal are released.
     const bool signal = (it + 1) % kBesideSignalEvery == 0 || run_of(it + 1) >= runs;
     if (signal) ptx::fence_proxy_async_global();
     __syncthreads();  // the stage read by every thread (and, when signalling, every store made)
