@@ -493,11 +493,8 @@ __device__ __forceinline__ void expert_ready_add(const KernelArgs& args, const T
 
 // The waiting side, by every math thread at the CTA's end: the last CTA zeroes the counters for
 // the next step. Every CTA's producer has read its counters before its consumers got their last
-// stage, so no read is still to come.
-// kFlagWeightsReady: the same over the copy's E x N / 128 row-block counters (element E x N / 128
-// counts the CTAs), once the copy's grid is complete: it also counts the row blocks of experts
-// without rows, which no tile waits for.
-// `count` counters, then the CTA count; `extra` more words past it are zeroed too.
+// stage, so no read is still to come. `count` counters, then the CTA count; `extra` more words
+// past it are zeroed too.
 template <int kMathThreads>
 __device__ __forceinline__ void ready_reset(int* counters, int count, int extra, int mtid, int* last_flag) {
   math_barrier<kMathThreads>();
@@ -511,6 +508,9 @@ __device__ __forceinline__ void expert_ready_reset(const KernelArgs& args, int m
   // (with kFlagRowsReady the published word too)
   ready_reset<kMathThreads>(args.ready_in, args.num_experts, (args.flags & kFlagRowsReady) ? 1 : 0, mtid, last_flag);
 }
+// kFlagWeightsReady: the copy's E x N / 128 row-block counters (element E x N / 128 counts the
+// CTAs), once the copy's grid is complete: it also counts the row blocks of experts without rows,
+// which no tile waits for.
 template <int kMathThreads>
 __device__ __forceinline__ void weights_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
   ptx::grid_dependency_wait();
