@@ -193,18 +193,18 @@ GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_
 }
 
 // The copy beside the GEMM must finish no later than the GEMM on the SMs left to it. Per SM, the
-// FP8 kernel multiplies at ~9 TFLOP/s (1200 over 132 SMs) and a copy CTA is assumed to move ~100 GB/s
-// of the copy's 1.53 bytes per weight (4.25 bits read, 8 written): not yet measured for the kernel
-// that signals every 8 runs (the one that signalled every run made 28, docs/gemm-mxfp4.md run 32). With x = copy bytes per copy SM over
-// FLOPs per GEMM SM in time, C SMs suffice when C / (SMs - C) >= x; a quarter more for the GEMM's
-// head start on the first row blocks, and at least 4, at most half the SMs.
+// FP8 kernel multiplies at ~9 TFLOP/s (1200 over 132 SMs) and a copy CTA moves ~50 GB/s of the
+// copy's 1.53 bytes per weight (4.25 bits read, 8 written): 49-53 measured on one H100 with 4 to 32
+// copy SMs (docs/gemm-mxfp4.md run 33). With x = copy bytes per copy SM over FLOPs per GEMM SM in
+// time, C SMs suffice when C / (SMs - C) >= x; a quarter more for the GEMM's head start on the
+// first row blocks, and at least 4, at most half the SMs.
 GemmConfig choose_mxfp4_fp8_copy_beside_config(const ContiguousGemmProblem& p, int num_sms, int copy_ctas) {
   MOEKIT_CHECK(copy_ctas >= 0 && copy_ctas < num_sms, "choose_mxfp4_fp8_copy_beside_config: copy_ctas = " +
                                                           std::to_string(copy_ctas) + "; expected 0 (the heuristic's) "
                                                           "or 1.." + std::to_string(num_sms - 1));
   GemmConfig cfg = choose_mxfp4_fp8_copy_config(p, num_sms);
   if (copy_ctas == 0) {
-    constexpr double kGemmFlopsPerSm = 9.0e12, kCopyBytesPerSm = 100e9;
+    constexpr double kGemmFlopsPerSm = 9.0e12, kCopyBytesPerSm = 50e9;
     const double weights = double(p.num_experts) * p.n * p.k;
     const double flops = 2.0 * double(p.total_m) * p.n * p.k;
     const double x = 1.53 * weights / kCopyBytesPerSm / (flops / kGemmFlopsPerSm);

@@ -129,7 +129,7 @@ Mxfp4Fp8Copy::~Mxfp4Fp8Copy() {
 void Mxfp4Fp8Copy::run(cudaStream_t stream, unsigned long long* stamp) const {
   if (ctas > 0) {
     launch_kernel_ex(mxfp4_fp8_copy_beside_kernel, dim3(ctas), dim3(kBesideThreads), kBesideSmemBytes, stream, pdl,
-                     reinterpret_cast<const uint32_t*>(codes), words, k, long(runs), w8, col_scale, ready, stamp);
+                     reinterpret_cast<const uint32_t*>(codes), words, k, runs, w8, col_scale, ready, stamp);
     return;
   }
   launch_kernel_ex(mxfp4_fp8_copy_kernel, dim3(runs), dim3(kFp8CopyThreads), 0, stream, pdl,
