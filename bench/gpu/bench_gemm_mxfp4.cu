@@ -176,9 +176,13 @@ json run_masked(const Shape& s, const std::string& name, const std::vector<int32
 // beside the GEMM on that many SMs (0: the heuristic's count).
 double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, int iters, std::string& config,
                        int block_m = 0, bool fp8_copy = false, int beside_ctas = -1) {
-  const int total = experts * rows_per_expert;
+  // The contiguous layout: each expert's rows padded to kContiguousAlign (row_expert -1), so that no
+  // block of the GEMM's rows spans two experts (gemm.h). The padding is multiplied like any row;
+  // the TFLOP/s count real rows only.
+  const int segment = (rows_per_expert + kContiguousAlign - 1) / kContiguousAlign * kContiguousAlign;
+  const int total = experts * segment;
   std::vector<int32_t> re(total);
-  for (int i = 0; i < total; ++i) re[i] = i / rows_per_expert;
+  for (int i = 0; i < total; ++i) re[i] = i % segment < rows_per_expert ? i / segment : -1;
   int32_t* d_re = device_alloc<int32_t>(total);
   MOEKIT_CUDA_CHECK(cudaMemcpy(d_re, re.data(), total * 4, cudaMemcpyHostToDevice));
   Gemm g(1, n, k, total, false, 7);  // activations and output (one "expert" of M_total rows)
