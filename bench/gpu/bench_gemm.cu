@@ -36,6 +36,7 @@
 #include "gemm_bench.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/gemm.h"
+#include "moekit/reference.h"
 
 using namespace moekit;
 using nlohmann::json;
@@ -392,6 +393,7 @@ json run_contiguous(int num_experts, int rows_per_expert, int N, int K, const Ce
   }
   std::vector<int32_t> h(total);
   for (int i = 0; i < total; ++i) h[i] = i / rows_per_expert;
+  ref::check_contiguous_segments(h.data(), total, kContiguousAlign, num_experts);  // the layout the kernels assume
   MOEKIT_CUDA_CHECK(cudaMemcpy(re, h.data(), total * 4, cudaMemcpyHostToDevice));
   json r;
   {

@@ -39,6 +39,7 @@
 #include "moekit/cuda_check.h"
 #include "moekit/gemm.h"
 #include "moekit/mxfp4.h"
+#include "moekit/reference.h"
 
 using namespace moekit;
 using nlohmann::json;
@@ -183,6 +184,7 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   const int total = experts * segment;
   std::vector<int32_t> re(total);
   for (int i = 0; i < total; ++i) re[i] = i % segment < rows_per_expert ? i / segment : -1;
+  ref::check_contiguous_segments(re.data(), total, kContiguousAlign, experts);  // the layout the kernels assume
   int32_t* d_re = device_alloc<int32_t>(total);
   MOEKIT_CUDA_CHECK(cudaMemcpy(d_re, re.data(), total * 4, cudaMemcpyHostToDevice));
   Gemm g(1, n, k, total, false, 7);  // activations and output (one "expert" of M_total rows)
