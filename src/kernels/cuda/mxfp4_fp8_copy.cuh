@@ -49,33 +49,41 @@ namespace moekit::gemm_detail {
 
 constexpr int kFp8CopyThreads = 256;
 
+// Lane q's e4m3 table for a row's 128-deep block: all of lane q's values are scale group q.
+__device__ __forceinline__ uint2 group_table(uint32_t word, int q) {
+  const int field = mxfp4_detail::group_shift_field(word, q);
+  return mxfp4_detail::block_shifts_fast(word) ? mxfp4_detail::e4m3_table_fast(field)
+                                               : mxfp4_detail::e4m3_table_outlined(field);
+}
+
+// Lane q's code word of slice s, widened through its table and stored at its places in the row.
+__device__ __forceinline__ void widen_word(uint32_t code, uint2 table, int q, int s, uint8_t* row) {
+  const uint2 v = mxfp4_detail::e2m1x8_to_e4m3(code, table);
+  *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 0)) = v.x;  // values 0..3
+  *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 4)) = v.y;  // values 4..7
+}
+
 // Code word i of a run (row i / 16, word i % 16) with its row's scale word, widened and stored into
-// the run's 128-deep block of the copy (block0: its row 0; rows k bytes apart).
+// the run's 128-deep block of the copy (block0: its row 0; rows k bytes apart). widen_word's body
+// is written out here: called, ptxas gives this kernel 53 registers instead of 48.
 __device__ __forceinline__ void widen_code_word(uint32_t code, uint32_t word, int i, uint8_t* block0, int k) {
   const int r = i / 16, q = (i % 16) / 4, s = i % 4;  // word q·4 + s of row r: lane q, slice s
-  const int field = mxfp4_detail::group_shift_field(word, q);
-  const uint2 table = mxfp4_detail::block_shifts_fast(word) ? mxfp4_detail::e4m3_table_fast(field)
-                                                            : mxfp4_detail::e4m3_table_outlined(field);
+  const uint2 table = group_table(word, q);
   const uint2 v = mxfp4_detail::e2m1x8_to_e4m3(code, table);
   uint8_t* row = block0 + size_t(r) * k;
   *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 0)) = v.x;  // values 0..3
   *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 4)) = v.y;  // values 4..7
 }
 
-// Lane q's four code words of one row of a run (slices 0..3: all of them scale group q) with the
-// row's scale word, widened and stored into the row's 128 bytes of the block: one table for the
-// four words, where widen_code_word makes one per word.
+// Lane q's four code words of one row of a run (slices 0..3) with the row's scale word, widened and
+// stored into the row's 128 bytes of the block: one table for the four words, where
+// widen_code_word makes one per word.
 __device__ __forceinline__ void widen_row_group(uint4 code, uint32_t word, int q, uint8_t* row) {
-  const int field = mxfp4_detail::group_shift_field(word, q);
-  const uint2 table = mxfp4_detail::block_shifts_fast(word) ? mxfp4_detail::e4m3_table_fast(field)
-                                                            : mxfp4_detail::e4m3_table_outlined(field);
-  const uint32_t words[4] = {code.x, code.y, code.z, code.w};
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint2 v = mxfp4_detail::e2m1x8_to_e4m3(words[s], table);
-    *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 0)) = v.x;  // values 0..3
-    *reinterpret_cast<uint32_t*>(row + mxfp4_fragment_position(q, s, 4)) = v.y;  // values 4..7
-  }
+  const uint2 table = group_table(word, q);
+  widen_word(code.x, table, q, 0, row);
+  widen_word(code.y, table, q, 1, row);
+  widen_word(code.z, table, q, 2, row);
+  widen_word(code.w, table, q, 3, row);
 }
 
 // Grid: E · N/128 · K/128 CTAs of kFp8CopyThreads, CTA = run. codes: the run's 128 rows x 16 words
