@@ -30,8 +30,9 @@
 // decode steps of up to N tokens per rank run fused when fused is asked for.
 // --expert-ready 0: fused layers with GpuLayerConfig::expert_ready off (GEMM2 waits for GEMM1's
 // grid instead of for each expert's rows), the baseline of that lever.
-// --merge-shared 0: fused layers run the shared expert with its own GEMMs in line
-// (GpuLayerConfig::merge_shared off) instead of as expert E_loc of the routed GEMMs.
+// --merge-shared 0: fused layers run the shared expert with its own GEMMs (GpuLayerConfig::merge_shared
+// off, and the EP buffer without a self slab) in line after the send instead of as expert E_loc of
+// the routed GEMMs.
 // --timeline: for the uniform case, one more replay of a graph captured with the layers' stage
 // clock on (GpuMoeLayer::set_timeline): every stage's start and end on the GPU's global timer for
 // the middle layer of the first segment, and the share of rank 0's step during which a GEMM
@@ -242,10 +243,10 @@ size_t batch_fixed_bytes(const gpu::EpConfig& ec, const Shape& s, int layers) {
 // The EP group of placement's P ranks for global batch B: B/P tokens per rank, rounded up.
 gpu::EpConfig batch_ep_config(const ModelSpec& model, const Placement& placement, int batch,
                               gpu::GpuPipeline pipeline = gpu::GpuPipeline::kStaged,
-                              int fused_max_tokens = gpu::kFusedMaxTokens) {
+                              int fused_max_tokens = gpu::kFusedMaxTokens, bool merge_shared = true) {
   const int ranks = placement.num_gpus;
   gpu::EpConfig ec = gpu::layer_ep_config(model, placement.num_slots, ranks, (batch + ranks - 1) / ranks,
-                                          gpu::EpMode::kLowLatency, pipeline, fused_max_tokens);
+                                          gpu::EpMode::kLowLatency, pipeline, fused_max_tokens, merge_shared);
   ec.timeout_s = kEpTimeoutS;
   return ec;
 }
@@ -502,7 +503,7 @@ void run_batch(const ModelSpec& model, const Shape& s, const MoeLayerWeights& we
                const Options& opt, double copy_bw, cudaStream_t stream, std::vector<Result>& results) {
   const int layers = int(holders.layers.size()), k = s.topk, d = s.d, e_loc = placement.slots_per_gpu();
   const int ranks = placement.num_gpus, t_max = (batch + ranks - 1) / ranks;
-  gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline, opt.fused_max_tokens);
+  gpu::EpConfig ec = batch_ep_config(model, placement, batch, pipeline, opt.fused_max_tokens, opt.merge_shared);
   if (opt.ep_ctas > 0) ec.num_ctas = opt.ep_ctas;
   // Tokens are d wide, the EP group's (padded for MXFP4); rank 0's layer reads and writes the
   // model's hidden size, their first part.

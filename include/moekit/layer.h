@@ -89,7 +89,8 @@ namespace moekit::gpu {
 //              it is local expert E_loc of the routed GEMMs (its weights slot E_loc, its rows the
 //              EP buffer's self slab, which the send fills: no kernel of its own); otherwise its
 //              GEMMs run in line right after the send, while the peers' tokens are on their way
-//              (overlap_shared is ignored either way);
+//              (overlap_shared is ignored either way: on the side stream its persistent GEMMs held
+//              the SMs the send and the receive needed, docs/layer-gpu.md item 47);
 //            - every kernel of the chain is a programmatic dependent launch: it is scheduled
 //              under the tail of the one before and waits for it on the device, and GEMM2 streams
 //              its first weight tiles before GEMM1 has finished (the EpBuffer's kernels too:
@@ -100,14 +101,15 @@ namespace moekit::gpu {
 //            The outputs equal the staged pipeline's within the GEMM library's bound (the same
 //            bits where both GEMM1s split K alike); routing, slots and recv_count are identical.
 //            Layers whose T_max exceeds kFusedMaxTokens (fused_max_tokens) run staged even when
-//            fused is asked for (decided at construction): there the shared expert's rows (T per rank) take several token blocks of
-//            the routed GEMMs, each reading its weights again, and the staged side stream overlaps
-//            it as well under the dispatch (measured on an H200, EP8 rank, with the receive's
-//            automatic CTAs: at 128 tokens per rank fused 3% faster than staged for DeepSeek-V3 by
-//            events, even on the stage clock, and 5-6% faster for Qwen3.5; at 256 within -4 to +1%:
-//            docs/layer-gpu.md item 38).
+//            fused is asked for (decided at construction): there the shared expert's rows (T per
+//            rank) take several token blocks of the routed GEMMs, each reading its weights again,
+//            where the staged side stream runs it under the dispatch. Measured (EP8 rank, graph
+//            step by events; docs/layer-gpu.md items 38 and 47): fused faster than staged by 3-6%
+//            at 128 tokens per rank, by 6% for Qwen3.5 and even for DeepSeek-V3 at 256, by 3% and
+//            2% at 512 (DeepSeek-V3 on the stage clock, which leaves out the side stream's graph
+//            nodes, 1-1.5% slower at 256 and 512). Above 512 not measured.
 enum class GpuPipeline { kStaged, kFused };
-constexpr int kFusedMaxTokens = 128;
+constexpr int kFusedMaxTokens = 512;
 const char* gpu_pipeline_name(GpuPipeline pipeline);
 
 struct GpuLayerConfig {
@@ -115,7 +117,7 @@ struct GpuLayerConfig {
   uint64_t replica_seed = 0;   // choose_replicas' hash seed (the CPU layer's replica_seed)
   int expected_m = 0;          // rows per active local expert the GEMM heuristic plans for; 0: upper_typical_rows
                                // (gemm.h) of P T_max k rows over the slots
-  bool overlap_shared = true;  // shared expert on the side stream (false: on the caller's stream)
+  bool overlap_shared = true;  // staged: shared expert on the side stream (false: on the caller's stream)
   // Staged decode with the shared expert on the side stream: its GEMMs run on this many CTAs and
   // the routed GEMM1 on the other SMs, so that the shared expert, launched first, does not hold
   // every SM while the dispatch and the routed GEMM1 wait for them (0: every GEMM takes every SM).
@@ -123,7 +125,9 @@ struct GpuLayerConfig {
   // in line, prefill) it changes nothing.
   int shared_ctas = 0;
   GpuPipeline pipeline = GpuPipeline::kStaged;  // decode only
-  bool merge_shared = true;    // fused: the shared expert as expert E_loc of the routed GEMMs where it fits
+  // Fused: the shared expert as expert E_loc of the routed GEMMs where it fits (the EpBuffer then
+  // needs a self slab: layer_ep_config with the same merge_shared).
+  bool merge_shared = true;
   // Fused, with the SiLU·up epilogue: GEMM2 waits for each expert's rows (GEMM1 signals them), not
   // for GEMM1's whole grid (gemm.h kPreviousGemmPerExpert). False: the grid, as before.
   bool expert_ready = true;
@@ -191,9 +195,11 @@ struct GpuExpertSlots {
 // scales). Prefill: segments padded to the contiguous GEMM's kContiguousAlign rows. The fused
 // pipeline's layers, when the shared expert has the routed experts' shapes, run it as local
 // expert E_loc of the routed GEMMs: their buffer has self_slab (ep.h).
-// fused_max_tokens: GpuLayerConfig::fused_max_tokens of the layers that will use the buffer.
+// fused_max_tokens, merge_shared: GpuLayerConfig's of the layers that will use the buffer (no self
+// slab where they do not merge the shared expert).
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
-                         GpuPipeline pipeline = GpuPipeline::kStaged, int fused_max_tokens = kFusedMaxTokens);
+                         GpuPipeline pipeline = GpuPipeline::kStaged, int fused_max_tokens = kFusedMaxTokens,
+                         bool merge_shared = true);
 
 // Stage timings of one step measured with CUDA events on the caller's stream, milliseconds
 // (filled only when a step runs with timing on; never inside a captured graph).

@@ -766,6 +766,12 @@ TEST(GpuLayerErrors, BadInputIsReported) {
     EXPECT_NE(msg.find("shared_ctas = " + std::to_string(shared_ctas)), std::string::npos)
         << "shared_ctas = " << shared_ctas << ": '" << msg << "'";
   }
+  // The shared expert unmerged over a buffer made with a self slab for it (fused only), named.
+  const std::string unmerged = refusal([](gpu::GpuLayerConfig& c) { c.merge_shared = false; });
+  if (pipeline == kFused)
+    EXPECT_NE(unmerged.find("merge_shared is off"), std::string::npos) << "merge_shared off: '" << unmerged << "'";
+  else
+    EXPECT_EQ(unmerged, "") << "merge_shared off refused in the staged pipeline";
   // The fused threshold: negative refused; below this rig's T_max while its EP buffer was made
   // with a self slab for the default threshold (fused only), named.
   for (int threshold : {-1, 0}) {
@@ -792,7 +798,8 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   const Placement placement = make_placement(P, true);
   GpuRig staged(P, gpu::EpMode::kLowLatency, placement, seed);
   GpuRig fused(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused);
-  // The shared expert's own GEMMs in line instead of expert E_loc of the routed ones.
+  // The shared expert's own GEMMs in line instead of expert E_loc of the routed ones (over a
+  // buffer without a self slab, so the hand-offs run).
   GpuRig inline_shared(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, false);
   // GEMM2 waiting for GEMM1's grid instead of for each expert's rows: the same bits.
   GpuRig grid_wait(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, false);
@@ -805,6 +812,7 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   // GEMM1 walking the merged shared expert first, its W1 asked of the L2 while the receive runs.
   GpuRig shared_first(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
                       true, true, [](gpu::GpuLayerConfig& c) { c.shared_first = 1; });
+  EXPECT_FALSE(inline_shared.group->rank(0).config().self_slab) << "unmerged: no self slab, so the hand-offs run";
   for (GpuRig* rig : {&staged, &fused, &inline_shared})
     for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
@@ -845,13 +853,16 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
         if (clock[st].ran()) EXPECT_LE(clock[st].start_ns, clock[st].end_ns) << name;
       }
       // A stage that waits on the device for the one before (griddepcontrol.wait) starts after it.
-      // (GEMM1 with the receive's hand-off, the merged rig's, waits for each expert's rows instead
-      // and may start before the receive ends; the in-line rig has no hand-off.)
+      // (Every fused rig here has the hand-offs: GEMM1 waits for each expert's rows instead and may
+      // start before the receive ends, and the combine send starts beside GEMM2 and signs off after
+      // its grid.)
       auto at = [&](gpu::GpuStage st) { return clock[int(st)]; };
-      if (!merged) EXPECT_GE(at(gpu::GpuStage::kGemm1).start_ns, at(gpu::GpuStage::kDispatchRecv).end_ns) << what;
-      // (The merged rig's combine send starts beside GEMM2, combine_ready, and signs off after its grid.)
-      if (merged) EXPECT_GE(at(gpu::GpuStage::kCombineSend).end_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
+      if (!is_fused) EXPECT_GE(at(gpu::GpuStage::kGemm1).start_ns, at(gpu::GpuStage::kDispatchRecv).end_ns) << what;
+      if (is_fused) EXPECT_GE(at(gpu::GpuStage::kCombineSend).end_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
       else EXPECT_GE(at(gpu::GpuStage::kCombineSend).start_ns, at(gpu::GpuStage::kGemm2).end_ns) << what;
+      // The staged side stream joins before the combine receive, which adds the shared expert's rows.
+      if (rig == &staged)
+        EXPECT_GE(at(gpu::GpuStage::kCombineRecv).start_ns, at(gpu::GpuStage::kSharedGemm2).end_ns) << what;
     }
   }
 }

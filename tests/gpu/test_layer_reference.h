@@ -246,7 +246,8 @@ struct GpuRig {
          const std::function<void(gpu::GpuLayerConfig&)>& edit = {}, int batch_tokens = kBatch)
       : fx(f), P(num_ranks), mode(m), batch(batch_tokens) {
     const int t_max = (batch + P - 1) / P, d = int(f.model.hidden_size), k = f.model.num_experts_per_token;
-    group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline));
+    group = std::make_unique<gpu::EpLocalGroup>(gpu::layer_ep_config(f.model, placement.num_slots, P, t_max, mode, pipeline,
+                                                                      gpu::kFusedMaxTokens, merge_shared));
     gpu::GpuLayerConfig cfg;
     cfg.max_tokens = t_max;
     cfg.replica_seed = seed;

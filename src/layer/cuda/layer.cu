@@ -123,17 +123,16 @@ void GpuMoeLayer::dispatch(const uint16_t* x, int num_tokens, int64_t first_toke
                                         num_tokens, cudaMemcpyDeviceToDevice, stream));
     x = s.x_pad;
   }
-  // The shared expert needs only x: fork it first so that it runs under everything up to combine.
-  // The fused pipeline runs it in line after the send instead (below).
-  if (s.shared_inter > 0 && !s.fused) {
-    if (s.cfg.overlap_shared) {
-      MOEKIT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-      MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-      s.run_shared(x, s.side);
-      MOEKIT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
-    } else {
-      s.run_shared(x, stream);
-    }
+  // The shared expert needs only x: on the side stream it is forked first so that it runs under
+  // everything up to the combine receive. In line, the staged pipeline runs it first; the fused
+  // one runs an unmerged shared expert right after the send (below).
+  if (s.side_shared) {
+    MOEKIT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    s.run_shared(x, s.side);
+    MOEKIT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+  } else if (s.shared_inter > 0 && !s.fused) {
+    s.run_shared(x, stream);
   }
   const ReplicaMap map{s.replicas, s.rank, first_token, s.cfg.replica_seed, s.topk_slot, s.counts};
   const LaunchOptions gate = s.launch(GpuStage::kGate);
@@ -193,7 +192,7 @@ void GpuMoeLayer::combine(uint16_t* out, cudaStream_t stream) {
   MOEKIT_CHECK(s.phase == Impl::Phase::kComputed, fmtr("rank {}: combine called without compute", s.rank));
   MOEKIT_CHECK(out != nullptr || s.num_tokens == 0, fmtr("rank {}: out is null", s.rank));
   const bool shared = s.shared_inter > 0 && s.num_tokens > 0;
-  if (s.shared_inter > 0 && s.cfg.overlap_shared && !s.fused) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+  if (s.side_shared) MOEKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   s.ep->combine_recv(shared ? s.s_out : nullptr, s.out_pad ? s.out_pad : out, stream,
                      s.d != s.model_d && !s.out_pad ? s.model_d : 0);
   if (s.out_pad && s.num_tokens > 0)

@@ -38,6 +38,9 @@ struct GpuMoeLayer::Impl {
   // W2 (always, so layers sharing weights agree), and in the fused pipeline it is expert E_loc of
   // the routed GEMMs, its rows the EP buffer's self slab (EpConfig::self_slab).
   bool shared_slot = false, merged = false;
+  // Staged: the shared expert's GEMMs on the side stream, forked before the gate and joined before
+  // the combine receive (GpuLayerConfig::overlap_shared; else in line on the caller's stream).
+  bool side_shared = false;
   // Fused: GEMM1 with the SiLU·up + FP8 epilogue (else GEMM1 to BF16 and the activation kernel).
   bool gated = false;
   int32_t* expert_ready = nullptr;  // fused + gated: GEMM1 -> GEMM2 per-expert readiness [slabs + 1]

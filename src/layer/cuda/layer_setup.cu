@@ -30,7 +30,7 @@ bool shared_expert_in_slab(const ModelSpec& model) {
 }
 
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
-                         GpuPipeline pipeline, int fused_max_tokens) {
+                         GpuPipeline pipeline, int fused_max_tokens, bool merge_shared) {
   MOEKIT_CHECK(num_ranks >= 1 && max_tokens >= 1,
                fmtr("layer_ep_config: num_ranks {} and max_tokens {}, expected both >= 1", num_ranks, max_tokens));
   MOEKIT_CHECK(fused_max_tokens >= 0,
@@ -45,8 +45,8 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.num_slots = num_slots;
   c.mode = mode;
   c.block_m = kContiguousAlign;
-  c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && shared_expert_in_slab(model) &&
-                c.max_tokens <= fused_max_tokens;
+  c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && merge_shared &&
+                shared_expert_in_slab(model) && c.max_tokens <= fused_max_tokens;
   c.mxfp4_k_order = model.expert_format == "mxfp4";
   c.validate();
   return c;
@@ -219,6 +219,10 @@ void GpuMoeLayer::Impl::choose_pipeline() {
                fmtr("rank {}: the fused pipeline runs the shared expert as local expert E_loc and needs an EpBuffer "
                     "with self_slab (layer_ep_config(..., GpuPipeline::kFused, fused_max_tokens = {}) makes one for "
                     "T_max = {})", s.rank, s.cfg.fused_max_tokens, s.t_max));
+  // A self slab the send would fill for nobody (and that would keep the hand-offs off).
+  MOEKIT_CHECK(!(s.fused && s.shared_slot && !s.cfg.merge_shared && s.ec.self_slab),
+               fmtr("rank {}: GpuLayerConfig::merge_shared is off, but the EpBuffer has a self slab; make it with "
+                    "layer_ep_config(..., merge_shared = false)", s.rank));
   // A self slab the layer would not fill: the buffer was made for a larger fused_max_tokens.
   MOEKIT_CHECK(!(s.decode && s.cfg.pipeline == GpuPipeline::kFused && s.ec.self_slab && !s.fused),
                fmtr("rank {}: T_max = {} runs staged (GpuLayerConfig::fused_max_tokens = {}), but the EpBuffer has a "
@@ -306,6 +310,7 @@ void GpuMoeLayer::Impl::allocate_expert_buffers(const MoeLayerWeights& weights) 
       s.sw2 = s.upload(weights.shared_w2.w);
       s.sw2s = s.upload(weights.shared_w2.scales);
     }
+    s.side_shared = !s.fused && s.cfg.overlap_shared;
     if (!s.merged) {  // its own GEMMs' buffers (merged: the routed GEMMs' slab E_loc)
       s.sx = s.alloc<uint8_t>(size_t(s.t_pad) * s.d);
       s.sx_scales = s.alloc<float>(size_t(s.t_pad) * (s.d / kQuantBlock));
@@ -339,7 +344,7 @@ void GpuMoeLayer::Impl::plan_gemms() {
                              nullptr, nullptr,      s.w2_mx, s.b2,  s.combine_ready, s.expert_ready};
   // The shared expert on the side stream on its own SMs (GpuLayerConfig::shared_ctas): its GEMMs
   // and the routed GEMM1, which it overlaps, each planned for their share of the SMs.
-  const int shared_ctas = s.decode && !s.fused && s.shared_inter > 0 && s.cfg.overlap_shared ? s.cfg.shared_ctas : 0;
+  const int shared_ctas = s.decode && s.side_shared ? s.cfg.shared_ctas : 0;
   if (s.decode) {
     const GemmConfig routed1 = choose_masked_config(p1, s.num_sms - shared_ctas);
     s.gemm1 = std::make_unique<MaskedGemm>(p1, b1, shared_ctas > 0 ? &routed1 : nullptr);
