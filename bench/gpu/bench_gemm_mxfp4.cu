@@ -345,12 +345,12 @@ int main(int argc, char** argv) {
       g_beside_ctas.clear();
       std::stringstream list(argv[++i]);
       for (std::string v; std::getline(list, v, ',');) {
-        const int c = std::atoi(v.c_str());
-        if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos || c > 131) {
-          std::fprintf(stderr, "bench_gemm_mxfp4: --beside-ctas value '%s'; expected 0..131\n", v.c_str());
+        if (v.empty() || v.size() > 6 || v.find_first_not_of("0123456789") != std::string::npos) {
+          std::fprintf(stderr, "bench_gemm_mxfp4: --beside-ctas value '%s'; expected 0 .. the device's SMs - 1\n",
+                       v.c_str());
           return 2;
         }
-        g_beside_ctas.push_back(c);
+        g_beside_ctas.push_back(std::atoi(v.c_str()));
       }
     }
     else if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_path = argv[++i];
@@ -370,6 +370,10 @@ int main(int argc, char** argv) {
       trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows);
       return 0;
     }
+    const int sms = query_device().num_sms;  // the copy beside the GEMM leaves the GEMM at least one SM
+    for (int c : g_beside_ctas)
+      MOEKIT_CHECK(c < sms, "bench_gemm_mxfp4: --beside-ctas " + std::to_string(c) + ", expected 0.." +
+                                std::to_string(sms - 1) + " on this device");
     json out;
     const double copy = bench::measure_copy_bandwidth() / 1e12;
     out["copy_TBps"] = copy;

@@ -535,17 +535,10 @@ struct ContiguousCase : Mxfp4Operands {
   }
 };
 
-int device_sms() {
-  int dev = 0, sms = 0;
-  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 // The FP8 copy made beside the GEMM on `copy_ctas` SMs (1: the GEMM waits for almost every row
 // block) with the GEMM on the rest of this device's SMs.
 GemmConfig beside_config(const ContiguousGemmProblem& p, int copy_ctas) {
-  return choose_mxfp4_fp8_copy_beside_config(p, device_sms(), copy_ctas);
+  return choose_mxfp4_fp8_copy_beside_config(p, query_device().num_sms, copy_ctas);
 }
 
 // The contiguous configs: the register kernel's 128-token tiles, one widening warpgroup, the
@@ -677,7 +670,7 @@ TEST(GemmMxfp4Contiguous, Fp8CopyBadArgumentsAreNamed) {
   masked_copy.mxfp4_fp8_copy = true;
   expect_error([&] { MaskedGemm g(mp, m.buffers(false), &masked_copy); }, {"fp8_copy", "contiguous plans"});
   // Beside the GEMM: the copy's SM count must leave the GEMM some, and the two fit the device.
-  const int sms = device_sms();
+  const int sms = query_device().num_sms;
   expect_error([&] { choose_mxfp4_fp8_copy_beside_config(c.problem, 132, 132); }, {"copy_ctas = 132", "1..131"});
   expect_error([&] { choose_mxfp4_fp8_copy_beside_config(c.problem, 132, -1); }, {"copy_ctas = -1"});
   copy = beside_config(c.problem, 4);
