@@ -135,8 +135,9 @@ struct GpuLayerConfig {
   // (ep.h dispatch_recv with rows_ready, gemm.h kDispatchPerExpert): the receive runs on recv_ctas
   // CTAs (at most the EpBuffer's), and GEMM1's CTAs hold the other SMs meanwhile, with their
   // schedule computed and their first weights loaded. False: GEMM1 waits for the receive's grid.
-  // (Not taken by MXFP4 layers, nor where merge_shared is off but the EpBuffer has a self slab:
-  // the receive counts the buffer's slabs, which must be GEMM1's experts.)
+  // (Not taken by MXFP4 layers. The receive counts the buffer's slabs, which must be GEMM1's
+  // experts: a layer that does not merge the shared expert over a buffer with a self slab is
+  // refused.)
   bool recv_ready = true;
   // The receive's CTAs then; 0: 8 where a rank holds one token (T_max = 1: its few rows need no
   // more, and 8 more GEMM1 CTAs start beside it), else one per 4 tokens of T_max, from 16 up to
@@ -145,8 +146,8 @@ struct GpuLayerConfig {
   // Fused, FP8: the combine send starts beside GEMM2 and sends each message as soon as GEMM2 has
   // stored its experts' rows (ep.h combine_send with y_ready, gemm.h set_early_trigger), on the
   // SMs GEMM2's CTAs leave in its last round; combine_ctas CTAs (0: the EpBuffer's, whose CTAs
-  // claim the messages as they find an SM). False: it waits for GEMM2's grid. (Same condition as
-  // recv_ready on the self slab.)
+  // claim the messages as they find an SM). False: it waits for GEMM2's grid. (Taken where
+  // recv_ready is.)
   bool combine_ready = true;
   int combine_ctas = 0;
   // Fused, merged shared expert, with recv_ready: GEMM1 walks the shared expert (slab E_loc) first,
