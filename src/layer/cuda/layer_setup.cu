@@ -219,15 +219,17 @@ void GpuMoeLayer::Impl::choose_pipeline() {
                fmtr("rank {}: the fused pipeline runs the shared expert as local expert E_loc and needs an EpBuffer "
                     "with self_slab (layer_ep_config(..., GpuPipeline::kFused, fused_max_tokens = {}) makes one for "
                     "T_max = {})", s.rank, s.cfg.fused_max_tokens, s.t_max));
-  // A self slab the send would fill for nobody (and that would keep the hand-offs off).
-  MOEKIT_CHECK(!(s.fused && s.shared_slot && !s.cfg.merge_shared && s.ec.self_slab),
-               fmtr("rank {}: GpuLayerConfig::merge_shared is off, but the EpBuffer has a self slab; make it with "
-                    "layer_ep_config(..., merge_shared = false)", s.rank));
-  // A self slab the layer would not fill: the buffer was made for a larger fused_max_tokens.
-  MOEKIT_CHECK(!(s.decode && s.cfg.pipeline == GpuPipeline::kFused && s.ec.self_slab && !s.fused),
-               fmtr("rank {}: T_max = {} runs staged (GpuLayerConfig::fused_max_tokens = {}), but the EpBuffer has a "
-                    "self slab; make it with layer_ep_config(..., GpuPipeline::kFused, {})", s.rank, s.t_max,
-                    s.cfg.fused_max_tokens, s.cfg.fused_max_tokens));
+  // A self slab the send would fill for nobody (and whose extra slab would keep the hand-offs
+  // off): the buffer was made for a larger fused_max_tokens, or for layers that merge the shared
+  // expert.
+  if (s.decode && s.cfg.pipeline == GpuPipeline::kFused && s.ec.self_slab) {
+    MOEKIT_CHECK(s.fused, fmtr("rank {}: T_max = {} runs staged (GpuLayerConfig::fused_max_tokens = {}), but the "
+                               "EpBuffer has a self slab; make it with layer_ep_config(..., GpuPipeline::kFused, {})",
+                               s.rank, s.t_max, s.cfg.fused_max_tokens, s.cfg.fused_max_tokens));
+    MOEKIT_CHECK(!s.shared_slot || s.cfg.merge_shared,
+                 fmtr("rank {}: GpuLayerConfig::merge_shared is off, but the EpBuffer has a self slab; make it with "
+                      "layer_ep_config(..., merge_shared = false)", s.rank));
+  }
   const int slabs = s.routed_slabs();
   const size_t total_rows = s.routed_rows();
   // The gated epilogue only where its tiles hold at most 32 tokens: at 64 (DeepSeek-V3 at 2048
