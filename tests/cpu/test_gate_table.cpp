@@ -13,14 +13,15 @@
 
 using namespace moekit;
 
-// Every bf16 gate with |g| in [2^-9, 2^7) has exactly one window entry, whose bits are its own;
+// Every bf16 gate with |g| in [2^-25, 2^7) has exactly one window entry, whose bits are its own;
 // every other gate (zeros, subnormals, smaller or larger magnitudes, infinities, NaNs) has none.
 TEST(GateWindow, EveryGateInRangeHasOneEntryAndNoOtherHasAny) {
   std::vector<int> hits(kGateWindow, 0);
   int inside = 0;
   for (int b = 0; b < kBf16Values; ++b) {
     const float g = bf16_to_float(uint16_t(b));
-    const bool in_range = std::isfinite(g) && std::fabs(g) >= std::ldexp(1.0f, -9) && std::fabs(g) < 128.0f;
+    const bool in_range = std::isfinite(g) && std::fabs(g) >= std::ldexp(1.0f, kGateWindowFirstExponent - 127) &&
+                          std::fabs(g) < std::ldexp(1.0f, kGateWindowFirstExponent - 127 + kGateWindowBinades);
     const int i = gate_window_index(uint16_t(b));
     if (!in_range) {
       EXPECT_EQ(i, -1) << "bits 0x" << std::hex << b << " (" << g << ") are outside the window";

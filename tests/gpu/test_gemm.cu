@@ -1197,9 +1197,13 @@ void check_contiguous_segments(int N, std::vector<GemmConfig> configs, std::mt19
   }
 }
 
+// Also on 2 CTAs, each walking many tiles, so that every warp's staging rows and the ring are reused
+// from tile to tile, through tiles with and without padding rows.
 TEST(GemmContiguous, SegmentsWithPadding) {
   std::mt19937 rng(42);
-  check_contiguous_segments(384, {forced(false, 64, 1), forced(false, 128, 1)}, rng);
+  GemmConfig few = forced(false, 128, 1);
+  few.num_ctas = 2;
+  check_contiguous_segments(384, {forced(false, 64, 1), forced(false, 128, 1), few}, rng);
 }
 
 // 256-column tiles: two 128-column halves promoted one after the other with their own scale
@@ -1212,9 +1216,11 @@ TEST(GemmContiguous, WideColumnTiles) {
   wide.block_n = 256;
   GemmConfig shallow = wide;
   shallow.num_stages = 2;
+  GemmConfig few = wide;  // 3 CTAs walk every tile: staging rows and ring reused from tile to tile
+  few.num_ctas = 3;
   check_contiguous_segments(384, {wide}, rng);
-  check_contiguous_segments(512, {wide, shallow}, rng);
-  check_contiguous_segments(640, {wide}, rng);
+  check_contiguous_segments(512, {wide, shallow, few}, rng);
+  check_contiguous_segments(640, {wide, few}, rng);
   // Only BM 128 in single CTAs without split-K has wide tiles; the rest is refused, naming it.
   GemmConfig bm64 = wide;
   bm64.block_m = 64;
