@@ -196,8 +196,9 @@ struct GpuExpertSlots {
 // scales). Prefill: segments padded to the contiguous GEMM's kContiguousAlign rows. The fused
 // pipeline's layers, when the shared expert has the routed experts' shapes, run it as local
 // expert E_loc of the routed GEMMs: their buffer has self_slab (ep.h).
-// fused_max_tokens, merge_shared: GpuLayerConfig's of the layers that will use the buffer (no self
-// slab where they do not merge the shared expert).
+// pipeline, fused_max_tokens, merge_shared: GpuLayerConfig's of the layers that will use the buffer
+// (no self slab where they do not merge the shared expert). A layer over a buffer with a self slab
+// it would not fill (staged, above its fused_max_tokens, or not merging) is refused, naming why.
 EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, int max_tokens, EpMode mode,
                          GpuPipeline pipeline = GpuPipeline::kStaged, int fused_max_tokens = kFusedMaxTokens,
                          bool merge_shared = true);

@@ -772,6 +772,12 @@ TEST(GpuLayerErrors, BadInputIsReported) {
     EXPECT_NE(unmerged.find("merge_shared is off"), std::string::npos) << "merge_shared off: '" << unmerged << "'";
   else
     EXPECT_EQ(unmerged, "") << "merge_shared off refused in the staged pipeline";
+  // The staged pipeline over a buffer made with a self slab for the fused one, named.
+  const std::string staged = refusal([](gpu::GpuLayerConfig& c) { c.pipeline = kStaged; });
+  if (pipeline == kFused)
+    EXPECT_NE(staged.find("pipeline is staged"), std::string::npos) << "staged over a self slab: '" << staged << "'";
+  else
+    EXPECT_EQ(staged, "") << "the staged rig's own pipeline refused";
   // The fused threshold: negative refused; below this rig's T_max while its EP buffer was made
   // with a self slab for the default threshold (fused only), named.
   for (int threshold : {-1, 0}) {

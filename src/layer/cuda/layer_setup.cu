@@ -220,9 +220,13 @@ void GpuMoeLayer::Impl::choose_pipeline() {
                     "with self_slab (layer_ep_config(..., GpuPipeline::kFused, fused_max_tokens = {}) makes one for "
                     "T_max = {})", s.rank, s.cfg.fused_max_tokens, s.t_max));
   // A self slab the send would fill for nobody (and whose extra slab would keep the hand-offs
-  // off): the buffer was made for a larger fused_max_tokens, or for layers that merge the shared
-  // expert.
-  if (s.decode && s.cfg.pipeline == GpuPipeline::kFused && s.ec.self_slab) {
+  // off): the buffer was made for the fused pipeline, for a larger fused_max_tokens, or for layers
+  // that merge the shared expert.
+  if (s.decode && s.ec.self_slab) {
+    MOEKIT_CHECK(s.cfg.pipeline == GpuPipeline::kFused,
+                 fmtr("rank {}: GpuLayerConfig::pipeline is staged, but the EpBuffer has a self slab (made for the "
+                      "fused pipeline); make it with layer_ep_config(..., GpuPipeline::kStaged)",
+                      s.rank));
     MOEKIT_CHECK(s.fused, fmtr("rank {}: T_max = {} runs staged (GpuLayerConfig::fused_max_tokens = {}), but the "
                                "EpBuffer has a self slab; make it with layer_ep_config(..., GpuPipeline::kFused, {})",
                                s.rank, s.t_max, s.cfg.fused_max_tokens, s.cfg.fused_max_tokens));
