@@ -818,13 +818,18 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
   // GEMM1 walking the merged shared expert first, its W1 asked of the L2 while the receive runs.
   GpuRig shared_first(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, true, 0, size_t(4) << 20, f, true,
                       true, true, [](gpu::GpuLayerConfig& c) { c.shared_first = 1; });
+  // The same in line, with every hand-off off (GEMM2 after GEMM1's grid, GEMM1 after the receive's,
+  // the combine send after GEMM2's): the same bits as inline_shared's hand-offs.
+  GpuRig inline_grid(P, gpu::EpMode::kLowLatency, placement, seed, nullptr, kFused, false, 0, size_t(4) << 20, f, false,
+                     false, false);
   EXPECT_FALSE(inline_shared.group->rank(0).config().self_slab) << "unmerged: no self slab, so the hand-offs run";
   for (GpuRig* rig : {&staged, &fused, &inline_shared})
     for (int r = 0; r < P; ++r) rig->layers[r]->set_timeline(true);
   std::mt19937 rng(12);
   for (bool graph : {false, true}) {
     const auto x = random_tokens(kBatch, int(f.model.hidden_size), rng);
-    for (GpuRig* rig : {&staged, &fused, &inline_shared, &grid_wait, &recv_grid, &combine_grid, &shared_first}) {
+    for (GpuRig* rig :
+         {&staged, &fused, &inline_shared, &grid_wait, &recv_grid, &combine_grid, &shared_first, &inline_grid}) {
       run_step(*rig, x, graph);
     }
     for (GpuRig* rig : {&fused, &inline_shared}) {
@@ -846,6 +851,8 @@ TEST(GpuLayerFused, EqualsStagedAndStampsItsStages) {
                                                              << (graph ? ", graph" : "");
     EXPECT_EQ(fused.gather_out(), shared_first.gather_out()) << "the shared expert first in GEMM1's walk"
                                                              << (graph ? ", graph" : "");
+    EXPECT_EQ(inline_shared.gather_out(), inline_grid.gather_out())
+        << "the shared expert in line: hand-offs against grid waits" << (graph ? ", graph" : "");
     const std::string what = graph ? "stage clock, graph" : "stage clock";
     for (GpuRig* rig : {&staged, &fused, &inline_shared}) {
       const bool is_fused = rig != &staged, merged = rig == &fused;
