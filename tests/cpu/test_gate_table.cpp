@@ -13,9 +13,9 @@
 
 using namespace moekit;
 
-// Every bf16 gate with |g| in the window's range (gate_table.h: [2^-9, 2^7)) has exactly one
-// window entry, whose bits are its own; every other gate (zeros, subnormals, smaller or larger
-// magnitudes, infinities, NaNs) has none.
+// Every bf16 gate with |g| in the window's range (gate_table.h's kGateWindowFirstExponent and
+// kGateWindowBinades) has exactly one window entry, whose bits are its own; every other gate
+// (zeros, subnormals, smaller or larger magnitudes, infinities, NaNs) has none.
 TEST(GateWindow, EveryGateInRangeHasOneEntryAndNoOtherHasAny) {
   std::vector<int> hits(kGateWindow, 0);
   int inside = 0;
