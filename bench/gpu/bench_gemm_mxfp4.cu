@@ -20,7 +20,7 @@
 // masked plans' ring depth, M the token block of their tiles above 32 rows; --mx-widen: every MXFP4
 // plan widening in registers, or with one or two widening warpgroups (GemmConfig::mxfp4_widen_wgs;
 // smem2 for the masked plans of up to 64 tokens, the others take smem); --masked-only skips the
-// contiguous part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]: only CTA 0's stage trace
+// contiguous part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]: only CTA 0's stage trace
 // of one GEMM1, trace_gemm1 below, in a build configured with -DMOEKIT_STAGE_TRACE=ON)
 #include <algorithm>
 #include <cstdio>
@@ -262,8 +262,12 @@ json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool
 // waited for the stage; from the wait's end to its wgmmas' commit (the widening, MXFP4) and to its
 // hand-back; from that hand-back to the producer's next copy into the same ring slot; from the
 // copies' issue to the warp's use; and how many stages were issued ahead of the one waited for.
-void trace_gemm1(const std::string& path, bool mx, bool oss, int rows) {
-  const Shape s = oss ? Shape{"gpt-oss-120b", 32, 2944, 2944} : Shape{"deepseek-v3", 8, 7168, 2048};
+// experts > 0 (--trace-experts) replaces the shape's expert count: with one or two experts the
+// weights stay in the L2 across the warm-up runs (a DeepSeek-V3 GEMM1 expert is 15.6 MB in MXFP4,
+// 29 MB in FP8), so the trace shows what a stage costs the kernel when HBM is not in the way.
+void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int experts) {
+  Shape s = oss ? Shape{"gpt-oss-120b", 32, 2944, 2944} : Shape{"deepseek-v3", 8, 7168, 2048};
+  if (experts > 0) s.experts = experts;
   const std::vector<int32_t> mm(s.experts, rows);
   int32_t* m = device_alloc<int32_t>(mm.size());
   MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
@@ -324,7 +328,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::string trace_path;
   bool trace_fp8 = false, trace_oss = false;
-  int trace_rows = 16;
+  int trace_rows = 16, trace_experts = 0;
   bool quick = false, masked_only = false, only_oss = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
@@ -357,9 +361,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--trace-fp8")) trace_fp8 = true;
     else if (!std::strcmp(argv[i], "--trace-oss")) trace_oss = true;
     else if (!std::strcmp(argv[i], "--trace-rows") && i + 1 < argc) trace_rows = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--trace-experts") && i + 1 < argc) trace_experts = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
-                           "[--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R]]\n");
+                           "[--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]]\n");
       return 2;
     }
   }
@@ -367,7 +372,9 @@ int main(int argc, char** argv) {
     if (!trace_path.empty()) {  // the stage trace alone
       MOEKIT_CHECK(trace_rows >= 1 && trace_rows <= 128,
                    "bench_gemm_mxfp4: --trace-rows " + std::to_string(trace_rows) + ", expected 1..128");
-      trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows);
+      MOEKIT_CHECK(trace_experts >= 0 && trace_experts <= 128,
+                   "bench_gemm_mxfp4: --trace-experts " + std::to_string(trace_experts) + ", expected 1..128 (0: the shape's)");
+      trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows, trace_experts);
       return 0;
     }
     const int sms = query_device().num_sms;  // the copy beside the GEMM leaves the GEMM at least one SM
