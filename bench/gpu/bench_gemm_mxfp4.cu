@@ -313,12 +313,17 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
   }
   write_text_file(path, csv);
   using bench::median;
+  // CTA 0's whole span per stage (first wait's end to last hand-back), per 128 weight rows: steadier
+  // than the median period over a few dozen stages, and it counts the tile boundaries (run 36).
+  const int slabs = std::max(1, plan->config().block_n / 128);
+  const double span = n > 1 ? double(ev(n - 1, kStageTraceReleased) - ev(0, kStageTraceWaitEnd)) / (n - 1) / slabs : 0;
   std::printf("\nstage trace, %s GEMM1 of %s x%d at %d rows, CTA 0, %d stages (%s), SM cycles, medians:\n"
               "  period %.0f; first math warp waiting %.0f, wait end -> wgmmas committed %.0f, -> handed back %.0f;"
               " hand-back -> refill issued %.0f; issue -> use %.0f; stages issued ahead of the one waited for %.0f\n"
+              "  CTA 0's span per stage and 128 weight rows %.0f\n"
               "  wrote %s\n",
               mx ? "MXFP4" : "FP8", s.name, s.experts, rows, n, plan->config().to_string().c_str(), median(period),
-              median(waited), median(widen), median(held), median(refill), median(latency), median(issued_ahead),
+              median(waited), median(widen), median(held), median(refill), median(latency), median(issued_ahead), span,
               path.c_str());
 }
 
