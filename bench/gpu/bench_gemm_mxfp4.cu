@@ -366,7 +366,14 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--trace-fp8")) trace_fp8 = true;
     else if (!std::strcmp(argv[i], "--trace-oss")) trace_oss = true;
     else if (!std::strcmp(argv[i], "--trace-rows") && i + 1 < argc) trace_rows = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--trace-experts") && i + 1 < argc) trace_experts = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--trace-experts") && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v.empty() || v.size() > 3 || v.find_first_not_of("0123456789") != std::string::npos) {
+        std::fprintf(stderr, "bench_gemm_mxfp4: --trace-experts '%s'; expected 0 (the shape's) .. 128\n", v.c_str());
+        return 2;
+      }
+      trace_experts = std::atoi(v.c_str());
+    }
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
                            "[--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]]\n");
@@ -378,7 +385,7 @@ int main(int argc, char** argv) {
       MOEKIT_CHECK(trace_rows >= 1 && trace_rows <= 128,
                    "bench_gemm_mxfp4: --trace-rows " + std::to_string(trace_rows) + ", expected 1..128");
       MOEKIT_CHECK(trace_experts >= 0 && trace_experts <= 128,
-                   "bench_gemm_mxfp4: --trace-experts " + std::to_string(trace_experts) + ", expected 1..128 (0: the shape's)");
+                   "bench_gemm_mxfp4: --trace-experts " + std::to_string(trace_experts) + ", expected 0 (the shape's) .. 128");
       trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows, trace_experts);
       return 0;
     }
