@@ -273,7 +273,7 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
   MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
   Gemm g(s.experts, 2 * s.inter, s.hidden, 128, mx, 1);
   auto plan = masked_plan(g, m, rows);
-  constexpr int kN = kStageTraceStages * kStageTraceEvents;
+  constexpr int kN = kStageTraceWords;
   long long* d = device_alloc<long long>(kN);
   plan->run(nullptr);
   plan->run(nullptr);
@@ -313,6 +313,32 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
   }
   write_text_file(path, csv);
   using bench::median;
+  // Every CTA's global-timer stamps (ns, one clock for all SMs): entry, first tile, last tile's end,
+  // from the earliest entry.
+  std::vector<double> entry, begin, end;
+  long long first = 0;
+  const int ctas = std::min(plan->config().num_ctas, kStageTraceCtas);
+  auto cta = [&](int c, int k) { return t[size_t(kStageTraceStages) * kStageTraceEvents + size_t(c) * kStageTraceCtaEvents + k]; };
+  for (int c = 0; c < ctas; ++c)
+    if (cta(c, kStageTraceCtaEntry) != 0 && (first == 0 || cta(c, kStageTraceCtaEntry) < first)) first = cta(c, kStageTraceCtaEntry);
+  for (int c = 0; c < ctas; ++c) {
+    if (cta(c, kStageTraceCtaEntry) == 0 || cta(c, kStageTraceCtaEnd) == 0) continue;
+    entry.push_back((cta(c, kStageTraceCtaEntry) - first) * 1e-3);
+    begin.push_back((cta(c, kStageTraceCtaBegin) - first) * 1e-3);
+    end.push_back((cta(c, kStageTraceCtaEnd) - first) * 1e-3);
+  }
+  auto range = [](std::vector<double> v) {
+    if (v.empty()) return std::string("-");
+    std::sort(v.begin(), v.end());
+    char b[96];
+    std::snprintf(b, sizeof b, "%.1f / %.1f / %.1f", v.front(), v[v.size() / 2], v.back());
+    return std::string(b);
+  };
+  std::printf("\nCTAs (%zu), us from the first entry, min / median / max: entry %s; first tile %s; last tile's end %s;"
+              " CTA 0's first tile %.1f, end %.1f\n",
+              entry.size(), range(entry).c_str(), range(begin).c_str(), range(end).c_str(),
+              entry.empty() ? 0.0 : (cta(0, kStageTraceCtaBegin) - first) * 1e-3,
+              entry.empty() ? 0.0 : (cta(0, kStageTraceCtaEnd) - first) * 1e-3);
   // CTA 0's whole span per stage (first wait's end to last hand-back), per 128 weight rows: steadier
   // than the median period over a few dozen stages, and it counts the tile boundaries (run 36).
   const int slabs = std::max(1, plan->config().block_n / 128);

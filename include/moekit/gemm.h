@@ -127,6 +127,11 @@ constexpr int kContiguousAlign = 128;  // rows per padded expert segment in the 
 
 // MaskedGemm::set_stage_trace's buffer: [stage][event] int64 clocks, events in this order.
 constexpr int kStageTraceStages = 1024, kStageTraceEvents = 6;
+// After the stage records, kStageTraceCtaEvents global-timer stamps for each of the first
+// kStageTraceCtas CTAs (MaskedGemm::set_stage_trace).
+constexpr int kStageTraceCtas = 1024, kStageTraceCtaEvents = 3;
+constexpr int kStageTraceCtaEntry = 0, kStageTraceCtaBegin = 1, kStageTraceCtaEnd = 2;
+constexpr int kStageTraceWords = kStageTraceStages * kStageTraceEvents + kStageTraceCtas * kStageTraceCtaEvents;
 constexpr int kStageTraceWeightsIssued = 0, kStageTraceActivationsIssued = 1, kStageTraceWaitBegin = 2,
               kStageTraceWaitEnd = 3, kStageTraceMmaIssued = 4, kStageTraceReleased = 5;
 
@@ -272,12 +277,15 @@ class MaskedGemm {
   void set_timeline(unsigned long long* stamp);
   // A study tool, not for serving, in a library built with -DMOEKIT_STAGE_TRACE=ON (elsewhere a
   // non-null `trace` throws, naming the option; the kernels of other builds carry no trace code).
-  // With `trace` a device buffer of kStageTraceStages x kStageTraceEvents int64 (zeroed by the
-  // caller), CTA 0 writes its SM clock (clock64) for each of its first kStageTraceStages stages:
-  // when its copies of the weights and of the activations were issued, and when its first math
-  // warp began and ended its wait for the stage, committed the stage's wgmmas and handed the stage
-  // back (the masked FP8 kernel, whose 256-column tiles record only the copies and the wait, and the
-  // MXFP4 register kernel). Null (the default) records nothing.
+  // With `trace` a device buffer of kStageTraceWords int64 (zeroed by the caller), CTA 0 writes its
+  // SM clock (clock64) for each of its first kStageTraceStages stages: when its copies of the
+  // weights and of the activations were issued, and when its first math warp began and ended its
+  // wait for the stage, committed the stage's wgmmas and handed the stage back (the masked FP8
+  // kernel, whose 256-column tiles record only the copies and the wait, and the MXFP4 register
+  // kernel). Then every CTA c < kStageTraceCtas writes the global timer (ns, comparable across
+  // SMs) at [kStageTraceStages x kStageTraceEvents + c x kStageTraceCtaEvents + kStageTraceCta*]:
+  // when it entered the kernel, when its math warps began their first tile (after the schedule),
+  // and when they finished their last. Null (the default) records nothing.
   void set_stage_trace(long long* trace);
 
  private:

@@ -135,6 +135,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   // the producer waits for the copy's row blocks tile by tile (weights_ready_wait).
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
   const bool weights_ready = !kMasked && (args.flags & kFlagWeightsReady);
+  if (threadIdx.x == 0) trace_cta(args, kStageTraceCtaEntry);
   begin_gemm(args, early_weights || weights_ready, full, empty, kMathWGs * 4 * kCluster);
   const int rank = kCluster > 1 ? int(ptx::cluster_ctarank()) : 0;
   if constexpr (kCluster > 1) ptx::cluster_sync();  // the peer's barriers exist before we load into them
@@ -257,6 +258,7 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   auto next_tile = [&](int tile, TileInfo& t) { return tile < num_tiles ? next_tile_from(tile, t, fetch_rows(tile)) : tile; };
   TileInfo t{};
   int tile = next_tile(walk.first, t);
+  if (mtid == 0) trace_cta(args, kStageTraceCtaBegin);
   int consumed = 0;  // stages waited for (MaskedGemm::set_stage_trace)
   long long* const tracer = stage_tracer(args);
   WScales ws{};
@@ -423,7 +425,10 @@ __global__ void __launch_bounds__((kMathWGs + 1) * 128, 1)
   } else {
     if (weights_ready) weights_ready_reset<kMathThreads>(args, mtid, &last_flag);
   }
-  if (mtid == 0) stamp_end(args.stamp);
+  if (mtid == 0) {
+    stamp_end(args.stamp);
+    trace_cta(args, kStageTraceCtaEnd);
+  }
   end_cluster<kCluster>();
 }
 

@@ -202,6 +202,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // PDL as in gemm_fp8.cuh: the trigger always follows this kernel's own wait.
   const bool early_weights = kMasked && (args.flags & kFlagPdl) && (args.flags & kFlagEarlyWeights);
+  if (threadIdx.x == 0) trace_cta(args, kStageTraceCtaEntry);
   begin_gemm(args, early_weights, full, empty, kMathWGs * 4, 2);  // two producer warps (below)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tma_a);
@@ -231,6 +232,7 @@ __global__ void __launch_bounds__(384, 1)
   const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // A and accumulator rows frag_row, frag_row + 8
   const int frag_col = (lane % 4) * 2;
   __shared__ int last_flag;
+  if (mtid == 0) trace_cta(args, kStageTraceCtaBegin);
 
   // The ring position walks on from constants only, so the compiler knows it is the same in every
   // lane and keeps the barrier and descriptor arithmetic on the uniform datapath, off the vector
@@ -451,7 +453,10 @@ __global__ void __launch_bounds__(384, 1)
     store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads>(args, t, acc, row_words,
                                                             Fragment{frag_row, frag_col, mtid, warp - 4}, &last_flag);
   }
-  if (mtid == 0) stamp_end(args.stamp);
+  if (mtid == 0) {
+    stamp_end(args.stamp);
+    trace_cta(args, kStageTraceCtaEnd);
+  }
 }
 
 }  // namespace moekit::gemm_detail

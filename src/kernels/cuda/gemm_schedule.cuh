@@ -400,6 +400,14 @@ __device__ __forceinline__ void trace_at([[maybe_unused]] long long* trace, [[ma
 __device__ __forceinline__ void trace_stage(const KernelArgs& args, int stage, int what) {
   trace_at(blockIdx.x == 0 ? args.stage_trace : nullptr, stage, what);
 }
+// The per-CTA stamps of the same study build (gemm.h kStageTraceCta*), by one thread of the CTA.
+__device__ __forceinline__ void trace_cta([[maybe_unused]] const KernelArgs& args, [[maybe_unused]] int what) {
+#ifdef MOEKIT_STAGE_TRACE
+  if (args.stage_trace != nullptr && blockIdx.x < kStageTraceCtas)
+    args.stage_trace[kStageTraceStages * kStageTraceEvents + blockIdx.x * kStageTraceCtaEvents + what] =
+        static_cast<long long>(global_timer_ns());
+#endif
+}
 __device__ __forceinline__ long long* stage_tracer([[maybe_unused]] const KernelArgs& args) {
 #ifdef MOEKIT_STAGE_TRACE
   return threadIdx.x == 128 && blockIdx.x == 0 ? args.stage_trace : nullptr;
