@@ -284,8 +284,8 @@ class MaskedGemm {
   // kernel, whose 256-column tiles record only the copies and the wait, and the MXFP4 register
   // kernel). Then every CTA c < kStageTraceCtas writes the global timer (ns, comparable across
   // SMs) at [kStageTraceStages x kStageTraceEvents + c x kStageTraceCtaEvents + kStageTraceCta*]:
-  // when it entered the kernel, when its math warps began their first tile (after the schedule),
-  // and when they finished their last. Null (the default) records nothing.
+  // when it entered the kernel, when its math warps were ready for their first tile (after the
+  // set-up and the schedule), and when they finished their last. Null (the default) records nothing.
   void set_stage_trace(long long* trace);
 
  private:
