@@ -318,7 +318,7 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
   std::vector<double> entry, begin, end;
   long long first = 0;
   const int ctas = std::min(plan->config().num_ctas, kStageTraceCtas);
-  auto cta = [&](int c, int k) { return t[size_t(kStageTraceStages) * kStageTraceEvents + size_t(c) * kStageTraceCtaEvents + k]; };
+  auto cta = [&](int c, int k) { return t[kStageTraceCtaBase + size_t(c) * kStageTraceCtaEvents + k]; };
   for (int c = 0; c < ctas; ++c)
     if (cta(c, kStageTraceCtaEntry) != 0 && (first == 0 || cta(c, kStageTraceCtaEntry) < first)) first = cta(c, kStageTraceCtaEntry);
   for (int c = 0; c < ctas; ++c) {

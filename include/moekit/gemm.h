@@ -127,11 +127,12 @@ constexpr int kContiguousAlign = 128;  // rows per padded expert segment in the 
 
 // MaskedGemm::set_stage_trace's buffer: [stage][event] int64 clocks, events in this order.
 constexpr int kStageTraceStages = 1024, kStageTraceEvents = 6;
-// After the stage records, kStageTraceCtaEvents global-timer stamps for each of the first
-// kStageTraceCtas CTAs (MaskedGemm::set_stage_trace).
+// After the stage records (from word kStageTraceCtaBase), kStageTraceCtaEvents global-timer stamps
+// for each of the first kStageTraceCtas CTAs (MaskedGemm::set_stage_trace).
 constexpr int kStageTraceCtas = 1024, kStageTraceCtaEvents = 3;
 constexpr int kStageTraceCtaEntry = 0, kStageTraceCtaBegin = 1, kStageTraceCtaEnd = 2;
-constexpr int kStageTraceWords = kStageTraceStages * kStageTraceEvents + kStageTraceCtas * kStageTraceCtaEvents;
+constexpr int kStageTraceCtaBase = kStageTraceStages * kStageTraceEvents;
+constexpr int kStageTraceWords = kStageTraceCtaBase + kStageTraceCtas * kStageTraceCtaEvents;
 constexpr int kStageTraceWeightsIssued = 0, kStageTraceActivationsIssued = 1, kStageTraceWaitBegin = 2,
               kStageTraceWaitEnd = 3, kStageTraceMmaIssued = 4, kStageTraceReleased = 5;
 
@@ -283,7 +284,7 @@ class MaskedGemm {
   // wait for the stage, committed the stage's wgmmas and handed the stage back (the masked FP8
   // kernel, whose 256-column tiles record only the copies and the wait, and the MXFP4 register
   // kernel). Then every CTA c < kStageTraceCtas writes the global timer (ns, comparable across
-  // SMs) at [kStageTraceStages x kStageTraceEvents + c x kStageTraceCtaEvents + kStageTraceCta*]:
+  // SMs) at [kStageTraceCtaBase + c x kStageTraceCtaEvents + kStageTraceCta*]:
   // when it entered the kernel, when its math warps were ready for their first tile (after the
   // set-up and the schedule), and when they finished their last. Null (the default) records nothing.
   void set_stage_trace(long long* trace);

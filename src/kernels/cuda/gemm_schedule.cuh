@@ -404,7 +404,7 @@ __device__ __forceinline__ void trace_stage(const KernelArgs& args, int stage, i
 __device__ __forceinline__ void trace_cta([[maybe_unused]] const KernelArgs& args, [[maybe_unused]] int what) {
 #ifdef MOEKIT_STAGE_TRACE
   if (args.stage_trace != nullptr && blockIdx.x < kStageTraceCtas)
-    args.stage_trace[kStageTraceStages * kStageTraceEvents + blockIdx.x * kStageTraceCtaEvents + what] =
+    args.stage_trace[kStageTraceCtaBase + blockIdx.x * kStageTraceCtaEvents + what] =
         static_cast<long long>(global_timer_ns());
 #endif
 }
