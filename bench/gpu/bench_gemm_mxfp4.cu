@@ -327,11 +327,11 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
     begin.push_back((cta(c, kStageTraceCtaBegin) - first) * 1e-3);
     end.push_back((cta(c, kStageTraceCtaEnd) - first) * 1e-3);
   }
-  auto range = [](std::vector<double> v) {
+  auto range = [](const std::vector<double>& v) {
     if (v.empty()) return std::string("-");
-    std::sort(v.begin(), v.end());
     char b[96];
-    std::snprintf(b, sizeof b, "%.1f / %.1f / %.1f", v.front(), v[v.size() / 2], v.back());
+    std::snprintf(b, sizeof b, "%.1f / %.1f / %.1f", *std::min_element(v.begin(), v.end()), median(v),
+                  *std::max_element(v.begin(), v.end()));
     return std::string(b);
   };
   std::printf("\nCTAs (%zu), us from the first entry, min / median / max: entry %s; first tile %s; last tile's end %s;"
