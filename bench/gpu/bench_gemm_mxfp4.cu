@@ -13,14 +13,15 @@
 //     tiles of the MXFP4 kernel, and the FP8 copy (GemmConfig::mxfp4_fp8_copy: the weights widened
 //     once per run, then the FP8 kernel; its time is both kernels'), made first and made beside the
 //     GEMM on C SMs (GemmConfig::mxfp4_fp8_copy_ctas; --beside-ctas C1,C2,...: one row each, 0 = the
-//     heuristic's count; default 0).
+//     heuristic's count; default 0); and the register kernel again with one activation scale per row
+//     (ContiguousGemmProblem::a_row_scales: no block partial to promote), 64- and 128-token tiles.
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
 // holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M]
-// [--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] (study knobs, 0 = the heuristic's: N the MXFP4
+// [--mx-widen registers|smem|smem2] [--masked-only] [--contiguous-only] [--only-oss] [--beside-ctas LIST] (study knobs, 0 = the heuristic's: N the MXFP4
 // masked plans' ring depth, M the token block of their tiles above 32 rows; --mx-widen: every MXFP4
 // plan widening in registers, or with one or two widening warpgroups (GemmConfig::mxfp4_widen_wgs;
 // smem2 for the masked plans of up to 64 tokens, the others take smem); --masked-only skips the
-// contiguous part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]: only CTA 0's stage trace
+// contiguous part, --contiguous-only the masked part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]: only CTA 0's stage trace
 // of one GEMM1, trace_gemm1 below, in a build configured with -DMOEKIT_STAGE_TRACE=ON)
 #include <algorithm>
 #include <cstdio>
@@ -176,7 +177,7 @@ json run_masked(const Shape& s, const std::string& name, const std::vector<int32
 // (GemmConfig::mxfp4_fp8_copy); the time is both kernels'. beside_ctas >= 0 (with fp8_copy): the copy
 // beside the GEMM on that many SMs (0: the heuristic's count).
 double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, int iters, std::string& config,
-                       int block_m = 0, bool fp8_copy = false, int beside_ctas = -1) {
+                       int block_m = 0, bool fp8_copy = false, int beside_ctas = -1, bool row_scales = false) {
   // The contiguous layout: each expert's rows padded to kContiguousAlign (row_expert -1), so that no
   // block of the GEMM's rows spans two experts (gemm.h). The padding is multiplied like any row;
   // the TFLOP/s count real rows only.
@@ -191,6 +192,7 @@ double time_contiguous(bool mx, int experts, int rows_per_expert, int n, int k, 
   Gemm w(experts, n, k, 4, mx, 9);   // the weights
   ContiguousGemmProblem p{experts, n, k, total};
   p.weights = mx ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
+  p.a_row_scales = row_scales;  // (g.as holds K/128 rows of M_total scales; the first serves)
   ContiguousGemmBuffers b;
   b.a = g.a;
   b.a_scales = g.as;
@@ -238,6 +240,12 @@ json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool
   const double copy_us = usc - us8;
   std::printf("%-40s %10s %10.1f %9s %9.1f %7.3f   %s (over fp8: %.1f us, %.2f TB/s of copy bytes)\n", label.c_str(),
               "", usc, "", tf(usc), tf(usc) / tf8, cc.c_str(), copy_us, copy_bytes / (copy_us * 1e-6) / 1e12);
+  std::string cr, crb;
+  const double usr = time_contiguous(true, experts, rows, n, k, iters, cr, 0, false, -1, true);
+  const double usrb = time_contiguous(true, experts, rows, n, k, iters, crb, 64, false, -1, true);
+  for (const auto& [us, cfg] : {std::pair{usrb, crb}, std::pair{usr, cr}})
+    std::printf("%-40s %10s %10.1f %9s %9.1f %7.3f   %s (row scales)\n", label.c_str(), "", us, "", tf(us), tf(us) / tf8,
+                cfg.c_str());
   json beside = json::array();
   for (int ctas : g_beside_ctas) {
     std::string cb;
@@ -252,7 +260,8 @@ json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool
               {"TFLOPs_mxfp4", tf(us4)}, {"ratio", tf(us4) / tf8},     {"ratio_64", tf(us4b) / tf8},
               {"config_fp8", c8},       {"config_mxfp4", c4},          {"us_mxfp4_copy", usc},
               {"TFLOPs_mxfp4_copy", tf(usc)}, {"ratio_copy", tf(usc) / tf8}, {"copy_over_fp8_us", copy_us},
-              {"config_mxfp4_copy", cc}};
+              {"config_mxfp4_copy", cc}, {"us_mxfp4_rows", usr}, {"us_mxfp4_rows_64", usrb},
+              {"ratio_rows", tf(usr) / tf8}, {"ratio_rows_64", tf(usrb) / tf8}, {"config_mxfp4_rows", cr}};
 }
 
 // --trace FILE: one GEMM1 (MXFP4, or FP8 with --trace-fp8) of DeepSeek-V3 x 8 (or gpt-oss-120b x 32
@@ -360,7 +369,7 @@ int main(int argc, char** argv) {
   std::string trace_path;
   bool trace_fp8 = false, trace_oss = false;
   int trace_rows = 16, trace_experts = 0;
-  bool quick = false, masked_only = false, only_oss = false;
+  bool quick = false, masked_only = false, contiguous_only = false, only_oss = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
@@ -375,6 +384,7 @@ int main(int argc, char** argv) {
       g_mx_widen = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
     }
     else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
+    else if (!std::strcmp(argv[i], "--contiguous-only")) contiguous_only = true;
     else if (!std::strcmp(argv[i], "--only-oss")) only_oss = true;
     else if (!std::strcmp(argv[i], "--beside-ctas") && i + 1 < argc) {
       g_beside_ctas.clear();
@@ -402,7 +412,7 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
-                           "[--mx-widen registers|smem|smem2] [--masked-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]]\n");
+                           "[--mx-widen registers|smem|smem2] [--masked-only] [--contiguous-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]]\n");
       return 2;
     }
   }
@@ -422,12 +432,15 @@ int main(int argc, char** argv) {
     out["copy_TBps"] = copy;
     std::printf("copy bandwidth %.3f TB/s (read + write)\n", copy);
     const int iters = quick ? 10 : 30;
-    std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s   %s\n", "shape",
-                "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s", "config (mxfp4 gemm1)");
+    if (!contiguous_only)
+      std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s   %s\n",
+                  "shape", "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s",
+                  "config (mxfp4 gemm1)");
     std::mt19937 rng(2026);
     std::uniform_int_distribution<int> d16(1, 16);
     for (const Shape& s : {Shape{"deepseek-v3", 8, 7168, 2048}, Shape{"gpt-oss-120b", 8, 2944, 2944},
                            Shape{"gpt-oss-120b", 32, 2944, 2944}}) {
+      if (contiguous_only) break;
       std::vector<int32_t> rnd(s.experts), binom(s.experts);
       for (auto& x : rnd) x = d16(rng);
       std::binomial_distribution<int> b32(4096, 1.0 / 128);
@@ -442,8 +455,9 @@ int main(int argc, char** argv) {
       // The MISSION shapes, then gpt-oss-120b's GEMM1 over all 128 experts at the rows per expert
       // a prefill chunk of 2K / 8K / 32K tokens per rank gives (T k / E = T / 32): where the copy,
       // which widens every expert once per run, has the fewest rows to pay for it.
-      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy first, beside)\n%-40s %10s %10s %9s %9s "
-                  "%7s   %s\n", "shape, rows/expert", "us fp8", "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
+      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy first, beside, then row "
+                  "scales: 64, 128)\n%-40s %10s %10s %9s %9s %7s   %s\n",
+                  "shape, rows/expert", "us fp8", "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
       for (int rows : {512, 2048, 8192})
         if (!only_oss) out["contiguous"].push_back(run_contiguous("8 experts N 4096 K 7168", 8, 4096, 7168, rows, quick));
       for (int rows : {64, 256, 1024})

@@ -30,10 +30,11 @@
 //   round trip through HBM and the activation's own launch. Needs inter a multiple of 128;
 //   tiles are swap-AB with at most 64 tokens (an expert with more rows takes more token blocks).
 // Contiguous (prefill):
-//   a [M_total, K] fp8, a_scales [K/128, M_total] fp32, row_expert [M_total] int32 (-1: padding,
-//   its output row is not written), out [M_total, N] bf16 bits. Each expert's rows are together
-//   and every segment is padded to a multiple of kContiguousAlign rows, padding at its end, so
-//   that every block of the GEMM's BM rows belongs to a single expert.
+//   a [M_total, K] fp8, a_scales [K/128, M_total] fp32 (or [M_total]: a_row_scales, below),
+//   row_expert [M_total] int32 (-1: padding, its output row is not written), out [M_total, N] bf16
+//   bits. Each expert's rows are together and every segment is padded to a multiple of
+//   kContiguousAlign rows, padding at its end, so that every block of the GEMM's BM rows belongs
+//   to a single expert.
 //
 // MXFP4 weights (problem.weights = WeightFormat::kMxfp4; gpt-oss's experts), either layout:
 //   w       E_loc x N x K/2 bytes of e2m1 codes (values in mxfp4.h), rewritten from the checkpoint's
@@ -52,6 +53,11 @@
 //   inside each 128-deep block, so that every value a tensor-core lane widens is of one scale
 //   group; their 1x128 scales as usual): mxfp4_permute_k makes them from natural rows, and an
 //   MXFP4 layer's EP buffer and activation kernel write them so.
+//   Contiguous plans may take the activations with one scale per row for all of K
+//   (ContiguousGemmProblem::a_row_scales: a_scales [M_total] fp32, each row quantised as one
+//   group, scale = amax / 448 over the row): the register kernel then keeps the whole K in the
+//   tensor core's accumulator and applies the row's scale once at the end, with no partial sum
+//   per 128-deep block to promote. Not with the FP8 copy or the widening warpgroups below.
 //   Contiguous plans may instead widen the weights once per run into an FP8 copy and run the FP8
 //   kernel on it (GemmConfig::mxfp4_fp8_copy; choose_mxfp4_fp8_copy_config): the plan then uses
 //   E_loc x N x K bytes of e4m3 (its own, or the caller's fp8_copy_workspace, which plans that never
@@ -202,6 +208,11 @@ struct ContiguousGemmProblem {
   int k = 0;
   int total_m = 0;  // M_total
   WeightFormat weights = WeightFormat::kFp8;
+  // MXFP4 weights, the register kernel: a_scales holds one scale per row for all of K ([M_total]
+  // fp32) instead of one per row and 128-deep block (see above). Its 128-token tile then has no
+  // block partial to promote between its wgmmas, the work that holds the kernel's prefill rate
+  // below the FP8 kernel's (docs/gemm-mxfp4.md run 41).
+  bool a_row_scales = false;
 };
 
 // Heuristics (pure functions of the problem and the multiprocessor count).

@@ -521,7 +521,8 @@ struct ContiguousCase : Mxfp4Operands {
         st.check_untouched(got, n);
         continue;
       }
-      auto sc = [&](int kb) { return double(a_scales[size_t(kb) * total + m]); };
+      // (Row scales: the first M_total of the random scales, one per row for every block.)
+      auto sc = [&](int kb) { return double(a_scales[problem.a_row_scales ? m : size_t(kb) * total + m]); };
       st.add_row(got, reference_row(w, row_expert[m], &a[size_t(m) * k], sc, bias));
     }
     return st;
@@ -586,6 +587,58 @@ TEST(GemmMxfp4Contiguous, RaggedExpertsOnEveryPath) {
   ContiguousCase c({1, 127, 0, 128, 129}, 256, 512, rng);
   for (const GemmConfig& cfg : contiguous_configs(c.problem))
     expect_good(c.run_once(&cfg, true), "contiguous, ragged experts, " + cfg.to_string());
+}
+
+TEST(GemmMxfp4Contiguous, RowScalesOnEveryTile) {
+  // One activation scale per row (ContiguousGemmProblem::a_row_scales): the register kernel with
+  // the whole K in one accumulator, 64- and 128-token tiles, split-K 1 and 3 (each split's partial
+  // scaled before the reduction), with and without bias, on padded and on ragged segments; one
+  // K block per tile (K 128) and an odd count (K 384, split 3 gives one block each) among them.
+  std::mt19937 rng(121);
+  for (const std::vector<int>& rows : {std::vector<int>{130, 0, 256, 5}, std::vector<int>{1, 127, 0, 128, 129}})
+    for (int k : {1024, 128, 384}) {
+      ContiguousCase c(rows, 384, k, rng);
+      c.problem.a_row_scales = true;
+      for (int block_m : {64, 128})
+        for (int splits : {1, 3}) {
+          if (splits > k / 128) continue;
+          GemmConfig cfg = choose_contiguous_config(c.problem, 132);
+          cfg.block_m = block_m;
+          cfg.num_splits = splits;
+          cfg.num_ctas = 0;
+          for (bool bias : {true, false})
+            expect_good(c.run_once(&cfg, bias), "contiguous, row scales, K " + std::to_string(k) + ", " +
+                                                    cfg.to_string() + (bias ? ", bias" : ""));
+        }
+      // The heuristic's plan takes them too, whatever the prefill knob says (it picks kernels that
+      // take block scales).
+      setenv("MOEKIT_MXFP4_PREFILL", "copy", 1);
+      c.d_out.poison(0xFF);
+      const ContiguousGemm g(c.problem, c.buffers(true));
+      unsetenv("MOEKIT_MXFP4_PREFILL");
+      EXPECT_FALSE(g.config().mxfp4_fp8_copy) << g.config().to_string();
+      g.run(nullptr);
+      MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_good(c.check(true), "contiguous, row scales, K " + std::to_string(k) + ", the heuristic's plan");
+    }
+}
+
+TEST(GemmMxfp4Contiguous, RowScalesBadArgumentsAreNamed) {
+  std::mt19937 rng(122);
+  ContiguousCase c({128}, 256, 256, rng);
+  c.problem.a_row_scales = true;
+  GemmConfig copy = choose_mxfp4_fp8_copy_config(c.problem, 132);
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true), &copy); }, {"fp8_copy", "a_row_scales"});
+  GemmConfig widen = choose_contiguous_config(c.problem, 132);
+  widen.mxfp4_widen_wgs = 1;
+  expect_error([&] { ContiguousGemm g(c.problem, c.buffers(true), &widen); },
+               {"widen_wgs=1", "a_row_scales", "register kernel only"});
+  ContiguousGemmProblem fp8 = c.problem;
+  fp8.weights = WeightFormat::kFp8;
+  ContiguousGemmBuffers fb = c.buffers(false);
+  fb.w_mx_scales = nullptr;
+  fb.w_scales = c.d_as.ptr;
+  expect_error([&] { ContiguousGemm g(fp8, fb); }, {"a_row_scales", "needs MXFP4 weights"});
 }
 
 TEST(GemmMxfp4Contiguous, Fp8CopyOnGptOssShapesAndWideSpread) {

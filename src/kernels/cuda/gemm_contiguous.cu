@@ -38,7 +38,8 @@ void with_contiguous_instance(const GemmConfig& cfg, F&& f) {
 
 std::string describe(const ContiguousGemmProblem& p) {
   return "E=" + std::to_string(p.num_experts) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
-         " M_total=" + std::to_string(p.total_m) + (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "");
+         " M_total=" + std::to_string(p.total_m) + (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "") +
+         (p.a_row_scales ? " a_row_scales" : "");
 }
 
 }  // namespace
@@ -57,6 +58,8 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   check_pointer(b.out, "out");
   const bool mxfp4 = p.weights == WeightFormat::kMxfp4;
   check_weight_buffers(mxfp4, b.w, b.w_scales, b.w_mx_scales, b.bias);
+  MOEKIT_CHECK(mxfp4 || !p.a_row_scales, "contiguous GEMM " + describe(p) +
+                                             ": a_row_scales (one activation scale per row) needs MXFP4 weights");
   const int k_blocks = p.k / kBlockK;
 
   Impl& im = *impl_;
@@ -68,6 +71,10 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   MOEKIT_CHECK(mxfp4 || !im.cfg.mxfp4_fp8_copy,
                "contiguous GEMM config " + im.cfg.to_string() + ": fp8_copy (an FP8 copy of MXFP4 weights) needs "
                    "MXFP4 weights");
+  MOEKIT_CHECK(!p.a_row_scales || !im.cfg.mxfp4_fp8_copy,
+               "contiguous GEMM config " + im.cfg.to_string() +
+                   ": fp8_copy runs the FP8 kernel, which takes block scales; a_row_scales is compiled for the "
+                   "MXFP4 register kernel only");
   MOEKIT_CHECK(im.cfg.num_splits >= 1 && im.cfg.num_splits <= k_blocks,
                "contiguous GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
@@ -80,7 +87,7 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
     bind_mxfp4_fp8_copy(im, im.copy, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias, b.fp8_copy_workspace);
     w_scales = im.copy.unit_scales;
   } else if (mxfp4) {
-    bind_mxfp4_weights(im, false, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
+    bind_mxfp4_weights(im, false, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias, p.a_row_scales);
   } else {
     with_contiguous_instance(im.cfg, [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, 0); });
     im.tma_w = make_tma_2d(b.w, false, uint64_t(p.num_experts) * p.n, p.k, p.k, im.cfg.block_n, kBlockK, 128);
@@ -89,16 +96,19 @@ ContiguousGemm::ContiguousGemm(const ContiguousGemmProblem& p, const ContiguousG
   check_cluster(im.cfg, p.n);
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
   im.tma_a = make_tma_2d(b.a, false, p.total_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, 128);
-  im.tma_sa = make_tma_2d(b.a_scales, true, k_blocks, p.total_m, p.total_m, 1, bm, 0);
+  // (Row scales: one row of M_total; the kernel reads them itself, args.a_row_scales.)
+  im.tma_sa = make_tma_2d(b.a_scales, true, p.a_row_scales ? 1 : k_blocks, p.total_m, p.total_m, 1, bm, 0);
 
   im.bind(p.num_experts, p.n, p.k, p.total_m, w_scales, b.out, size_t(p.total_m / bm) * ((p.n + bn - 1) / bn));
   im.args.row_expert = b.row_expert;
+  if (p.a_row_scales) im.args.a_row_scales = b.a_scales;
   maybe_print_config("contiguous", describe(p), im.cfg);
 }
 
 GemmConfig contiguous_plan_config(const ContiguousGemmProblem& p) {
   GemmConfig cfg = choose_contiguous_config(p, num_sms());
-  if (p.weights != WeightFormat::kMxfp4) return cfg;
+  // (The prefill and widening knobs pick kernels that take block scales.)
+  if (p.weights != WeightFormat::kMxfp4 || p.a_row_scales) return cfg;
   apply_mxfp4_prefill_knob(cfg, p);
   if (!cfg.mxfp4_fp8_copy) apply_mxfp4_widen_knob(cfg, false);
   return cfg;

@@ -161,9 +161,11 @@ void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_
 
 // One compiled MXFP4 kernel instance (swap-AB, 128 weight rows per tile): widening in the math
 // threads' registers (kWidenWGs 0, gemm_mxfp4.cuh) or by kWidenWGs warpgroups of its own into
-// shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs).
-template <bool kMasked, int kBlockT, int kWidenWGs>
+// shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs); kRowScales: the register
+// kernel with one activation scale per row (ContiguousGemmProblem::a_row_scales).
+template <bool kMasked, int kBlockT, int kWidenWGs, bool kRowScales = false>
 struct Mxfp4Instance {
+  static_assert(!kRowScales || (!kMasked && kWidenWGs == 0), "row scales: contiguous plans, register kernel");
   static constexpr bool kWiden = kWidenWGs > 0;
   using Layout = std::conditional_t<kWiden, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT>>;
   using Regs = std::conditional_t<kWiden, Mxfp4WidenRegisters<kWidenWGs>, Mxfp4Registers>;
@@ -171,7 +173,7 @@ struct Mxfp4Instance {
     finish_config<Layout>(cfg, num_experts, 0);
     Launch l;
     if constexpr (kWiden) l.kernel_mxfp4 = &grouped_gemm_mxfp4_widen_kernel<kMasked, kBlockT, kWidenWGs>;
-    else l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT>;
+    else l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT, kRowScales>;
     l.threads = Regs::kThreads;
     allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);
     check_register_split(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg, Regs::kLaunch);
@@ -181,8 +183,10 @@ struct Mxfp4Instance {
 
 // The MXFP4 parts of a plan (gemm_mxfp4.cu), on buffers check_weight_buffers passed: picks the
 // instance, builds the weight and scale TMA maps (tma_a and tma_sa are the FP8 plan's).
+// row_scales: a contiguous plan's ContiguousGemmProblem::a_row_scales (the plan sets
+// args.a_row_scales).
 void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
-                        const uint32_t* w_mx_scales, const float* bias);
+                        const uint32_t* w_mx_scales, const float* bias, bool row_scales = false);
 
 // A contiguous MXFP4 plan's FP8 copy of its weights (GemmConfig::mxfp4_fp8_copy, mxfp4_fp8_copy.cuh):
 // the workspace it owns and the widening kernel that fills it before each run of the FP8 GEMM.

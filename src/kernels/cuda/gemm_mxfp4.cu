@@ -16,7 +16,15 @@ namespace {
 // its own (gemm_mxfp4_widen.cuh; two only beside one math warpgroup, up to 64 tokens), with the
 // same tile sizes.
 template <bool kMasked, int kBlockT>
-Launch mxfp4_instance(GemmConfig& cfg, int num_experts) {
+Launch mxfp4_instance(GemmConfig& cfg, int num_experts, bool row_scales) {
+  if constexpr (!kMasked) {
+    if (row_scales) {
+      MOEKIT_CHECK(cfg.mxfp4_widen_wgs == 0, "contiguous MXFP4 GEMM config " + cfg.to_string() +
+                                                 ": a_row_scales (one activation scale per row) is compiled for "
+                                                 "the register kernel only; expected mxfp4_widen_wgs 0");
+      return Mxfp4Instance<false, kBlockT, 0, true>::launch(cfg, num_experts);
+    }
+  }
   switch (cfg.mxfp4_widen_wgs) {
     case 0: return Mxfp4Instance<kMasked, kBlockT, 0>::launch(cfg, num_experts);
     case 1: return Mxfp4Instance<kMasked, kBlockT, 1>::launch(cfg, num_experts);
@@ -29,24 +37,24 @@ Launch mxfp4_instance(GemmConfig& cfg, int num_experts) {
   return {};
 }
 
-Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
+Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts, bool row_scales) {
   const std::string bad = std::string(masked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
                           " is not compiled; expected ";
   MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128");
   MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 (MXFP4 kernels run one CTA per cluster)");
   if (!masked) {
     switch (cfg.block_m) {
-      case 64: return mxfp4_instance<false, 64>(cfg, num_experts);
-      case 128: return mxfp4_instance<false, 128>(cfg, num_experts);
+      case 64: return mxfp4_instance<false, 64>(cfg, num_experts, row_scales);
+      case 128: return mxfp4_instance<false, 128>(cfg, num_experts, row_scales);
     }
     MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
   }
   switch (cfg.block_m) {
-    case 16: return mxfp4_instance<true, 16>(cfg, num_experts);
-    case 32: return mxfp4_instance<true, 32>(cfg, num_experts);
-    case 48: return mxfp4_instance<true, 48>(cfg, num_experts);
-    case 64: return mxfp4_instance<true, 64>(cfg, num_experts);
-    case 128: return mxfp4_instance<true, 128>(cfg, num_experts);
+    case 16: return mxfp4_instance<true, 16>(cfg, num_experts, false);
+    case 32: return mxfp4_instance<true, 32>(cfg, num_experts, false);
+    case 48: return mxfp4_instance<true, 48>(cfg, num_experts, false);
+    case 64: return mxfp4_instance<true, 64>(cfg, num_experts, false);
+    case 128: return mxfp4_instance<true, 128>(cfg, num_experts, false);
   }
   MOEKIT_CHECK(false, bad + "block_m in {16, 32, 48, 64, 128}");
   return {};
@@ -55,8 +63,8 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts) {
 }  // namespace
 
 void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
-                        const uint32_t* w_mx_scales, const float* bias) {
-  plan.launch = mxfp4_launch(plan.cfg, masked, masked ? num_experts : 0);
+                        const uint32_t* w_mx_scales, const float* bias, bool row_scales) {
+  plan.launch = mxfp4_launch(plan.cfg, masked, masked ? num_experts : 0, row_scales);
   const int k_blocks = k / kBlockK;
   // Codes: tile-major (mxfp4_codes_for_gemm), seen as rows of 64 bytes, a box of 128 of them (one
   // stage: 128 weight rows x one 128-deep block, 8 KB in one piece). No swizzle for the math threads'

@@ -100,8 +100,9 @@ struct Mxfp4Registers {
 // scales, warps 2-3 leave. Two warps: one thread issuing all four copies of a stage could not issue
 // a stage faster than ~700 SM cycles, which bounded the decode kernel (docs/gemm-mxfp4.md, run 18).
 // Stage s's tiles: codes + s·kWTile, scale words + s·kWsTile, activations + s·kATile, their
-// scales + s·kSaFloats (Layout: either kernel's shared-memory layout).
-template <bool kMasked, int kBlockT, class Layout, class Decode>
+// scales + s·kSaFloats (Layout: either kernel's shared-memory layout). kBlockScales false (the
+// register kernel with ContiguousGemmProblem::a_row_scales): the stages carry no activation scales.
+template <bool kMasked, int kBlockT, class Layout, bool kBlockScales = true, class Decode>
 __device__ __forceinline__ void produce_mxfp4(const KernelArgs& args, int num_tiles, bool early_weights, Decode&& decode,
                                               uint64_t* full, uint64_t* empty, uint8_t* code_tiles, uint8_t* ws_tiles,
                                               uint8_t* a_tiles, float* sa_tiles, const CUtensorMap* tma_a,
@@ -123,14 +124,16 @@ __device__ __forceinline__ void produce_mxfp4(const KernelArgs& args, int num_ti
     const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
     const int sa_row = kMasked ? t.e * k_blocks : 0;
     ptx::tma_load_2d(a_tiles + stage * Layout::kATile, tma_a, &full[stage], kb * kBlockK, a_row, policy_a);
-    ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
+    if constexpr (kBlockScales)
+      ptx::tma_load_2d(sa_tiles + stage * Layout::kSaFloats, tma_sa, &full[stage], t.t0, sa_row + kb, policy_a);
   };
+  constexpr uint32_t kTxActivations = kBlockScales ? Layout::kTxActivations : Layout::kATile;
   if (warp == 0)
     produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxWeights, early_weights, decode, load_w, load_a,
             kProduceWeights);
   else
-    produce(args, num_tiles, tile_walk<1>(), full, empty, Layout::kTxActivations, early_weights, decode, load_w,
-            load_a, kProduceActivations);
+    produce(args, num_tiles, tile_walk<1>(), full, empty, kTxActivations, early_weights, decode, load_w, load_a,
+            kProduceActivations);
 }
 
 // The scale words of a math thread's two accumulator rows in tile t (every block of a row holds
@@ -166,7 +169,9 @@ __device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const T
   }
 }
 
-template <bool kMasked, int kBlockT>
+// kRowScales (contiguous, ContiguousGemmProblem::a_row_scales): one activation scale per row for
+// all of K, so the whole K accumulates in the tensor core and the scale multiplies once at the end.
+template <bool kMasked, int kBlockT, bool kRowScales = false>
 __global__ void __launch_bounds__(384, 1)
     grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                               const __grid_constant__ CUtensorMap tma_sa, const __grid_constant__ CUtensorMap tma_ws,
@@ -218,8 +223,9 @@ __global__ void __launch_bounds__(384, 1)
     auto decode = [&](int tile) {
       return decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     };
-    produce_mxfp4<kMasked, kBlockT, Layout>(args, num_tiles, early_weights, decode, full, empty, w_tiles, ws_tiles,
-                                            a_tiles, sa_tiles, &tma_a, &tma_w, &tma_sa, &tma_ws);
+    produce_mxfp4<kMasked, kBlockT, Layout, !kRowScales>(
+        args, num_tiles, early_weights, decode, full, empty, w_tiles, ws_tiles, a_tiles, sa_tiles, &tma_a, &tma_w,
+        &tma_sa, &tma_ws);
     return;
   }
 
@@ -253,10 +259,12 @@ __global__ void __launch_bounds__(384, 1)
     const uint4 codes_r8 = *reinterpret_cast<const uint4*>(w_stage + (frag_row + 8) * (kBlockK / 2) + (lane % 4) * 16);
     widen_stage(codes_r, codes_r8, ws_stage[frag_row], ws_stage[frag_row + 8], a);
   };
-  auto mma_stage = [&](float* part, const uint32_t (&a)[4][4], int stage) {
+  // accumulate: the stage's first wgmma adds to `part` (the row-scale loop's one accumulator)
+  // instead of starting it.
+  auto mma_stage = [&](float* part, const uint32_t (&a)[4][4], int stage, bool accumulate = false) {
     const uint64_t desc_n = ptx::make_smem_desc_sw128(a_tiles + stage * Layout::kATile);
 #pragma unroll
-    for (int g = 0; g < kBlockK / 32; ++g) Mma::mma(part, a[g], desc_n + 2 * g, g > 0);
+    for (int g = 0; g < kBlockK / 32; ++g) Mma::mma(part, a[g], desc_n + 2 * g, accumulate || g > 0);
   };
   auto fence_part = [&](float* part) {
 #pragma unroll
@@ -266,10 +274,10 @@ __global__ void __launch_bounds__(384, 1)
     if (++s == stages) s = 0, phase ^= 1;
   };
   // Stage `stage`'s four wgmmas from fragments a into `part`, committed (not waited for).
-  auto mma_commit = [&](float* part, const uint32_t (&a)[4][4], int stage) {
+  auto mma_commit = [&](float* part, const uint32_t (&a)[4][4], int stage, bool accumulate = false) {
     fence_part(part);
     ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
-    mma_stage(part, a, stage);
+    mma_stage(part, a, stage, accumulate);
     ptx::wgmma_commit();
     trace_at(tracer, committed, kStageTraceMmaIssued);
     ++committed;
@@ -306,6 +314,13 @@ __global__ void __launch_bounds__(384, 1)
     fence_part(pa);
     fence_part(pb);
   };
+  // Stage st back to the producer, once every lane of the warp is done with it.
+  auto release = [&](int st) {
+    __syncwarp();
+    trace_at(tracer, released, kStageTraceReleased);
+    ++released;
+    if (lane == 0) ptx::mbar_arrive(&empty[st]);
+  };
   // Promotion of stage st's partial (its wgmmas complete): the activation scales are read before
   // the stage is handed back to the producer. (No weight factor here: it is the row's, applied
   // once per tile, which saves a multiply per accumulator and stage.)
@@ -316,10 +331,7 @@ __global__ void __launch_bounds__(384, 1)
     float2 sa_pair[kBlockT / 8];
 #pragma unroll
     for (int j = 0; j < kBlockT / 8; ++j) sa_pair[j] = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
-    __syncwarp();
-    trace_at(tracer, released, kStageTraceReleased);
-    ++released;
-    if (lane == 0) ptx::mbar_arrive(&empty[st]);
+    release(st);
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
       const float a_scale = (i % 2) ? sa_pair[i / 4].y : sa_pair[i / 4].x;
@@ -335,7 +347,40 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
     const int num_kb = t.kb_end - t.kb_begin;
-    if (kPaired && stages >= 4 && num_kb >= 2) {
+    if constexpr (kRowScales) {
+      // The whole K in `acc` (the tensor core orders wgmmas on one accumulator): stage kb + 1 is
+      // widened while kb's wgmmas run, and a stage goes back to the producer once its wgmmas are
+      // done; nothing else stands between them. The tokens' scales are loaded first, so that their
+      // latency hides under the K loop, and multiply once at the end.
+      float2 row_scale[kBlockT / 8];
+#pragma unroll
+      for (int j = 0; j < kBlockT / 8; ++j)
+        row_scale[j] = *reinterpret_cast<const float2*>(args.a_row_scales + t.t0 + j * 8 + frag_col);
+      uint32_t a0[4][4], a1[4][4];
+      int prev = s;
+      widen(a0);
+      advance();
+      mma_commit(acc, a0, prev);
+      auto step = [&](uint32_t (&fb)[4][4]) {  // the other fragments' stage (prev) in flight
+        const int cur = s;
+        widen(fb);
+        advance();
+        mma_commit(acc, fb, cur, true);
+        ptx::wgmma_wait<1>();
+        release(prev);
+        prev = cur;
+      };
+      int kb = t.kb_begin + 1;
+      for (; kb + 1 < t.kb_end; kb += 2) {
+        step(a1);
+        step(a0);
+      }
+      if (kb < t.kb_end) step(a1);
+      ptx::wgmma_wait<0>();
+      release(prev);
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[i] *= (i % 2) ? row_scale[i / 4].y : row_scale[i / 4].x;
+    } else if (kPaired && stages >= 4 && num_kb >= 2) {
       // Pairs of stages, two pairs in flight: pair j's wgmmas run while pair j - 1 is promoted
       // and pair j + 1 widened (four stages held, so the ring needs at least four).
       float p0[kRegs], p1[kRegs], p2[kRegs], p3[kRegs];

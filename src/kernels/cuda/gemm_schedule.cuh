@@ -42,6 +42,9 @@ struct KernelArgs {
   // output column n of expert e is acc · out_col_scale[e, n] + bias[e, n] (bias optional). Last,
   // so that the fields above keep their offsets in every other instance's parameter bank.
   const float* out_col_scale = nullptr;
+  // The MXFP4 register kernel's row-scale instances (ContiguousGemmProblem::a_row_scales): [rows]
+  // fp32, one activation scale per row for all of K.
+  const float* a_row_scales = nullptr;
 };
 
 // Programmatic dependent launch: this kernel may start while the previous kernel on the stream
