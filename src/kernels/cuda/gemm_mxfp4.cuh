@@ -23,6 +23,9 @@
 // and prefill alike. Promotion of a block partial: acc += part · a_scale(token); the row factor
 // 2^(base - 127) (mxfp4_convert.cuh), one per row for the whole K, multiplies the sum once after
 // the K loop, before split-K's reduction and the bias.
+// With one activation scale per row (kRowScales: contiguous plans with
+// ContiguousGemmProblem::a_row_scales) there is no block partial at all: the K loop accumulates in
+// acc, and the token's scale multiplies once, before the row factor.
 #pragma once
 
 #include <cuda_runtime.h>
