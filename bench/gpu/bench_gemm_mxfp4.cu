@@ -455,8 +455,8 @@ int main(int argc, char** argv) {
       // The MISSION shapes, then gpt-oss-120b's GEMM1 over all 128 experts at the rows per expert
       // a prefill chunk of 2K / 8K / 32K tokens per rank gives (T k / E = T / 32): where the copy,
       // which widens every expert once per run, has the fewest rows to pay for it.
-      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy first, beside, then row "
-                  "scales: 64, 128)\n%-40s %10s %10s %9s %9s %7s   %s\n",
+      std::printf("\ncontiguous (MXFP4 rows: 64-token tiles, 128-token tiles, the FP8 copy first, row scales in 64- "
+                  "and 128-token tiles, the copy beside)\n%-40s %10s %10s %9s %9s %7s   %s\n",
                   "shape, rows/expert", "us fp8", "us mxfp4", "TF fp8", "TF mxfp4", "ratio", "config (mxfp4)");
       for (int rows : {512, 2048, 8192})
         if (!only_oss) out["contiguous"].push_back(run_contiguous("8 experts N 4096 K 7168", 8, 4096, 7168, rows, quick));
