@@ -86,6 +86,20 @@ __device__ __forceinline__ void widen_stage(const uint4& codes_r, const uint4& c
   }
 }
 
+// The activation scales of a math thread's accumulator columns in a tile of kBlockT tokens (the
+// wgmma's layout: accumulator register c is column (c / 4)·8 + frag_col + c % 2), loaded from a
+// row of per-token scales (a stage's row in shared memory, or a tile's row scales in global memory).
+template <int kBlockT>
+struct TokenScales {
+  float2 pairs[kBlockT / 8];
+  __device__ __forceinline__ void load(const float* row, int frag_col) {
+#pragma unroll
+    for (int j = 0; j < kBlockT / 8; ++j) pairs[j] = *reinterpret_cast<const float2*>(row + j * 8 + frag_col);
+  }
+  // The scale of accumulator register c (of one 64-row slab).
+  __device__ __forceinline__ float of(int c) const { return (c % 2) ? pairs[c / 4].y : pairs[c / 4].x; }
+};
+
 // How a CTA's registers are split between its producer warpgroup and its two math warpgroups
 // (setmaxnreg draws on the CTA's own pool: the registers its 384 threads were launched with).
 // kLaunch is what __launch_bounds__(384, 1) leaves a thread (the SM's 64K registers, rounded down
@@ -330,16 +344,11 @@ __global__ void __launch_bounds__(384, 1)
   auto promote = [&](int st, float* part, float* acc) {
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-    const float* sa = sa_tiles + st * Layout::kSaFloats;
-    float2 sa_pair[kBlockT / 8];
-#pragma unroll
-    for (int j = 0; j < kBlockT / 8; ++j) sa_pair[j] = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
+    TokenScales<kBlockT> sa;
+    sa.load(sa_tiles + st * Layout::kSaFloats, frag_col);
     release(st);
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) {
-      const float a_scale = (i % 2) ? sa_pair[i / 4].y : sa_pair[i / 4].x;
-      acc[i] = fmaf(part[i], a_scale, acc[i]);
-    }
+    for (int i = 0; i < kRegs; ++i) acc[i] = fmaf(part[i], sa.of(i), acc[i]);
   };
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -355,10 +364,8 @@ __global__ void __launch_bounds__(384, 1)
       // widened while kb's wgmmas run, and a stage goes back to the producer once its wgmmas are
       // done; nothing else stands between them. The tokens' scales are loaded first, so that their
       // latency hides under the K loop, and multiply once at the end.
-      float2 row_scale[kBlockT / 8];
-#pragma unroll
-      for (int j = 0; j < kBlockT / 8; ++j)
-        row_scale[j] = *reinterpret_cast<const float2*>(args.a_row_scales + t.t0 + j * 8 + frag_col);
+      TokenScales<kBlockT> row_scale;
+      row_scale.load(args.a_row_scales + t.t0, frag_col);
       uint32_t a0[4][4], a1[4][4];
       int prev = s;
       widen(a0);
@@ -382,7 +389,7 @@ __global__ void __launch_bounds__(384, 1)
       ptx::wgmma_wait<0>();
       release(prev);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] *= (i % 2) ? row_scale[i / 4].y : row_scale[i / 4].x;
+      for (int i = 0; i < kRegs; ++i) acc[i] *= row_scale.of(i);
     } else if (kPaired && stages >= 4 && num_kb >= 2) {
       // Pairs of stages, two pairs in flight: pair j's wgmmas run while pair j - 1 is promoted
       // and pair j + 1 widened (four stages held, so the ring needs at least four).

@@ -239,10 +239,8 @@ __global__ void __launch_bounds__(512, 1)
       // without relying on that chain.
       ptx::mbar_wait(&full[s], phase);
       ptx::mbar_wait(&wide_full[w], wide_phase);
-      const float* sa = sa_tiles + s * Layout::kSaFloats;
-      float2 sa_pair[kBlockT / 8];
-#pragma unroll
-      for (int j = 0; j < kBlockT / 8; ++j) sa_pair[j] = *reinterpret_cast<const float2*>(sa + j * 8 + frag_col);
+      TokenScales<kBlockT> sa;
+      sa.load(sa_tiles + s * Layout::kSaFloats, frag_col);
       const uint32_t wide_desc = wide_desc0 + w * (Layout::kWideTile >> 4);
       const uint32_t a_desc = a_desc0 + s * (Layout::kATile >> 4);
 #pragma unroll
@@ -259,16 +257,13 @@ __global__ void __launch_bounds__(512, 1)
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kSlabs * kRegs; ++i) ptx::fence_operand(part[i]);
-      __syncwarp();  // every lane's sa_pair loads before lane 0 hands the stage back to the producer
+      __syncwarp();  // every lane's scale loads before lane 0 hands the stage back to the producer
       if (lane == 0) {
         ptx::mbar_arrive(&empty[s]);
         ptx::mbar_arrive(&wide_empty[w]);
       }
 #pragma unroll
-      for (int i = 0; i < kSlabs * kRegs; ++i) {
-        const int c = i % kRegs;  // the register's token: column (c / 4)·8 + frag_col + c % 2
-        acc[i] = fmaf(part[i], (c % 2) ? sa_pair[c / 4].y : sa_pair[c / 4].x, acc[i]);
-      }
+      for (int i = 0; i < kSlabs * kRegs; ++i) acc[i] = fmaf(part[i], sa.of(i % kRegs), acc[i]);  // every slab: the same tokens
       advance();
     }
     store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads, kSlabs>(
