@@ -224,7 +224,7 @@ void LocalEpGroup::send_messages(int rank, int num_tokens, const uint16_t* x, co
     std::memcpy(msg.data() + ml.weights(), topk_weights + size_t(t) * k, 4 * size_t(k));
     for (int c = 0; c < d; ++c) row[c] = bf16_to_float(x[size_t(t) * d + c]);
     std::vector<float> scales(d / kQuantBlock);
-    quantize_row_fp8(row.data(), d, msg.data() + ml.x(), scales.data(), 1);  // once per token
+    quantize_row_fp8(row.data(), d, msg.data() + ml.x(), scales.data(), 1, config_.x_scaling);  // once per token
     std::memcpy(msg.data() + ml.scales(), scales.data(), 4 * scales.size());
     for (int dst = 0; dst < p; ++dst) {
       if (!((me.targets[t] >> dst) & 1)) continue;
