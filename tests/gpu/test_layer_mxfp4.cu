@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.h"
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gating.cuh"
 #include "moekit/bf16.h"
@@ -28,6 +29,7 @@
 #include "moekit/layer.h"
 #include "moekit/layer_cpu.h"
 #include "moekit/mxfp4.h"
+#include "moekit/quant.h"
 #include "moekit/reference.h"
 #include "moekit/spec.h"
 #include "moekit/weights.h"
@@ -444,6 +446,13 @@ TEST(GpuLayerMxfp4Errors, RefusalsAreNamed) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MXFP4"), std::string::npos) << e.what();
   }
+  // A prefill buffer made by hand with 1x128 scales: the layer names both scalings.
+  gpu::EpConfig normal = gpu::layer_ep_config(oss().model, placement.num_slots, 2, 8, gpu::EpMode::kNormal);
+  ASSERT_EQ(normal.x_scaling, Fp8Scaling::kPerToken);
+  normal.x_scaling = Fp8Scaling::kPerBlock;
+  gpu::EpLocalGroup blocks(normal);
+  expect_error([&] { gpu::GpuMoeLayer l(oss().model, oss().weights, placement, 0, blocks.rank(0), cfg); },
+               {"x_scaling = 1x128", "per-token"});
 }
 
 }  // namespace

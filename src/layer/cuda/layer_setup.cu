@@ -96,12 +96,13 @@ void GpuMoeLayer::Impl::take_shapes(const ModelSpec& model, const MoeLayerWeight
                fmtr("EP buffer's mxfp4_k_order = {} for model '{}' with expert_format {}: an MXFP4 layer's experts read "
                     "their rows in the MXFP4 GEMM's K order, an FP8 layer's in the natural one (layer_ep_config sets it)",
                     s.ec.mxfp4_k_order, model.name, model.expert_format));
-  s.token_scales = layer_fp8_scaling(model, ep_protocol(s.ec.mode)) == Fp8Scaling::kPerToken;
-  MOEKIT_CHECK(s.ec.x_scaling == layer_fp8_scaling(model, ep_protocol(s.ec.mode)),
+  const Fp8Scaling scaling = layer_fp8_scaling(model, ep_protocol(s.ec.mode));
+  MOEKIT_CHECK(s.ec.x_scaling == scaling,
                fmtr("EP buffer's x_scaling = {} for model '{}' ({}) in {} mode: the layer's FP8 activations are {} "
                     "(layer_fp8_scaling; layer_ep_config sets it)",
                     fp8_scaling_name(s.ec.x_scaling), model.name, model.expert_format, ep_mode_name(s.ec.mode),
-                    fp8_scaling_name(layer_fp8_scaling(model, ep_protocol(s.ec.mode)))));
+                    fp8_scaling_name(scaling)));
+  s.token_scales = scaling == Fp8Scaling::kPerToken;
   MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
                fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
                     weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
