@@ -67,6 +67,8 @@ void validate_ep_config(const EpConfig& c) {
                fmt::format("EpConfig: topk = {}, expected 1..num_slots = {}", c.topk, c.num_slots));
   MOEKIT_CHECK(c.block_m >= 1, fmt::format("EpConfig: block_m = {}, expected >= 1", c.block_m));
   MOEKIT_CHECK(c.timeout_s > 0, fmt::format("EpConfig: timeout_s = {}, expected > 0", c.timeout_s));
+  MOEKIT_CHECK(c.x_scaling == Fp8Scaling::kPerBlock || c.x_scaling == Fp8Scaling::kPerToken,
+               fmt::format("EpConfig: x_scaling = {}, expected kPerBlock (0) or kPerToken (1)", int(c.x_scaling)));
 }
 
 enum class LocalEpGroup::Phase { kIdle, kNotified, kSent, kReceived, kCombineSent };

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "moekit/check.h"
@@ -85,7 +86,9 @@ TEST(Quant, PerTokenOneScaleInEverySlot) {
   quantize_row_fp8(x.data(), k, q.data(), scales.data(), stride, Fp8Scaling::kPerToken);
   for (int b = 0; b < k / 128; ++b) {
     EXPECT_EQ(scales[b * stride], 900.0f / 448.0f) << "slot " << b;
-    if (b + 1 < k / 128) EXPECT_EQ(scales[b * stride + 1], -1.0f) << "between slots " << b << " and " << b + 1;
+    if (b + 1 < k / 128) {
+      EXPECT_EQ(scales[b * stride + 1], -1.0f) << "between slots " << b << " and " << b + 1;
+    }
   }
   EXPECT_EQ(q[300], 0x7E);
   for (int i = 0; i < k; ++i) {
@@ -102,6 +105,13 @@ TEST(Quant, PerTokenOneScaleInEverySlot) {
   EXPECT_FALSE(std::equal(q.begin(), q.begin() + 128, q_block.begin()));
   EXPECT_STREQ(fp8_scaling_name(Fp8Scaling::kPerToken), "per-token");
   EXPECT_STREQ(fp8_scaling_name(Fp8Scaling::kPerBlock), "1x128");
+  try {  // a value outside the enum (a cast from an integer) is named, and nothing is written
+    std::vector<float> untouched(k / 128, -1.0f);
+    quantize_row_fp8(x.data(), k, q.data(), untouched.data(), 1, Fp8Scaling(7));
+    FAIL() << "scaling 7 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scaling = 7"), std::string::npos) << e.what();
+  }
 }
 
 // fp32(amax / fp32(amax / 448)) can land just above 448; it must saturate to 448, not become NaN.

@@ -16,6 +16,8 @@ const char* fp8_scaling_name(Fp8Scaling scaling) { return scaling == Fp8Scaling:
 
 void quantize_row_fp8(const float* x, int k, uint8_t* q, float* scales, int64_t scale_stride, Fp8Scaling scaling) {
   MOEKIT_CHECK(k > 0 && k % kQuantBlock == 0, fmt::format("quantize_row_fp8: k = {} must be a positive multiple of 128", k));
+  MOEKIT_CHECK(scaling == Fp8Scaling::kPerBlock || scaling == Fp8Scaling::kPerToken,
+               fmt::format("quantize_row_fp8: scaling = {}, expected kPerBlock (0) or kPerToken (1)", int(scaling)));
   // Check the whole row first, so that bad input writes nothing.
   for (int i = 0; i < k; ++i)
     MOEKIT_CHECK(std::isfinite(x[i]), fmt::format("quantize_row_fp8: x[{}] = {} is not finite", i, x[i]));
