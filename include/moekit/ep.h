@@ -14,7 +14,8 @@
 //
 // Low-latency step, on every rank, in this order:
 //   dispatch_send(x, topk_idx, topk_weights, T)   x [T, d] bf16, topk_weights [T, k] fp32.
-//       Quantises each token once (1x128 scales, exactly quant.h's rule) and writes ONE message
+//       Quantises each token once (1x128 scales, or one per token: EpConfig::x_scaling; exactly
+//       quant.h's rule either way) and writes ONE message
 //       per distinct target rank into that peer's inbox for this rank, then raises the flag
 //       (src -> dst) with a release store of (step, message count). The sender also computes
 //       each message's row positions per expert, so the receiver needs no scan.
@@ -74,6 +75,7 @@
 #include <vector>
 
 #include "moekit/layout.h"
+#include "moekit/quant.h"
 
 namespace moekit::gpu {
 
@@ -106,6 +108,12 @@ struct EpConfig {
   // 128-deep block, 4-byte units moving whole; the scales unchanged): what an MXFP4 layer's
   // experts read. The send then stores each 16-byte chunk as four words.
   bool mxfp4_k_order = false;
+  // How dispatch_send scales a token's FP8 values (quant.h): 1x128, or one scale per token (its
+  // largest finite magnitude over all of d) written into each of its d/128 scale slots, so every
+  // reader of 1x128 scales still works and gemm.h's a_row_scales reads the first slot. An MXFP4
+  // layer's normal mode takes per token (layer_cpu.h layer_fp8_scaling); ep_cpu.h's EpConfig has
+  // the same field, and both ends give the same bits.
+  Fp8Scaling x_scaling = Fp8Scaling::kPerBlock;
 
   int slots_per_rank() const { return num_slots / num_ranks; }  // E_loc
   int max_m() const { return num_ranks * max_tokens; }          // M_max = P * T_max

@@ -10,7 +10,8 @@
 // Low-latency mode (decode, fixed buffers, the layout of layout.h's MaskedLayout):
 //   dispatch_send  validates everything first (T <= T_max, slots in range and distinct per token,
 //                  finite x and weights), then quantises each token ONCE to FP8 (1x128 scales,
-//                  quant.h) and writes one message per DISTINCT target rank, not per expert, into
+//                  or one per token: EpConfig::x_scaling, quant.h) and writes one message per
+//                  DISTINCT target rank, not per expert, into
 //                  that peer's inbox for this source, in token order; then it raises the flag
 //                  (src -> dst) with the step number (release). A message is
 //                    [fp8 x[d]][fp32 scales[d/128]][int32 src_token][int32 topk_idx[k]][fp32 topk_weights[k]]
@@ -63,6 +64,8 @@
 #include <string>
 #include <vector>
 
+#include "moekit/quant.h"
+
 namespace moekit {
 
 struct EpConfig {
@@ -73,6 +76,9 @@ struct EpConfig {
   int num_slots = 0;        // physical experts (E + redundant), a multiple of P
   int block_m = 64;         // normal mode: expert segments padded to a multiple of this
   double timeout_s = 30.0;  // every wait on a peer
+  // How dispatch_send scales a token's FP8 values: 1x128, or one scale per token written into each
+  // of its d/128 slots (quant.h), what an MXFP4 layer's prefill takes (layer_cpu.h).
+  Fp8Scaling x_scaling = Fp8Scaling::kPerBlock;
 
   int slots_per_rank() const { return num_slots / num_ranks; }  // E_loc
   int max_m() const { return num_ranks * max_tokens; }          // M_max = P * T_max

@@ -22,8 +22,10 @@
 // Numerics are exactly the reference kernels' (reference.h), so the output equals the float64
 // oracle (moe_layer_f64 on the same quantised weights) to within the tolerance of
 // docs/design.md §Numerics and their bounds, and the FP8 payloads, scales and expert outputs y of a
-// (token, logical expert) pair are the same bits for any P, protocol or placement. Only the
-// combine's bf16 partial sums depend on how the experts of a token are spread over ranks.
+// (token, logical expert) pair are the same bits for any P or placement, and for either protocol
+// of an FP8 layer (an MXFP4 layer's normal mode scales its FP8 activations per token:
+// x_scaling()). Only the combine's bf16 partial sums depend on how the experts of a token are
+// spread over ranks.
 //
 // gpt-oss (MXFP4 weights, weights.h): the same stages with the router's logit bias, top-k then
 // softmax (gating.h), the MXFP4 GEMMs with the expert biases in their epilogue and the clamped
@@ -55,6 +57,12 @@ struct ExpertMove;       // rebalance.h
 
 enum class EpProtocol { kLowLatency, kNormal };
 const char* protocol_name(EpProtocol protocol);  // "low-latency" | "normal"
+
+// How a layer scales its FP8 activations, the dispatched tokens and GEMM2's input (quant.h): per
+// token in an MXFP4 layer's normal mode, whose prefill GEMMs then keep the whole K in one
+// accumulator (gemm.h ContiguousGemmProblem::a_row_scales), 1x128 otherwise. The CPU and GPU
+// layers, their EP buffers and the oracle's callers take it from here.
+Fp8Scaling layer_fp8_scaling(const ModelSpec& model, EpProtocol protocol);
 
 struct CpuLayerConfig {
   int num_ranks = 1;   // P
@@ -95,6 +103,7 @@ class CpuMoeLayer {
 
   // The group this layer's forward() needs (one group can serve every layer of a model).
   EpConfig ep_config() const;
+  Fp8Scaling x_scaling() const;  // layer_fp8_scaling(model, protocol)
   const CpuLayerConfig& config() const { return config_; }
   int num_local_experts() const;
 
@@ -173,8 +182,10 @@ ref::Activation activation_of(const ActivationSpec& activation);
 class LayerOracle {
  public:
   LayerOracle(const ModelSpec& model, const MoeLayerWeights& weights);
-  // x [T, hidden] fp32, topk_idx / topk_weights [T, k] -> out [T, hidden] float64.
-  void run(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights, double* out) const;
+  // x [T, hidden] fp32, topk_idx / topk_weights [T, k] -> out [T, hidden] float64. scaling: the
+  // layer's FP8 activations' (CpuMoeLayer::x_scaling()); per token only for MXFP4 weights.
+  void run(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights, double* out,
+           Fp8Scaling scaling = Fp8Scaling::kPerBlock) const;
 
  private:
   int hidden_ = 0, topk_ = 0;

@@ -71,7 +71,9 @@
 //         then FP8 1x128 (quantize_row_fp8), dequantised exactly.
 // With expert biases (gpt-oss, moe_layer_mxfp4_f64): [g; u] = bf16( W1 · q1(x) + b1 ), the float64
 // sum plus the bias rounded to fp32 then to bf16, and expert(x) = W2 · q2(act(g, u)) + b2 in float64;
-// act is the layer's activation (SiLU·up or the clamped SwiGLU above), in fp32 as the kernel does it.
+// act is the layer's activation (SiLU·up or the clamped SwiGLU above), in fp32 as the kernel does it;
+// q1 and q2 per token instead where the caller says so (quant.h Fp8Scaling: an MXFP4 layer's
+// normal mode).
 // Everything else is float64 and unrounded: the GEMM sums, the GEMM2 output (the pipeline's
 // bf16 rounding of it counts as error, about 1.6e-3 rms relative), the weighted sum over experts and
 // the shared expert. A pipeline whose GEMM1 fp32 result crosses a bf16 rounding boundary away
@@ -83,6 +85,7 @@
 #include <cstdint>
 
 #include "moekit/layout.h"
+#include "moekit/quant.h"
 
 namespace moekit::ref {
 
@@ -130,11 +133,14 @@ inline float activate(const Activation& act, float gate, float up) {
   return act.kind == Activation::Kind::kSilu ? silu_mul(gate, up) : clamped_swiglu(gate, up, act.alpha, act.limit);
 }
 
-// Any activation + FP8 quantisation: the two functions below with activate(act, g, u).
+// Any activation + FP8 quantisation: the two functions below with activate(act, g, u); the
+// contiguous one also per token (quant.h Fp8Scaling: a row's one scale in each of its inter/128
+// slots), as an MXFP4 layer's prefill quantises.
 void activation_quant_masked(const Activation& act, const MaskedLayout& out_layout, const uint16_t* gate_up,
                              const int32_t* masked_m, uint8_t* out, float* out_scales);
 void activation_quant_contiguous(const Activation& act, const ContiguousLayout& out_layout, const uint16_t* gate_up,
-                                 const int32_t* row_expert, uint8_t* out, float* out_scales);
+                                 const int32_t* row_expert, uint8_t* out, float* out_scales,
+                                 Fp8Scaling scaling = Fp8Scaling::kPerBlock);
 
 // SiLU(gate)·up + FP8 quantisation, masked layout. gate_up [E_loc, M_max, 2·inter] bf16 (GEMM1's
 // output); out fp8 and out_scales in out_layout's order, out_layout.k = inter. Rows at or past
@@ -212,7 +218,7 @@ struct MoeWeightsMxfp4 {
 // The float64 oracle on MXFP4 weights (contract above), decoded exactly expert by expert: x
 // [num_tokens, hidden] fp32 -> out [num_tokens, hidden] float64. Throws on an expert id outside [0, E).
 void moe_layer_mxfp4_f64(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights, int k,
-                         const MoeWeightsMxfp4& weights, double* out);
+                         const MoeWeightsMxfp4& weights, double* out, Fp8Scaling scaling = Fp8Scaling::kPerBlock);
 
 // ||got - want||_F / ||want||_F over n values (want the reference). Throws if want is all zero.
 double relative_frobenius_error(const double* got, const double* want, size_t n);

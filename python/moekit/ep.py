@@ -86,10 +86,14 @@ class LocalGroup:
     both). block_m: normal mode's segment padding; None is 64 on the CPU and 128 on CUDA, the
     padding the CUDA contiguous GEMM needs. max_recv_rows (CUDA, normal mode): rows of the
     contiguous receive buffers, rounded up to a multiple of 128 and of block_m; None sizes them
-    for the worst case (every token of every rank on min(k, E_loc) local experts)."""
+    for the worst case (every token of every rank on min(k, E_loc) local experts). fp8_scaling:
+    how the dispatch scales each token's FP8 values, "1x128" (one scale per 128 columns, DeepEP's) or
+    "per-token" (one scale for the whole row, written into each of its hidden/128 scale slots, so
+    recv_scales keeps its shape; the per-token FP8 of vLLM and TensorRT-LLM)."""
 
     def __init__(self, num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk,
-                 block_m=None, timeout_s=30.0, device="cpu", protocol="low-latency", max_recv_rows=None):
+                 block_m=None, timeout_s=30.0, device="cpu", protocol="low-latency", max_recv_rows=None,
+                 fp8_scaling="1x128"):
         self.is_cuda = str(device).startswith("cuda")
         self.protocol = _protocol(protocol)
         if max_recv_rows is not None and not (self.is_cuda and self.protocol == "normal"):
@@ -102,10 +106,10 @@ class LocalGroup:
             self.core = _core.CudaEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
                                           timeout_s, protocol=self.protocol,
                                           block_m=128 if block_m is None else block_m,
-                                          max_recv_rows=max_recv_rows or 0)
+                                          max_recv_rows=max_recv_rows or 0, fp8_scaling=fp8_scaling)
         else:
             self.core = _core.LocalEpGroup(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_topk, num_experts,
-                                           64 if block_m is None else block_m, timeout_s)
+                                           64 if block_m is None else block_m, timeout_s, fp8_scaling=fp8_scaling)
         self.buffers = [Buffer._of(self, self, r) for r in range(num_ranks)]
 
     @property
@@ -172,10 +176,11 @@ class Buffer:
     send kernel). protocol: "low-latency" (low_latency_dispatch / low_latency_combine, masked
     layout) or "normal" (dispatch / combine, contiguous layout). block_m, max_recv_rows: as for
     LocalGroup(device="cuda"). timeout_s: how long a kernel waits for a peer before recording a
-    fault that check() raises. The rank is group.rank(), the GPU torch.cuda.current_device()."""
+    fault that check() raises. fp8_scaling: as for LocalGroup. The rank is group.rank(), the GPU
+    torch.cuda.current_device()."""
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, *, transport="nvlink",
-                 protocol="low-latency", block_m=None, max_recv_rows=None, timeout_s=30.0):
+                 protocol="low-latency", block_m=None, max_recv_rows=None, timeout_s=30.0, fp8_scaling="1x128"):
         what = "moekit.Buffer"
         _process.check_transport(transport)
         protocol = _protocol(protocol)
@@ -188,12 +193,12 @@ class Buffer:
         args = dict(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
                     num_experts=num_experts, num_topk=num_topk, transport=transport, protocol=protocol,
                     block_m=128 if block_m is None else block_m, max_recv_rows=max_recv_rows or 0,
-                    timeout_s=float(timeout_s))
+                    timeout_s=float(timeout_s), fp8_scaling=fp8_scaling)
         exchange = _process.connect_args(group, transport, args, what)
         core = _core.CudaEpGroup.connect(**exchange, max_tokens=num_max_dispatch_tokens_per_rank, hidden=hidden,
                                          topk=num_topk, num_slots=num_experts, timeout_s=args["timeout_s"],
                                          protocol=protocol, block_m=args["block_m"],
-                                         max_recv_rows=args["max_recv_rows"])
+                                         max_recv_rows=args["max_recv_rows"], fp8_scaling=fp8_scaling)
         self._init(_OwnRank(core, protocol), group, exchange["rank"])
 
     @classmethod
@@ -279,7 +284,8 @@ class Buffer:
             raise TypeError("topk_weights is required: moekit's dispatch carries the combine weights "
                             "(pass topk_weights=[T, k] float32)")
         if not use_fp8:
-            raise ValueError("use_fp8=False: moekit dispatches FP8 (1x128 scales) only")
+            raise ValueError("use_fp8=False: moekit dispatches FP8 only (1x128 or per-token scales: the group's "
+                             "fp8_scaling)")
         self._check_sizes(num_max_dispatch_tokens_per_rank, num_experts)
         self._expect_cuda_protocol("low-latency", "low_latency_dispatch")
         num_tokens = shape_of(x, "x")[0]

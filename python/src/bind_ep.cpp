@@ -201,13 +201,20 @@ nb::dict stats(const LocalEpGroup& g, int rank) {
 
 }  // namespace
 
+Fp8Scaling fp8_scaling_arg(const std::string& name) {
+  if (name == "1x128") return Fp8Scaling::kPerBlock;
+  if (name == "per-token" || name == "per_token") return Fp8Scaling::kPerToken;
+  throw nb::value_error(fmt::format("fp8_scaling = '{}': expected '1x128' or 'per-token'", name).c_str());
+}
+
 void bind_ep(nb::module_& m) {
   nb::class_<LocalEpGroup>(m, "LocalEpGroup")
       .def(
           "__init__",
           [](LocalEpGroup* self, int num_ranks, int max_tokens, int hidden, int topk, int num_slots, int block_m,
-             double timeout_s) {
+             double timeout_s, const std::string& fp8_scaling) {
             EpConfig c;
+            c.x_scaling = fp8_scaling_arg(fp8_scaling);
             c.num_ranks = num_ranks;
             c.max_tokens = max_tokens;
             c.hidden = hidden;
@@ -218,8 +225,9 @@ void bind_ep(nb::module_& m) {
             new (self) LocalEpGroup(c);
           },
           nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("num_slots"),
-          nb::arg("block_m") = 64, nb::arg("timeout_s") = 30.0)
+          nb::arg("block_m") = 64, nb::arg("timeout_s") = 30.0, nb::arg("fp8_scaling") = "1x128")
       .def_prop_ro("num_ranks", [](const LocalEpGroup& g) { return g.config().num_ranks; })
+      .def_prop_ro("fp8_scaling", [](const LocalEpGroup& g) { return std::string(fp8_scaling_name(g.config().x_scaling)); })
       .def_prop_ro("max_tokens", [](const LocalEpGroup& g) { return g.config().max_tokens; })
       .def_prop_ro("hidden", [](const LocalEpGroup& g) { return g.config().hidden; })
       .def_prop_ro("topk", [](const LocalEpGroup& g) { return g.config().topk; })

@@ -77,8 +77,9 @@ nb::object device_tensor(nb::handle owner, const GpuGroup& g, void* data, std::v
 }
 
 gpu::EpConfig ep_config(int num_ranks, int max_tokens, int hidden, int topk, int num_slots, double timeout_s,
-                        const std::string& protocol, int block_m, int max_recv_rows) {
+                        const std::string& protocol, int block_m, int max_recv_rows, const std::string& fp8_scaling) {
   gpu::EpConfig c;
+  c.x_scaling = fp8_scaling_arg(fp8_scaling);
   c.num_ranks = num_ranks;
   c.max_tokens = max_tokens;
   c.hidden = hidden;
@@ -93,9 +94,10 @@ gpu::EpConfig ep_config(int num_ranks, int max_tokens, int hidden, int topk, int
 }
 
 void gpu_group_init(GpuGroup* self, int num_ranks, int max_tokens, int hidden, int topk, int num_slots,
-                    double timeout_s, const std::string& protocol, int block_m, int max_recv_rows) {
+                    double timeout_s, const std::string& protocol, int block_m, int max_recv_rows,
+                    const std::string& fp8_scaling) {
   const gpu::EpConfig c = ep_config(num_ranks, max_tokens, hidden, topk, num_slots, timeout_s, protocol, block_m,
-                                    max_recv_rows);
+                                    max_recv_rows, fp8_scaling);
   int device = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
   auto group = std::make_unique<gpu::EpLocalGroup>(c);
@@ -105,9 +107,10 @@ void gpu_group_init(GpuGroup* self, int num_ranks, int max_tokens, int hidden, i
 // This process's rank of a group across processes (ep_process.h says what the exchange arguments are).
 GpuGroup* gpu_group_connect(int rank, int num_ranks, int device, const std::string& transport, nb::bytes nccl_unique_id,
                             nb::handle all_gather, int max_tokens, int hidden, int topk, int num_slots, double timeout_s,
-                            const std::string& protocol, int block_m, int max_recv_rows) {
+                            const std::string& protocol, int block_m, int max_recv_rows,
+                            const std::string& fp8_scaling) {
   const gpu::EpConfig c = ep_config(num_ranks, max_tokens, hidden, topk, num_slots, timeout_s, protocol, block_m,
-                                    max_recv_rows);
+                                    max_recv_rows, fp8_scaling);
   auto own = connect_process(c, rank, num_ranks, device, transport, nccl_unique_id, all_gather);
   return new GpuGroup{device, nullptr, std::move(own)};
 }
@@ -264,11 +267,12 @@ void bind_ep_cuda(nb::module_& m) {
   nb::class_<GpuGroup>(m, "CudaEpGroup")
       .def("__init__", &gpu_group_init, nb::arg("num_ranks"), nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("topk"),
            nb::arg("num_slots"), nb::arg("timeout_s") = 30.0, nb::arg("protocol") = "low-latency",
-           nb::arg("block_m") = 128, nb::arg("max_recv_rows") = 0)
+           nb::arg("block_m") = 128, nb::arg("max_recv_rows") = 0, nb::arg("fp8_scaling") = "1x128")
       .def_static("connect", &gpu_group_connect, nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"),
                   nb::arg("transport"), nb::arg("nccl_unique_id"), nb::arg("all_gather").none(), nb::arg("max_tokens"),
                   nb::arg("hidden"), nb::arg("topk"), nb::arg("num_slots"), nb::arg("timeout_s") = 30.0,
                   nb::arg("protocol") = "low-latency", nb::arg("block_m") = 128, nb::arg("max_recv_rows") = 0,
+                  nb::arg("fp8_scaling") = "1x128",
                   "This process's rank of an EP group across processes (one per GPU): the peers are connected "
                   "with what the caller's process group swapped (ep_process.h).")
       .def_prop_ro("num_ranks", [](GpuGroup& g) { return g.config().num_ranks; })
@@ -281,6 +285,7 @@ void bind_ep_cuda(nb::module_& m) {
       .def_prop_ro("device", [](GpuGroup& g) { return g.device; })
       .def_prop_ro("protocol", [](GpuGroup& g) { return std::string(gpu::ep_mode_name(g.config().mode)); })
       .def_prop_ro("block_m", [](GpuGroup& g) { return g.config().block_m; })
+      .def_prop_ro("fp8_scaling", [](GpuGroup& g) { return std::string(fp8_scaling_name(g.config().x_scaling)); })
       .def_prop_ro("max_recv_rows", [](GpuGroup& g) { return g.normal() ? g.config().contiguous_rows() : 0; },
                    "Rows of the normal mode's contiguous receive buffers (0 in low-latency mode).")
       .def("dispatch_send", &dispatch_send, nb::arg("rank"), nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "moekit/quant.h"
 #include "moekit/spec.h"
 
 namespace moekit::py {
@@ -15,6 +16,9 @@ nanobind::object json_to_python(const std::string& text);
 // A spec argument: a name or JSON path (str) or a dict with the spec file's keys.
 ModelSpec model_arg(nanobind::handle spec);
 GpuSpec gpu_arg(nanobind::handle spec);
+
+// "1x128" | "per-token" (the Python name of quant.h's Fp8Scaling); ValueError naming anything else.
+Fp8Scaling fp8_scaling_arg(const std::string& name);
 
 void bind_spec(nanobind::module_& m);
 void bind_quant(nanobind::module_& m);

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import moekit
-from conftest import NumpyBackend, bf16_bits_to_float, dequantize_blocks, dequantize_rows, quantize_rows
+from conftest import NumpyBackend, bf16_bits_to_float, dequantize_blocks, dequantize_rows, encode_e4m3, quantize_rows
 
 P, T_MAX, HIDDEN, SLOTS, K = 2, 4, 256, 8, 3
 E_LOC = SLOTS // P
@@ -95,6 +95,30 @@ def test_low_latency_dispatch_and_combine(backend, rng, use_threads):
         stats = group.buffer(r).stats()
         targets = sum(len({int(s) // E_LOC for s in idx[t]}) for t in range(num_tokens[r]))
         assert stats["dispatch_messages"] == targets  # one message per distinct target rank
+
+
+def test_per_token_scales(rng):
+    """fp8_scaling="per-token": every received row's hidden/128 scales are one value, its token's
+    amax / 448 over the whole row, and its codes those of that one scale (quant.h); 1x128 scales of
+    the same tokens differ. A bad name is refused with the value."""
+    backend = NumpyBackend()
+    group = moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, fp8_scaling="per-token")
+    assert group.core.fp8_scaling == "per-token"
+    _, xs, routing, _, results = _step(backend, rng, [4, 3], use_threads=True, group=group)
+    rows = mixed = 0
+    for r in range(P):
+        (recv_x, recv_scales), _, _, _, _ = results[r][0]
+        for e in range(E_LOC):
+            for m, (src, t, _) in enumerate(_expected_rows(routing, r, e)):
+                x = bf16_bits_to_float(xs[src][t]).astype(np.float32)
+                scale = np.float32(max(np.abs(x).max(), np.float32(1e-4)) / np.float32(448.0))
+                np.testing.assert_array_equal(recv_scales[e, m], np.full(HIDDEN // 128, scale, np.float32))
+                np.testing.assert_array_equal(recv_x[e, m], encode_e4m3((x / scale).astype(np.float32)))
+                mixed += not np.all(quantize_rows(x[None])[1] == scale)
+                rows += 1
+    assert rows == 7 * K and mixed > 0
+    with pytest.raises(ValueError, match="fp8_scaling = 'per-row'"):
+        moekit.LocalGroup(P, T_MAX, HIDDEN, SLOTS, K, fp8_scaling="per-row")
 
 
 def test_receive_buffers_are_static_and_feed_the_gemm(rng):

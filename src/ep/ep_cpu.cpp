@@ -67,6 +67,8 @@ void validate_ep_config(const EpConfig& c) {
                fmt::format("EpConfig: topk = {}, expected 1..num_slots = {}", c.topk, c.num_slots));
   MOEKIT_CHECK(c.block_m >= 1, fmt::format("EpConfig: block_m = {}, expected >= 1", c.block_m));
   MOEKIT_CHECK(c.timeout_s > 0, fmt::format("EpConfig: timeout_s = {}, expected > 0", c.timeout_s));
+  MOEKIT_CHECK(c.x_scaling == Fp8Scaling::kPerBlock || c.x_scaling == Fp8Scaling::kPerToken,
+               fmt::format("EpConfig: x_scaling = {}, expected kPerBlock (0) or kPerToken (1)", int(c.x_scaling)));
 }
 
 enum class LocalEpGroup::Phase { kIdle, kNotified, kSent, kReceived, kCombineSent };
@@ -224,7 +226,7 @@ void LocalEpGroup::send_messages(int rank, int num_tokens, const uint16_t* x, co
     std::memcpy(msg.data() + ml.weights(), topk_weights + size_t(t) * k, 4 * size_t(k));
     for (int c = 0; c < d; ++c) row[c] = bf16_to_float(x[size_t(t) * d + c]);
     std::vector<float> scales(d / kQuantBlock);
-    quantize_row_fp8(row.data(), d, msg.data() + ml.x(), scales.data(), 1);  // once per token
+    quantize_row_fp8(row.data(), d, msg.data() + ml.x(), scales.data(), 1, config_.x_scaling);  // once per token
     std::memcpy(msg.data() + ml.scales(), scales.data(), 4 * scales.size());
     for (int dst = 0; dst < p; ++dst) {
       if (!((me.targets[t] >> dst) & 1)) continue;

@@ -220,6 +220,13 @@ CpuMoeLayer::~CpuMoeLayer() = default;
 
 int CpuMoeLayer::num_local_experts() const { return num_slots_ / config_.num_ranks; }
 
+Fp8Scaling layer_fp8_scaling(const ModelSpec& model, EpProtocol protocol) {
+  return model.expert_format == "mxfp4" && protocol == EpProtocol::kNormal ? Fp8Scaling::kPerToken
+                                                                           : Fp8Scaling::kPerBlock;
+}
+
+Fp8Scaling CpuMoeLayer::x_scaling() const { return layer_fp8_scaling(model_, config_.protocol); }
+
 EpConfig CpuMoeLayer::ep_config() const {
   EpConfig c;
   c.num_ranks = config_.num_ranks;
@@ -229,6 +236,7 @@ EpConfig CpuMoeLayer::ep_config() const {
   c.num_slots = num_slots_;
   c.block_m = config_.block_m;
   c.timeout_s = config_.timeout_s;
+  c.x_scaling = x_scaling();
   return c;
 }
 
@@ -296,7 +304,7 @@ void CpuMoeLayer::forward(LocalEpGroup& group, int rank, int num_tokens, int64_t
                "forward: give both routing_idx and routing_weights, or neither");
   const EpConfig ec = group.config();
   MOEKIT_CHECK(ec.num_ranks == config_.num_ranks && ec.max_tokens >= config_.max_tokens && ec.hidden == hidden_ &&
-                   ec.topk == topk_ && ec.num_slots == num_slots_,
+                   ec.topk == topk_ && ec.num_slots == num_slots_ && ec.x_scaling == x_scaling(),
                "forward: the EP group was not made from this layer's ep_config()");
   Rank& me = *ranks_[rank];
   RankStep& step = me.step;
@@ -407,7 +415,7 @@ void CpuMoeLayer::forward_normal(LocalEpGroup& group, int rank, const uint16_t* 
     });
     timed(times.activation, [&] {
       ref::activation_quant_contiguous(activation_, a2, me.gate_up.data(), me.row_expert.data(), me.act.data(),
-                                       me.act_scales.data());
+                                       me.act_scales.data(), x_scaling());
     });
     timed(times.gemm2, [&] {
       me.gemm2.contiguous(a2, me.act.data(), me.act_scales.data(), me.row_expert.data(), me.y.data());
@@ -478,7 +486,10 @@ LayerOracle::LayerOracle(const ModelSpec& model, const MoeLayerWeights& weights)
 }
 
 void LayerOracle::run(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights,
-                      double* out) const {
+                      double* out, Fp8Scaling scaling) const {
+  MOEKIT_CHECK(!fp8_ || scaling == Fp8Scaling::kPerBlock,
+               fmt::format("LayerOracle::run: {} activations for FP8 weights, whose layers scale them 1x128",
+                           fp8_scaling_name(scaling)));
   if (fp8_) {
     ref::moe_layer_f64(x, num_tokens, topk_idx, topk_weights, topk_, fp8_->view, out);
     return;
@@ -487,7 +498,8 @@ void LayerOracle::run(const float* x, int num_tokens, const int32_t* topk_idx, c
   std::vector<float> x_padded(size_t(num_tokens) * d_p, 0.0f);
   for (int t = 0; t < num_tokens; ++t) std::copy_n(x + size_t(t) * d, d, x_padded.begin() + ptrdiff_t(size_t(t) * d_p));
   std::vector<double> out_padded(x_padded.size());
-  ref::moe_layer_mxfp4_f64(x_padded.data(), num_tokens, topk_idx, topk_weights, topk_, mxfp4_, out_padded.data());
+  ref::moe_layer_mxfp4_f64(x_padded.data(), num_tokens, topk_idx, topk_weights, topk_, mxfp4_, out_padded.data(),
+                           scaling);
   for (int t = 0; t < num_tokens; ++t) std::copy_n(out_padded.begin() + ptrdiff_t(size_t(t) * d_p), d, out + size_t(t) * d);
 }
 

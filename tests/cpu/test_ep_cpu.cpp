@@ -359,6 +359,9 @@ TEST(Ep, BadConfigIsRejected) {
   c = config(2, 16);
   c.max_tokens = 0;
   expect_error([&] { LocalEpGroup g(c); }, {"T_max"});
+  c = config(2, 16);
+  c.x_scaling = Fp8Scaling(3);
+  expect_error([&] { LocalEpGroup g(c); }, {"x_scaling = 3"});
 }
 
 // Bad input on one rank: rejected before anything is written, so the same step can go on with

@@ -267,6 +267,37 @@ TEST(ActivationRef, MaskedSiluUpQuantisedWithinBound) {
     }
 }
 
+// Per token (an MXFP4 layer's prefill): each valid row is quantize_row_fp8 per token of its
+// activation values, one scale in all of its inter/128 slots; padding rows untouched.
+TEST(ActivationRef, ContiguousPerTokenScalesEachRowOnce) {
+  const int inter = 384, total_m = 4;
+  std::vector<uint16_t> gate_up = random_gate_up(total_m, inter, 8);
+  const std::vector<int32_t> row_expert = {0, -1, 1, 1};
+  const ContiguousLayout layout{total_m, inter};
+  std::vector<uint8_t> q(layout.a_elems(), 0x7F);
+  std::vector<float> scales(layout.scale_elems(), NAN);
+  ref::activation_quant_contiguous(ref::Activation{}, layout, gate_up.data(), row_expert.data(), q.data(),
+                                   scales.data(), Fp8Scaling::kPerToken);
+  int mixed_in_1x128 = 0;
+  for (int m = 0; m < total_m; ++m) {
+    if (row_expert[m] < 0) {
+      for (int g = 0; g < inter / 128; ++g) EXPECT_TRUE(std::isnan(scales[layout.scale_offset(m, g)]));
+      for (int j = 0; j < inter; ++j) ASSERT_EQ(q[layout.a_offset(m) + j], 0x7F);
+      continue;
+    }
+    std::vector<float> v(inter), want_s(inter / 128), block_s(inter / 128);
+    std::vector<uint8_t> want_q(inter), block_q(inter);
+    const uint16_t* row = gate_up.data() + size_t(m) * 2 * inter;
+    for (int j = 0; j < inter; ++j) v[j] = ref::silu_mul(bf16_to_float(row[j]), bf16_to_float(row[inter + j]));
+    quantize_row_fp8(v.data(), inter, want_q.data(), want_s.data(), 1, Fp8Scaling::kPerToken);
+    quantize_row_fp8(v.data(), inter, block_q.data(), block_s.data(), 1);
+    for (int g = 0; g < inter / 128; ++g) EXPECT_EQ(scales[layout.scale_offset(m, g)], want_s[0]) << m << " " << g;
+    for (int j = 0; j < inter; ++j) ASSERT_EQ(q[layout.a_offset(m) + j], want_q[j]) << m << " " << j;
+    mixed_in_1x128 += block_s[0] != block_s[1] || block_s[1] != block_s[2];
+  }
+  EXPECT_GT(mixed_in_1x128, 0) << "rows whose 1x128 scales are all equal cannot tell the two apart";
+}
+
 TEST(ActivationRef, ContiguousEqualsMaskedAndSkipsPadding) {
   const int inter = 128, total_m = 4;
   std::vector<uint16_t> gate_up = random_gate_up(total_m, inter, 7);

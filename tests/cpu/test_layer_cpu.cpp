@@ -113,6 +113,7 @@ struct LayerRun {
   // (global token, logical expert) -> the FP8 row, its scales and the expert's bf16 output row.
   std::map<std::pair<int, int>, std::vector<uint8_t>> rows;
   int64_t messages = 0;  // dispatch messages over all ranks
+  Fp8Scaling scaling = Fp8Scaling::kPerBlock;  // the layer's x_scaling()
 };
 
 LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const std::vector<int32_t>* routing_idx = nullptr,
@@ -126,6 +127,7 @@ LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const
   CpuMoeLayer layer(f.model, f.weights, placement, 0, cfg);
   LocalEpGroup group(layer.ep_config());
   LayerRun run;
+  run.scaling = layer.x_scaling();
   run.out.assign(size_t(B) * d, 0);
   run_ranks(group, [&](int r) {
     const int t0 = first_token(r, p, B), t1 = first_token(r + 1, p, B);
@@ -171,17 +173,17 @@ LayerRun run_layer(int p, EpProtocol protocol, const Placement& placement, const
 
 // The float64 oracle on all B tokens with the given routing.
 std::vector<double> oracle(const std::vector<int32_t>& topk_idx, const std::vector<float>& topk_weights,
-                           const Fixture& f = fixture()) {
+                           const Fixture& f = fixture(), Fp8Scaling scaling = Fp8Scaling::kPerBlock) {
   const LayerOracle o(f.model, f.weights);
   std::vector<float> xf(f.x.size());
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
   std::vector<double> out(f.x.size());
-  o.run(xf.data(), kTokens, topk_idx.data(), topk_weights.data(), out.data());
+  o.run(xf.data(), kTokens, topk_idx.data(), topk_weights.data(), out.data(), scaling);
   return out;
 }
 
 double error_vs_oracle(const LayerRun& run, const Fixture& f = fixture()) {
-  const auto want = oracle(run.topk_idx, run.topk_weights, f);
+  const auto want = oracle(run.topk_idx, run.topk_weights, f, run.scaling);
   std::vector<double> got(run.out.size());
   for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_float(run.out[i]);
   return ref::relative_frobenius_error(got.data(), want.data(), got.size());
@@ -478,9 +480,66 @@ TEST_P(OssLayerRanks, MatchesOracleAndOneRankBitForBit) {
   EXPECT_LE(err, kOssBound) << "relative Frobenius error against the float64 oracle";
   EXPECT_GT(err, 0.0);
 
-  static const LayerRun one = run_layer(1, EpProtocol::kLowLatency, identity_placement(16, 1), nullptr, nullptr, f);
+  // One rank of the same protocol: the normal mode scales per token, the low-latency one per 1x128.
+  static const LayerRun one_ll = run_layer(1, EpProtocol::kLowLatency, identity_placement(16, 1), nullptr, nullptr, f);
+  static const LayerRun one_normal = run_layer(1, EpProtocol::kNormal, identity_placement(16, 1), nullptr, nullptr, f);
+  const LayerRun& one = protocol == EpProtocol::kNormal ? one_normal : one_ll;
   EXPECT_EQ(run.rows.size(), size_t(kTokens) * k);
   EXPECT_TRUE(run.rows == one.rows) << "payloads, scales or expert outputs differ from P = 1";
+}
+
+// An MXFP4 layer's normal mode scales each dispatched token once (x_scaling()): every received
+// row's d/128 scales are one value, the quant.h rule over the token's whole row. The low-latency
+// mode keeps 1x128 (the test's random rows give groups of different amax there).
+TEST(Layer, OssNormalModeScalesPerToken) {
+  const Fixture& f = oss_fixture();
+  for (const EpProtocol protocol : {EpProtocol::kLowLatency, EpProtocol::kNormal}) {
+    const bool per_token = protocol == EpProtocol::kNormal;
+    CpuLayerConfig cfg;
+    cfg.num_ranks = 1;
+    cfg.max_tokens = kTokens;
+    cfg.protocol = protocol;
+    CpuMoeLayer layer(f.model, f.weights, identity_placement(16, 1), 0, cfg);
+    EXPECT_EQ(layer.x_scaling(), per_token ? Fp8Scaling::kPerToken : Fp8Scaling::kPerBlock);
+    LocalEpGroup group(layer.ep_config());
+    const int d_model = int(f.model.hidden_size), d = layer.ep_config().hidden, k_blocks = d / kQuantBlock;
+    ASSERT_GE(k_blocks, 2) << "the test needs rows of several 128-column groups";
+    std::vector<uint16_t> out(f.x.size());
+    run_ranks(group, [&](int r) { layer.forward(group, r, kTokens, 0, f.x.data(), out.data()); });
+    const CpuMoeLayer::RankBuffers b = layer.buffers(0);
+    // Each valid row as (its scale of group kb, its token): normal [d/128, M_total], low latency
+    // [E_loc, d/128, M_max] with recv_count rows per expert.
+    struct Row {
+      const float* scales;
+      size_t stride;
+      int token;
+    };
+    std::vector<Row> rows;
+    if (per_token) {
+      for (int m = 0; m < b.rows; ++m)
+        if (b.row_expert[m] >= 0) rows.push_back({b.recv_scales + m, size_t(b.rows), b.recv_src[m]});
+    } else {
+      const std::vector<int32_t>& count = layer.last_step(0).recv_count;
+      for (size_t e = 0; e < count.size(); ++e)
+        for (int m = 0; m < count[e]; ++m)
+          rows.push_back({b.recv_scales + e * k_blocks * b.rows + m, size_t(b.rows), b.recv_src[e * b.rows + m]});
+    }
+    ASSERT_EQ(rows.size(), size_t(kTokens) * f.model.num_experts_per_token);
+    int mixed = 0;
+    for (const Row& row : rows) {
+      bool same = true;
+      for (int kb = 1; kb < k_blocks; ++kb) same = same && row.scales[kb * row.stride] == row.scales[0];
+      mixed += !same;
+      if (!per_token) continue;
+      EXPECT_TRUE(same) << "token " << row.token << ": its " << k_blocks << " scales differ";
+      float amax = 0.0f;  // the padded columns are zeros
+      for (int c = 0; c < d_model; ++c) amax = std::max(amax, std::fabs(bf16_to_float(f.x[size_t(row.token) * d_model + c])));
+      EXPECT_EQ(row.scales[0], std::max(amax, kMinAmax) / kFp8Max) << "token " << row.token;
+    }
+    if (!per_token) {
+      EXPECT_GT(mixed, 0) << "1x128 rows with one scale each: the test's data cannot tell the modes apart";
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Layer, OssLayerRanks,
@@ -602,6 +661,13 @@ TEST(Layer, OssBadInputIsRejected) {
   wider.hidden_size = 192;
   expect_error([&] { CpuMoeLayer l(wider, f.weights, identity_placement(16, 2), 0, cfg); }, {"hidden 160", "192"});
   expect_error([&] { dequantize_layer_f64(f.weights); }, {"MXFP4", "LayerOracle"});
+  // Per-token activations exist only in MXFP4 layers; an FP8 layer's oracle refuses them by name.
+  const std::vector<float> x(256, 1.0f), w(4, 0.25f);
+  const std::vector<int32_t> idx = {0, 1, 2, 3};
+  std::vector<double> out(256);
+  expect_error([&] { LayerOracle(fixture().model, fixture().weights).run(x.data(), 1, idx.data(), w.data(), out.data(),
+                                                                          Fp8Scaling::kPerToken); },
+               {"per-token", "FP8 weights"});
 }
 
 // FP8 weights made by hand (the GPU benchmarks do) leave the padded sizes 0: the layer uses the model's.

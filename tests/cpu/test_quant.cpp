@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "moekit/check.h"
@@ -70,6 +71,47 @@ TEST(Quant, ScaleIsGroupAmaxOver448AndAmaxMapsTo448) {
     EXPECT_EQ(q[arg], x[arg] < 0 ? 0xFE : 0x7E);  // ±448
   }
   EXPECT_EQ(q[200], 0xFE);
+}
+
+// Per token: one scale, the whole row's amax / 448, in every slot (stride included), the row's
+// largest value at +-448, each group's codes those of 1x128 quantisation under that one scale,
+// and the round trip within the same bound.
+TEST(Quant, PerTokenOneScaleInEverySlot) {
+  const int k = 512;
+  std::vector<float> x = wide_random(k, 5), back(k);
+  x[300] = 900.0f;  // the row's amax, in group 2
+  const int64_t stride = 3;
+  std::vector<float> scales(size_t(k / 128) * stride, -1.0f);
+  std::vector<uint8_t> q(k), q_block(k);
+  quantize_row_fp8(x.data(), k, q.data(), scales.data(), stride, Fp8Scaling::kPerToken);
+  for (int b = 0; b < k / 128; ++b) {
+    EXPECT_EQ(scales[b * stride], 900.0f / 448.0f) << "slot " << b;
+    if (b + 1 < k / 128) {
+      EXPECT_EQ(scales[b * stride + 1], -1.0f) << "between slots " << b << " and " << b + 1;
+    }
+  }
+  EXPECT_EQ(q[300], 0x7E);
+  for (int i = 0; i < k; ++i) {
+    EXPECT_EQ(q[i], float_to_fp8_e4m3(x[i] / scales[0])) << i;
+    back[i] = fp8_e4m3_to_float(q[i]) * scales[0];
+    EXPECT_LE(std::fabs(double(back[i]) - double(x[i])), round_trip_bound(x[i], scales[0])) << i;
+  }
+  // 1x128 on the same row: groups 0, 1 and 3 have their own (smaller) scales, so other codes.
+  std::vector<float> block_scales(k / 128);
+  quantize_row_fp8(x.data(), k, q_block.data(), block_scales.data(), 1, Fp8Scaling::kPerBlock);
+  EXPECT_LT(block_scales[0], scales[0]);
+  EXPECT_EQ(block_scales[2], scales[0]);
+  EXPECT_TRUE(std::equal(q.begin() + 256, q.begin() + 384, q_block.begin() + 256));
+  EXPECT_FALSE(std::equal(q.begin(), q.begin() + 128, q_block.begin()));
+  EXPECT_STREQ(fp8_scaling_name(Fp8Scaling::kPerToken), "per-token");
+  EXPECT_STREQ(fp8_scaling_name(Fp8Scaling::kPerBlock), "1x128");
+  try {  // a value outside the enum (a cast from an integer) is named, and nothing is written
+    std::vector<float> untouched(k / 128, -1.0f);
+    quantize_row_fp8(x.data(), k, q.data(), untouched.data(), 1, Fp8Scaling(7));
+    FAIL() << "scaling 7 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scaling = 7"), std::string::npos) << e.what();
+  }
 }
 
 // fp32(amax / fp32(amax / 448)) can land just above 448; it must saturate to 448, not become NaN.

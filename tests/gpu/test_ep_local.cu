@@ -81,24 +81,12 @@ TEST_P(EpLocal, DispatchAndCombineMatchBothReferences) {
     std::printf("[ep] %s step %d: combine bit-identical %zu of %zu\n", shape_name(shape).c_str(), step, exact, total);
 
     // The CPU protocol (ep_cpu.h), same inputs: dispatch bit for bit, combine within bf16 rounding.
-    moekit::EpConfig cc;
-    cc.num_ranks = P;
-    cc.max_tokens = c.max_tokens;
-    cc.hidden = c.hidden;
-    cc.topk = c.topk;
-    cc.num_slots = c.num_slots;
-    moekit::LocalEpGroup cpu(cc);
+    moekit::LocalEpGroup cpu(cpu_config(c));
     const moekit::MaskedLayout lay = group.rank(0).masked_layout();
     std::vector<MaskedRef> cpu_out(P);
     std::vector<std::vector<uint16_t>> cpu_comb(P);
     moekit::run_ranks(cpu, [&](int r) {
-      MaskedRef& o = cpu_out[r];
-      o.count.assign(lay.num_experts, 0);
-      o.x.assign(lay.a_elems(), 0);
-      o.scales.assign(lay.scale_elems(), 0.0f);
-      o.src.assign(size_t(lay.num_experts) * lay.max_m, -1);
-      cpu.dispatch_send(r, in[r].num_tokens, in[r].x.data(), in[r].topk_idx.data(), in[r].weights.data());
-      cpu.dispatch_recv(r, o.x.data(), o.scales.data(), o.count.data(), o.src.data());
+      cpu_out[r] = cpu_dispatch(cpu, r, lay, in[r]);
       cpu.combine_send(r, y[r].data());
       cpu_comb[r].resize(size_t(in[r].num_tokens) * c.hidden);
       cpu.combine_recv(r, add[r].empty() ? nullptr : add[r].data(), cpu_comb[r].data());
@@ -368,6 +356,97 @@ TEST(EpMxfp4KOrder, RowsInTheGemmOrder) {
       for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
       for (int r = 0; r < P; ++r) group.rank(r).check(stream);
     }
+    MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+// EpConfig::x_scaling per token: every row's d/128 scales are its token's one scale, the same
+// bits as the direct reference and as ep_cpu.h with the same setting. One CTA, so that a token is
+// quantised by the whole CTA (1 token), by teams of 4 and 2 warps (2, 3 tokens) and by one warp
+// (5 and 24 tokens): each reduces the token's amax its own way. One rank (the direct path) and
+// two; a token with an infinity in one group keeps its other values (the fault is reported).
+TEST(EpTokenScales, OneScalePerTokenForEveryTeamSize) {
+  for (int P : {1, 2}) {
+    EpConfig c = make_config({P, 24, 384, 8, 4});
+    c.x_scaling = moekit::Fp8Scaling::kPerToken;
+    c.num_ctas = 1;
+    EpLocalGroup group(c);
+    DeviceStep dev(c);
+    cudaStream_t stream;
+    MOEKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::mt19937 rng(811 + P);
+    moekit::LocalEpGroup cpu(cpu_config(c));
+    for (int tokens : {1, 2, 3, 5, 24}) {
+      std::vector<RankInput> in;
+      for (int r = 0; r < P; ++r) {
+        in.push_back(random_input(c, tokens, rng));
+        dev.upload(r, in[r]);
+        poison_masked(group.rank(r));
+      }
+      for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], tokens, stream);
+      for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+      for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+      const Reference ref = masked_reference(c, in);
+      const moekit::MaskedLayout lay = group.rank(0).masked_layout();
+      std::vector<MaskedRef> cpu_out(P);
+      moekit::run_ranks(cpu, [&](int r) {
+        cpu_out[r] = cpu_dispatch(cpu, r, lay, in[r]);
+        cpu.combine_send(r, random_y(c, cpu_out[r].count, rng).data());
+        std::vector<uint16_t> out(size_t(tokens) * c.hidden);
+        cpu.combine_recv(r, nullptr, out.data());
+      });
+      int mixed = 0;  // rows whose 1x128 scales would differ: the data can tell the two apart
+      for (int r = 0; r < P; ++r) {
+        ASSERT_EQ(compare_masked(group.rank(r), ref.ranks[r], r), 0) << "P = " << P << ", " << tokens << " tokens";
+        ASSERT_EQ(compare_masked(group.rank(r), cpu_out[r], r), 0) << "against ep_cpu.h, P = " << P;
+        for (int e = 0; e < lay.num_experts; ++e)
+          for (int m = 0; m < ref.ranks[r].count[e]; ++m) {
+            const float s0 = ref.ranks[r].scales[lay.scale_offset(e, m, 0)];
+            for (int b = 1; b < c.k_blocks(); ++b) ASSERT_EQ(ref.ranks[r].scales[lay.scale_offset(e, m, b)], s0);
+            std::vector<float> row(c.hidden), block_scales(c.k_blocks());
+            std::vector<uint8_t> q(c.hidden);
+            const int src = ref.ranks[r].src[size_t(e) * lay.max_m + m];
+            for (int i = 0; i < c.hidden; ++i)
+              row[i] = bf16_to_float(in[src / c.max_tokens].x[size_t(src % c.max_tokens) * c.hidden + i]);
+            moekit::quantize_row_fp8(row.data(), c.hidden, q.data(), block_scales.data(), 1);
+            mixed += std::any_of(block_scales.begin(), block_scales.end(), [&](float v) { return v != block_scales[0]; });
+          }
+      }
+      EXPECT_GT(mixed, 0) << tokens << " tokens";
+      for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+      for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+      for (int r = 0; r < P; ++r) group.rank(r).check(stream);
+    }
+    // An infinity in group 1 of token 0: reported, and the token's other groups keep the scale of
+    // its finite values (the amax leaves the infinity out).
+    std::vector<RankInput> in;
+    for (int r = 0; r < P; ++r) {
+      in.push_back(random_input(c, 3, rng));
+      if (r == 0) in[0].x[200] = float_to_bf16(INFINITY);
+      dev.upload(r, in[r]);
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], 3, stream);
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
+    expect_error([&] { group.rank(0).check(stream); }, {"non-finite x value", "token 0"});
+    float amax = 0.0f;
+    for (int i = 0; i < c.hidden; ++i)
+      if (i != 200) amax = std::max(amax, std::fabs(bf16_to_float(in[0].x[i])));
+    const int slot = in[0].topk_idx[0] >= 0 ? in[0].topk_idx[0] : in[0].topk_idx[1];
+    EpBuffer& owner = group.rank(slot / c.slots_per_rank());
+    const moekit::MaskedLayout lay = owner.masked_layout();
+    const std::vector<int32_t> src = to_host(owner.recv_src(), size_t(lay.num_experts) * lay.max_m);
+    const std::vector<float> scales = to_host(owner.recv_scales(), lay.scale_elems());
+    const int e = slot % c.slots_per_rank();
+    int found = 0;
+    for (int m = 0; m < lay.max_m; ++m)
+      if (src[size_t(e) * lay.max_m + m] == 0) {  // rank 0's token 0
+        ++found;
+        for (int b = 0; b < c.k_blocks(); ++b) EXPECT_EQ(scales[lay.scale_offset(e, m, b)], std::max(amax, moekit::kMinAmax) / 448.0f);
+      }
+    EXPECT_EQ(found, 1);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).check(stream);
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }
@@ -761,14 +840,7 @@ TEST_P(EpNormal, ContiguousLayoutAndCombineMatchBothReferences) {
     for (int r = 0; r < P; ++r) compare_combine(to_host(dev.out[r], size_t(in[r].num_tokens) * d), want[r], r);
 
     // ep_cpu.h's normal protocol on the same inputs.
-    moekit::EpConfig cc;
-    cc.num_ranks = P;
-    cc.max_tokens = c.max_tokens;
-    cc.hidden = d;
-    cc.topk = c.topk;
-    cc.num_slots = c.num_slots;
-    cc.block_m = c.block_m;
-    moekit::LocalEpGroup cpu(cc);
+    moekit::LocalEpGroup cpu(cpu_config(c));
     std::vector<std::vector<uint16_t>> cpu_out(P);
     std::vector<std::vector<int32_t>> cpu_rexp(P), cpu_src(P);
     std::vector<std::vector<uint8_t>> cpu_x(P);

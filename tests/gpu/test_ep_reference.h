@@ -14,6 +14,7 @@
 #include "moekit/bf16.h"
 #include "moekit/cuda_check.h"
 #include "moekit/ep.h"
+#include "moekit/ep_cpu.h"
 #include "moekit/layout.h"
 #include "moekit/quant.h"
 
@@ -117,7 +118,8 @@ inline Reference masked_reference(const EpConfig& c, const std::vector<RankInput
     std::vector<float> row(d);
     for (int t = 0; t < T; ++t) {
       for (int i = 0; i < d; ++i) row[i] = bf16_to_float(in[s].x[size_t(t) * d + i]);
-      moekit::quantize_row_fp8(row.data(), d, q[s].data() + size_t(t) * d, qs[s].data() + size_t(t) * kb, 1);
+      moekit::quantize_row_fp8(row.data(), d, q[s].data() + size_t(t) * d, qs[s].data() + size_t(t) * kb, 1,
+                               c.x_scaling);
     }
     ref.row_of.emplace_back(size_t(T) * k, -1);
   }
@@ -173,6 +175,31 @@ inline std::vector<std::vector<uint16_t>> combine_reference(const EpConfig& c, c
       }
   }
   return out;
+}
+
+// ep_cpu.h's config of the same shape, padding and scaling.
+inline moekit::EpConfig cpu_config(const EpConfig& c) {
+  moekit::EpConfig cc;
+  cc.num_ranks = c.num_ranks;
+  cc.max_tokens = c.max_tokens;
+  cc.hidden = c.hidden;
+  cc.topk = c.topk;
+  cc.num_slots = c.num_slots;
+  cc.block_m = c.block_m;
+  cc.x_scaling = c.x_scaling;
+  return cc;
+}
+
+// Rank r's low-latency dispatch through ep_cpu.h (send and receive), as a MaskedRef.
+inline MaskedRef cpu_dispatch(moekit::LocalEpGroup& cpu, int r, const moekit::MaskedLayout& lay, const RankInput& in) {
+  MaskedRef o;
+  o.count.assign(lay.num_experts, 0);
+  o.x.assign(lay.a_elems(), 0);
+  o.scales.assign(lay.scale_elems(), 0.0f);
+  o.src.assign(size_t(lay.num_experts) * lay.max_m, -1);
+  cpu.dispatch_send(r, in.num_tokens, in.x.data(), in.topk_idx.data(), in.weights.data());
+  cpu.dispatch_recv(r, o.x.data(), o.scales.data(), o.count.data(), o.src.data());
+  return o;
 }
 
 template <class T>

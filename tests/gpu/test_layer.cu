@@ -8,6 +8,7 @@
 // new one, eager and from a graph), their errors, and an aborted move.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -32,6 +33,7 @@
 #include "moekit/gating.h"
 #include "moekit/layer.h"
 #include "moekit/layer_cpu.h"
+#include "moekit/quant.h"
 #include "moekit/rebalance.h"
 #include "moekit/reference.h"
 #include "moekit/weights.h"
@@ -519,48 +521,67 @@ std::vector<uint16_t> random_gate_up(size_t rows, int inter, std::mt19937& rng) 
 
 // The contiguous activation kernel alone against reference.h: more rows than its grid's CTAs hold at
 // once (8 rows each, up to 8 CTAs per SM: its loop over row blocks turns more than once), padding
-// rows (row_expert = -1) left untouched, inputs as in the masked case (random_gate_up).
+// rows (row_expert = -1) left untouched, inputs as in the masked case (random_gate_up); with 1x128
+// scales and per token (GpuActivation::token_scales, the kernel of one warp per row and two
+// passes: each row's scale in all of its slots).
 TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   int num_sms = 0;
   MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  const int inter = 256, total_m = 8 * 8 * num_sms * 2 + 40;
+  const int inter = 384, total_m = 8 * 8 * num_sms * 2 + 40;
   const ContiguousLayout o{total_m, inter};
   std::mt19937 rng(31);
   const std::vector<uint16_t> gate_up = random_gate_up(size_t(total_m), inter, rng);
   std::vector<int32_t> row_expert(total_m);
   for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
-  std::vector<uint8_t> want(o.a_elems(), 0xAB);
-  std::vector<float> want_s(o.scale_elems(), -1.0f);
-  ref::silu_mul_quant_contiguous(o, gate_up.data(), row_expert.data(), want.data(), want_s.data());
-  DeviceArray<uint16_t> dg(gate_up.size());
-  DeviceArray<int32_t> dr(row_expert.size());
-  DeviceArray<uint8_t> dq(want.size());
-  DeviceArray<float> ds(want_s.size());
-  dg.upload(gate_up.data(), gate_up.size());
-  dr.upload(row_expert.data(), row_expert.size());
-  const std::vector<uint8_t> pq(want.size(), 0xAB);
-  const std::vector<float> ps(want_s.size(), -1.0f);
-  dq.upload(pq.data(), pq.size());
-  ds.upload(ps.data(), ps.size());
-  gpu::launch_silu_mul_quant_contiguous(dg.ptr, total_m, inter, dr.ptr, dq.ptr, ds.ptr, nullptr, {}, silu.act());
-  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = dq.download(want.size());
-  const auto got_s = ds.download(want_s.size());
-  size_t diff = 0, diff_s = 0, padding_written = 0;
-  for (int m = 0; m < total_m; ++m)
-    for (int c = 0; c < inter; ++c) {
-      const size_t i = o.a_offset(m) + c;
-      diff += got[i] != want[i];
-      padding_written += row_expert[m] < 0 && got[i] != 0xAB;
+  for (const Fp8Scaling scaling : {Fp8Scaling::kPerBlock, Fp8Scaling::kPerToken}) {
+    std::vector<uint8_t> want(o.a_elems(), 0xAB);
+    std::vector<float> want_s(o.scale_elems(), -1.0f);
+    ref::activation_quant_contiguous(ref::Activation{}, o, gate_up.data(), row_expert.data(), want.data(),
+                                     want_s.data(), scaling);
+    DeviceArray<uint16_t> dg(gate_up.size());
+    DeviceArray<int32_t> dr(row_expert.size());
+    DeviceArray<uint8_t> dq(want.size());
+    DeviceArray<float> ds(want_s.size());
+    dg.upload(gate_up.data(), gate_up.size());
+    dr.upload(row_expert.data(), row_expert.size());
+    const std::vector<uint8_t> pq(want.size(), 0xAB);
+    const std::vector<float> ps(want_s.size(), -1.0f);
+    dq.upload(pq.data(), pq.size());
+    ds.upload(ps.data(), ps.size());
+    GpuActivation act = silu.act();
+    act.token_scales = scaling == Fp8Scaling::kPerToken;
+    gpu::launch_silu_mul_quant_contiguous(dg.ptr, total_m, inter, dr.ptr, dq.ptr, ds.ptr, nullptr, {}, act);
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dq.download(want.size());
+    const auto got_s = ds.download(want_s.size());
+    size_t diff = 0, diff_s = 0, padding_written = 0, one_scale_rows = 0;
+    for (int m = 0; m < total_m; ++m) {
+      for (int c = 0; c < inter; ++c) {
+        const size_t i = o.a_offset(m) + c;
+        diff += got[i] != want[i];
+        padding_written += row_expert[m] < 0 && got[i] != 0xAB;
+      }
+      bool one = true;
+      for (int g = 1; g < inter / 128; ++g) one = one && got_s[o.scale_offset(m, g)] == got_s[o.scale_offset(m, 0)];
+      one_scale_rows += row_expert[m] >= 0 && one;
     }
-  for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
-  std::printf("[layer] contiguous activation, %d rows: %zu of %zu fp8 bytes and %zu of %zu scales differ from the "
-              "reference\n", total_m, diff, got.size(), diff_s, got_s.size());
-  // As the masked case: glibc's expf and the correctly rounded one can differ in a rare halfway case.
-  EXPECT_LE(diff, 4 + got.size() / 1000);
-  EXPECT_LE(diff_s, 1 + got_s.size() / 1000);
-  EXPECT_EQ(padding_written, 0u);
+    for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
+    const size_t rows = size_t(std::count_if(row_expert.begin(), row_expert.end(), [](int32_t e) { return e >= 0; }));
+    std::printf("[layer] contiguous activation (%s), %d rows: %zu of %zu fp8 bytes and %zu of %zu scales differ from "
+                "the reference; %zu of %zu rows have one scale\n", fp8_scaling_name(scaling), total_m, diff, got.size(),
+                diff_s, got_s.size(), one_scale_rows, rows);
+    // As the masked case: glibc's expf and the correctly rounded one can differ in a rare halfway case.
+    EXPECT_LE(diff, 4 + got.size() / 1000);
+    EXPECT_LE(diff_s, 1 + got_s.size() / 1000);
+    EXPECT_EQ(padding_written, 0u);
+    if (scaling == Fp8Scaling::kPerToken) EXPECT_EQ(one_scale_rows, rows);
+    else EXPECT_LT(one_scale_rows, rows / 2) << "1x128 rows with one scale: the data cannot tell the two apart";
+  }
+  GpuActivation token = silu.act();
+  token.token_scales = true;
+  expect_error([&] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, token); },
+               {"token_scales", "masked"});
 }
 
 // The gate table (activation.cuh ActivationTable) against reference.h's own gate half, computed

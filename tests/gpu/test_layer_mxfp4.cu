@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.h"
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/gating.cuh"
 #include "moekit/bf16.h"
@@ -28,6 +29,7 @@
 #include "moekit/layer.h"
 #include "moekit/layer_cpu.h"
 #include "moekit/mxfp4.h"
+#include "moekit/quant.h"
 #include "moekit/reference.h"
 #include "moekit/spec.h"
 #include "moekit/weights.h"
@@ -74,8 +76,9 @@ void compare_step(GpuRig& rig, const CpuResult& cpu, const std::vector<uint16_t>
   std::vector<float> xf(x.size());
   for (size_t i = 0; i < x.size(); ++i) xf[i] = bf16_to_float(x[i]);
   std::vector<double> oracle(x.size());
+  // The oracle quantises as the layer does: per token in normal mode (layer_fp8_scaling).
   LayerOracle(oss().model, oss().weights).run(xf.data(), kBatch, cpu.topk_idx.data(), cpu.topk_weights.data(),
-                                              oracle.data());
+                                              oracle.data(), rig.group->rank(0).config().x_scaling);
   const double vs_cpu = rel_error(got, to_double(cpu.out)), gpu_err = rel_error(got, oracle),
                cpu_err = rel_error(cpu.out, oracle);
   size_t same = 0;
@@ -148,6 +151,8 @@ TEST_P(GpuLayerMxfp4, EqualsCpuLayer) {
   const uint64_t seed = 21;
   GpuRig rig = oss_rig(c.P, c.decode ? gpu::EpMode::kLowLatency : gpu::EpMode::kNormal, placement, seed, c.pipeline);
   ASSERT_EQ(rig.group->rank(0).config().hidden, 256) << "the EP buffer runs the padded hidden size";
+  ASSERT_EQ(rig.group->rank(0).config().x_scaling, c.decode ? Fp8Scaling::kPerBlock : Fp8Scaling::kPerToken)
+      << "an MXFP4 layer's prefill scales its FP8 activations per token";
   std::mt19937 rng(300 + c.P);
   for (int step = 0; step < 2; ++step) {
     const auto x = random_tokens(kBatch, d_model(), rng);
@@ -441,6 +446,13 @@ TEST(GpuLayerMxfp4Errors, RefusalsAreNamed) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MXFP4"), std::string::npos) << e.what();
   }
+  // A prefill buffer made by hand with 1x128 scales: the layer names both scalings.
+  gpu::EpConfig normal = gpu::layer_ep_config(oss().model, placement.num_slots, 2, 8, gpu::EpMode::kNormal);
+  ASSERT_EQ(normal.x_scaling, Fp8Scaling::kPerToken);
+  normal.x_scaling = Fp8Scaling::kPerBlock;
+  gpu::EpLocalGroup blocks(normal);
+  expect_error([&] { gpu::GpuMoeLayer l(oss().model, oss().weights, placement, 0, blocks.rank(0), cfg); },
+               {"x_scaling = 1x128", "per-token"});
 }
 
 }  // namespace

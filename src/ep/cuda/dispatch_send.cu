@@ -24,6 +24,7 @@
 
 #include "ep_device.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/silu_fp8.cuh"
 #include "moekit/cuda_check.h"
 #include "moekit/fp8.h"
@@ -209,15 +210,47 @@ __device__ __forceinline__ void store_chunk(uint8_t* row, int c, uint4 v, bool m
   for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(block + mxfp4_unit_position(unit0 + j) * 4) = w[j];
 }
 
+// EpConfig::x_scaling per token: token t's largest finite magnitude over all of its x columns.
+// Each team thread reads its chunks again (the row is in the L1 or the L2 from the block loads),
+// a warp reduces by shuffles, and a wider team (fewer than 8 tokens in the CTA's batch) through
+// shared memory between two of its own named barriers (ids 1.., one per team; the second keeps
+// the next token's writes behind this token's reads). Non-finite values are left out, so a
+// recorded fault spoils only its own values, as it does under 1x128 scales.
+__device__ float token_amax(const EpArgs& a, const uint16_t* x, int t, Team team, int team_id, float* warp_amax) {
+  const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.x_cols);
+  float amax = 0.0f;
+  for (int c = team.tt; c < a.x_cols / 16; c += team.threads) {
+    const uint4 u[2] = {__ldg(xr + 2 * c), __ldg(xr + 2 * c + 1)};
+    const uint32_t w[8] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w};
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const float lo = bf16_lo(w[h]), hi = bf16_hi(w[h]);
+      if (isfinite(lo)) amax = fmaxf(amax, fabsf(lo));
+      if (isfinite(hi)) amax = fmaxf(amax, fabsf(hi));
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  if (team.threads == 32) return amax;
+  const int warp = threadIdx.x >> 5, first_warp = warp - (team.tt >> 5);
+  if ((threadIdx.x & 31) == 0) warp_amax[warp] = amax;
+  ptx::named_barrier(1 + team_id, team.threads);
+  for (int w = 0; w < team.threads / 32; ++w) amax = fmaxf(amax, warp_amax[first_warp + w]);
+  ptx::named_barrier(1 + team_id, team.threads);
+  return amax;
+}
+
 // All threads: 1x128 quantisation (quant.h's rule: scale = max(amax, 1e-4) / 448, q = fp8(x /
 // scale) in fp32, both divisions IEEE-rounded through silu_fp8.cuh's div_rn, which costs no
 // subroutine call per value as `/` does) of the chunks in b, then one pass per target with a
 // 16-byte store per 16 elements (the target's message address read from the plan once per block,
 // not once per chunk).
-// Eight lanes hold one 128-wide group, so the amax is a three-step shuffle. A chunk with a NaN or
-// an infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the reference's.
+// Eight lanes hold one 128-wide group, so the amax is a three-step shuffle; per token
+// (EpArgs::token_scales) every group takes token_scale, the same rule over token_amax's. A chunk
+// with a NaN or an infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the
+// reference's.
 __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, Team team, unsigned step,
-                                  const TokenPlan& p) {
+                                  const TokenPlan& p, float token_scale) {
   const int lane = threadIdx.x & 31;
   const int num_chunks = a.hidden / 16;
   uint4 out[kQuantRounds];
@@ -245,11 +278,13 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
       amax = fmaxf(amax, fabsf(v[h]));
       finite = finite && isfinite(v[h]);
     }
+    if (!a.token_scales) {
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    }
     if (c >= num_chunks) continue;
     if (!finite) record_fault(a, EpErrorKind::kNotFinite, kPhaseDispatchSend, -1, step, t, c * 16, 1);
-    scale[i] = fp8_group_scale(amax);
+    scale[i] = a.token_scales ? token_scale : fp8_group_scale(amax);
     const double inv = reciprocal_rn(scale[i]);  // once for the 16 divisions
     float q[16];
 #pragma unroll
@@ -302,6 +337,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
   int* cnt_slot = smem;               // [num_slots]
   int* cnt_rank = smem + a.num_slots;  // [P]
   __shared__ TokenPlan plans[kBatchTokens];
+  __shared__ float warp_amax[kEpThreads / 32];  // token_amax's, per token
   begin_ep_kernel(a, kPhaseDispatchSend);
   if (a.self_slab && blockIdx.x == 0 && threadIdx.x == 0) a.recv_count[a.local_experts] = num_tokens;
   const unsigned step = current_step(a, kPhaseDispatchSend);
@@ -320,6 +356,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
     const int block_chunks = kQuantRounds * team.threads;
     int i = warp / team_warps, c_base = 0;
     XBlock cur;
+    float token_scale = 0.0f;  // per token: the scale of token b0 + i, made when its first block is sent
     if (i < n) load_x(a, x, b0 + i, 0, team, cur);
     const BatchEntry entry = load_batch_entry(a, topk_idx, topk_weights, b0, n);
     if (b0 == t_begin) count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
@@ -355,7 +392,9 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
       }
       XBlock next;
       if (next_i < n) load_x(a, x, b0 + next_i, next_c, team, next);
-      quantize_and_send(a, cur, b0 + i, c_base, team, step, p);
+      if (a.token_scales && c_base == 0)
+        token_scale = fp8_group_scale(token_amax(a, x, b0 + i, team, warp / team_warps, warp_amax));
+      quantize_and_send(a, cur, b0 + i, c_base, team, step, p, token_scale);
       cur = next;
       i = next_i;
       c_base = next_c;

@@ -141,6 +141,8 @@ void EpConfig::validate() const {
   MOEKIT_CHECK(std::isfinite(timeout_s) && timeout_s > 0 && timeout_s <= 3600,
                fmtr("EpConfig: timeout_s = {}, expected in (0, 3600]", timeout_s));
   MOEKIT_CHECK(num_ctas >= 0 && num_ctas <= 65535, fmtr("EpConfig: num_ctas = {}, expected 0..65535", num_ctas));
+  MOEKIT_CHECK(x_scaling == Fp8Scaling::kPerBlock || x_scaling == Fp8Scaling::kPerToken,
+               fmtr("EpConfig: x_scaling = {}, expected kPerBlock (0) or kPerToken (1)", int(x_scaling)));
   MOEKIT_CHECK(!self_slab || mode == EpMode::kLowLatency,
                "EpConfig: self_slab is a low-latency (masked layout) option; this config is normal mode");
 }
@@ -247,6 +249,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.self_slab = config.self_slab ? 1 : 0;
   a.direct = P == 1 && config.mode == EpMode::kLowLatency ? 1 : 0;
   a.mxfp4_k_order = config.mxfp4_k_order ? 1 : 0;
+  a.token_scales = config.x_scaling == Fp8Scaling::kPerToken ? 1 : 0;
   a.rows_ready = nullptr;  // set per call (dispatch_recv with rows_ready)
   a.x_cols = a.out_cols = config.hidden;  // set per call (dispatch_send's x_cols, combine_recv's out_cols)
   a.timeout_cycles = (long long)(config.timeout_s * double(clock_khz) * 1e3);

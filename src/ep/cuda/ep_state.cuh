@@ -64,6 +64,7 @@ struct EpArgs {
   int self_slab;                // EpConfig::self_slab: the send also fills masked slab E_loc with own tokens
   int direct;                   // one low-latency rank: the send writes the masked layout itself (ep.h)
   int mxfp4_k_order;            // EpConfig::mxfp4_k_order: rows stored in the MXFP4 GEMM's K order
+  int token_scales;             // EpConfig::x_scaling is per token: one scale per token, in each slot
   unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
   int32_t* rows_ready;          // dispatch_recv's hand-off to a running GEMM (ep.h), or null
   int x_cols;                   // per call: dispatch_send's x row length (<= hidden; past it, zeros)

@@ -147,9 +147,9 @@ void check_row_expert(const char* who, const int32_t* row_expert, int total_m, i
 }
 
 void activation_quant_row(const Activation& act, const uint16_t* gate_up, int inter, float* v, uint8_t* q,
-                          float* scales, int64_t scale_stride) {
+                          float* scales, int64_t scale_stride, Fp8Scaling scaling = Fp8Scaling::kPerBlock) {
   for (int j = 0; j < inter; ++j) v[j] = activate(act, bf16_to_float(gate_up[j]), bf16_to_float(gate_up[inter + j]));
-  quantize_row_fp8(v, inter, q, scales, scale_stride);
+  quantize_row_fp8(v, inter, q, scales, scale_stride, scaling);
 }
 
 void check_inter(const char* who, int inter) {
@@ -266,7 +266,7 @@ void activation_quant_masked(const Activation& act, const MaskedLayout& out_layo
 }
 
 void activation_quant_contiguous(const Activation& act, const ContiguousLayout& out_layout, const uint16_t* gate_up,
-                                 const int32_t* row_expert, uint8_t* out, float* out_scales) {
+                                 const int32_t* row_expert, uint8_t* out, float* out_scales, Fp8Scaling scaling) {
   const char* who = "activation_quant_contiguous";
   check_inter(who, out_layout.k);
   MOEKIT_CHECK(out_layout.total_m >= 0, fmt::format("{}: M_total = {}, expected >= 0", who, out_layout.total_m));
@@ -278,7 +278,7 @@ void activation_quant_contiguous(const Activation& act, const ContiguousLayout& 
   for (int m = 0; m < out_layout.total_m; ++m)
     if (row_expert[m] >= 0)
       activation_quant_row(act, gate_up + size_t(m) * 2 * inter, inter, v.data(), out + out_layout.a_offset(m),
-                           out_scales + out_layout.scale_offset(m, 0), out_layout.total_m);
+                           out_scales + out_layout.scale_offset(m, 0), out_layout.total_m, scaling);
 }
 
 void silu_mul_quant_masked(const MaskedLayout& out_layout, const uint16_t* gate_up, const int32_t* masked_m,

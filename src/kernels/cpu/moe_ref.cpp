@@ -28,13 +28,13 @@ void dequantize_weights_f64(const uint8_t* w, const float* scales, int rows, int
 
 namespace {
 
-// x [cols] fp32 -> its FP8 1x128 quantisation, dequantised exactly into float64.
+// x [cols] fp32 -> its FP8 quantisation (1x128 or per token), dequantised exactly into float64.
 void quantize_dequantize_f64(const float* x, int cols, std::vector<uint8_t>& q, std::vector<float>& scales,
-                             std::vector<double>& out) {
+                             std::vector<double>& out, Fp8Scaling scaling = Fp8Scaling::kPerBlock) {
   q.resize(cols);
   scales.resize(cols / kQuantBlock);
   out.resize(cols);
-  quantize_row_fp8(x, cols, q.data(), scales.data(), 1);
+  quantize_row_fp8(x, cols, q.data(), scales.data(), 1, scaling);
   for (int i = 0; i < cols; ++i) out[i] = double(fp8_e4m3_to_float(q[i])) * double(scales[i / kQuantBlock]);
 }
 
@@ -42,7 +42,8 @@ void quantize_dequantize_f64(const float* x, int cols, std::vector<uint8_t>& q, 
 // [hidden]. w1 [2·inter, hidden], w2 [hidden, inter] in float64; b1 [2·inter],
 // b2 [hidden] or nullptr; xq the token's dequantised q1(x).
 void expert_f64(const std::vector<double>& xq, int hidden, int inter, const double* w1, const double* w2,
-                const float* b1, const float* b2, const Activation& act, double weight, double* out) {
+                const float* b1, const float* b2, const Activation& act, double weight, double* out,
+                Fp8Scaling scaling = Fp8Scaling::kPerBlock) {
   std::vector<float> h(2 * inter), v(inter);
   for (int r = 0; r < 2 * inter; ++r) {
     const double* w_row = w1 + size_t(r) * hidden;
@@ -54,7 +55,7 @@ void expert_f64(const std::vector<double>& xq, int hidden, int inter, const doub
   std::vector<uint8_t> q;
   std::vector<float> scales;
   std::vector<double> vq;
-  quantize_dequantize_f64(v.data(), inter, q, scales, vq);
+  quantize_dequantize_f64(v.data(), inter, q, scales, vq, scaling);
   for (int c = 0; c < hidden; ++c) {
     const double* w_row = w2 + size_t(c) * inter;
     double sum = 0.0;
@@ -118,7 +119,7 @@ void moe_layer_f64(const float* x, int num_tokens, const int32_t* topk_idx, cons
 }
 
 void moe_layer_mxfp4_f64(const float* x, int num_tokens, const int32_t* topk_idx, const float* topk_weights, int k,
-                         const MoeWeightsMxfp4& weights, double* out) {
+                         const MoeWeightsMxfp4& weights, double* out, Fp8Scaling scaling) {
   const int hidden = weights.hidden, inter = weights.inter, num_experts = weights.num_experts;
   check_oracle_input("moe_layer_mxfp4_f64", num_tokens, topk_idx, k, hidden, inter, num_experts);
   const Mxfp4WeightLayout l1{num_experts, 2 * inter, hidden}, l2{num_experts, hidden, inter};
@@ -136,7 +137,7 @@ void moe_layer_mxfp4_f64(const float* x, int num_tokens, const int32_t* topk_idx
   std::vector<std::vector<double>> xq(num_tokens);
   std::vector<uint8_t> q;
   std::vector<float> scales;
-  for (int t = 0; t < num_tokens; ++t) quantize_dequantize_f64(x + size_t(t) * hidden, hidden, q, scales, xq[t]);
+  for (int t = 0; t < num_tokens; ++t) quantize_dequantize_f64(x + size_t(t) * hidden, hidden, q, scales, xq[t], scaling);
   std::vector<double> y(size_t(num_tokens) * k * hidden, 0.0), w1, w2;
   for (int e = 0; e < num_experts; ++e) {
     bool used = false;
@@ -148,7 +149,7 @@ void moe_layer_mxfp4_f64(const float* x, int num_tokens, const int32_t* topk_idx
       if (topk_idx[i] == e)
         expert_f64(xq[i / k], hidden, inter, w1.data(), w2.data(), weights.b1 ? weights.b1 + size_t(e) * 2 * inter : nullptr,
                    weights.b2 ? weights.b2 + size_t(e) * hidden : nullptr, weights.activation, 1.0,
-                   y.data() + i * hidden);
+                   y.data() + i * hidden, scaling);
   }
   for (int t = 0; t < num_tokens; ++t) {
     double* out_t = out + size_t(t) * hidden;

@@ -12,15 +12,23 @@
 
 namespace moekit {
 
-void quantize_row_fp8(const float* x, int k, uint8_t* q, float* scales, int64_t scale_stride) {
+const char* fp8_scaling_name(Fp8Scaling scaling) { return scaling == Fp8Scaling::kPerToken ? "per-token" : "1x128"; }
+
+void quantize_row_fp8(const float* x, int k, uint8_t* q, float* scales, int64_t scale_stride, Fp8Scaling scaling) {
   MOEKIT_CHECK(k > 0 && k % kQuantBlock == 0, fmt::format("quantize_row_fp8: k = {} must be a positive multiple of 128", k));
+  MOEKIT_CHECK(scaling == Fp8Scaling::kPerBlock || scaling == Fp8Scaling::kPerToken,
+               fmt::format("quantize_row_fp8: scaling = {}, expected kPerBlock (0) or kPerToken (1)", int(scaling)));
   // Check the whole row first, so that bad input writes nothing.
   for (int i = 0; i < k; ++i)
     MOEKIT_CHECK(std::isfinite(x[i]), fmt::format("quantize_row_fp8: x[{}] = {} is not finite", i, x[i]));
+  float row_amax = 0.0f;
+  if (scaling == Fp8Scaling::kPerToken)
+    for (int i = 0; i < k; ++i) row_amax = std::max(row_amax, std::fabs(x[i]));
   for (int b = 0; b < k / kQuantBlock; ++b) {
     const float* xb = x + b * kQuantBlock;
-    float amax = 0.0f;
-    for (int i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    float amax = row_amax;
+    if (scaling == Fp8Scaling::kPerBlock)
+      for (int i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     float scale = std::max(amax, kMinAmax) / kFp8Max;
     scales[b * scale_stride] = scale;
     for (int i = 0; i < kQuantBlock; ++i) q[b * kQuantBlock + i] = float_to_fp8_e4m3(xb[i] / scale);

@@ -245,6 +245,48 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
   end_kernel(stamp);
 }
 
+// Per token (GpuActivation::token_scales): one warp per row and two passes over its groups, the
+// row's largest magnitude (by quantize_group's rule: a lane's NaNs left out), then its codes under
+// the one scale, which goes into each of the row's inter/128 slots. The second pass computes the
+// activation again (a look-up and a multiply per value) rather than hold inter/32 values per lane.
+template <bool kClamped>
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
+    silu_mul_quant_contiguous_token_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
+                                           const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
+                                           float* __restrict__ out_scales, GpuActivation act,
+                                           unsigned long long* stamp) {
+  __shared__ __align__(16) float window[kGateWindow];
+  load_gate_window(act.gate_table, window);
+  begin_kernel(stamp);
+  __syncthreads();  // the window
+  const int groups = inter / kQuantBlock, lane = threadIdx.x % kWarp;
+  for (int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp; m < total_m; m += gridDim.x * kRowsPerBlock) {
+    if (row_expert[m] < 0) continue;  // warp-uniform: one warp per row
+    const uint16_t* src = gate_up + size_t(m) * 2 * inter + lane * 4;
+    auto activated = [&](int g, float(&v)[4]) {
+      activate4<kClamped>(act, window, *reinterpret_cast<const uint2*>(src + g * kQuantBlock),
+                          *reinterpret_cast<const uint2*>(src + inter + g * kQuantBlock), v);
+    };
+    float lane_amax = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      float v[4];
+      activated(g, v);
+      lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+    }
+    const unsigned bits = __reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax));
+    const float scale = fp8_group_scale(__uint_as_float(bits));
+    const double inv = reciprocal_rn(scale);
+    for (int g = 0; g < groups; ++g) {
+      float v[4];
+      activated(g, v);
+      *reinterpret_cast<uint32_t*>(out + size_t(m) * inter + g * kQuantBlock + group_unit_offset(act, lane)) =
+          fp8x4_by(v, inv);
+      if (lane == 0) out_scales[size_t(g) * total_m + m] = scale;  // layout.h: scale (m, g) at g M_total + m
+    }
+  }
+  end_kernel(stamp);
+}
+
 // The shared expert's input: x [T, d] bf16 -> FP8 1x128 as one masked expert. One warp per
 // (row, group) item over as many CTAs as the items need: each warp's work is one load and one
 // store, so the kernel takes one memory round trip whatever T is (dealing the items of 8 rows
@@ -435,6 +477,8 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
                                   const LaunchOptions& opt, const GpuActivation& act) {
   check_activation_args("silu_mul_quant_masked", act, inter);
+  MOEKIT_CHECK(!act.token_scales, "silu_mul_quant_masked: GpuActivation::token_scales (one scale per row) is the "
+                                  "contiguous kernel's; the masked layout takes 1x128 scales");
   if (num_experts == 0 || max_m == 0) return;
   // The kernel counts rows (every expert's, added up) in 32-bit integers.
   MOEKIT_CHECK(num_experts > 0 && max_m > 0 && int64_t(num_experts) * max_m < (int64_t(1) << 31),
@@ -460,10 +504,12 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
   if (total_m == 0) return;
   const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
                                            (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
-  launch_kernel_ex(act.clamped_swiglu ? silu_mul_quant_contiguous_kernel<true> : silu_mul_quant_contiguous_kernel<false>,
-                   dim3(blocks),
-                   dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter, row_expert, out,
-                   out_scales, act, opt.stamp);
+  auto kernel = act.token_scales ? (act.clamped_swiglu ? silu_mul_quant_contiguous_token_kernel<true>
+                                                        : silu_mul_quant_contiguous_token_kernel<false>)
+                                 : (act.clamped_swiglu ? silu_mul_quant_contiguous_kernel<true>
+                                                       : silu_mul_quant_contiguous_kernel<false>);
+  launch_kernel_ex(kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter,
+                   row_expert, out, out_scales, act, opt.stamp);
 }
 
 void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int max_m, uint8_t* out, float* out_scales,

@@ -39,7 +39,9 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
                                   const LaunchOptions& opt, const GpuActivation& act);
 
 // The same, contiguous layout: gate_up [M_total, 2 inter]; out [M_total, inter], out_scales
-// [inter/128, M_total]; rows with row_expert == -1 untouched.
+// [inter/128, M_total]; rows with row_expert == -1 untouched. With act.token_scales one scale per
+// row (reference.h activation_quant_contiguous per token), in each of its slots; the masked
+// kernel refuses it.
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
                                       uint8_t* out, float* out_scales, cudaStream_t stream,
                                       const LaunchOptions& opt, const GpuActivation& act);

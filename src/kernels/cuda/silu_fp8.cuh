@@ -64,6 +64,9 @@ struct GpuActivation {
   const float* gate_table = nullptr;  // [65536], indexed by the gate's bf16 bits
   // The FP8 output in the MXFP4 GEMM's K order (mxfp4.h): an MXFP4 layer's GEMM2 reads it so.
   bool mxfp4_k_order = false;
+  // One scale per row for all of inter (quant.h Fp8Scaling::kPerToken), in each of the row's
+  // inter/128 slots: an MXFP4 layer's prefill. The contiguous kernel only.
+  bool token_scales = false;
 };
 
 __device__ __forceinline__ float activation_gate(const GpuActivation& a, float gate) {

@@ -22,6 +22,9 @@ namespace {
 
 int round_up(int v, int unit) { return (v + unit - 1) / unit * unit; }
 
+// The CPU layer's name for an EP buffer's mode (layer_fp8_scaling takes it).
+EpProtocol ep_protocol(EpMode mode) { return mode == EpMode::kNormal ? EpProtocol::kNormal : EpProtocol::kLowLatency; }
+
 }  // namespace
 
 bool shared_expert_in_slab(const ModelSpec& model) {
@@ -48,6 +51,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && merge_shared &&
                 shared_expert_in_slab(model) && c.max_tokens <= fused_max_tokens;
   c.mxfp4_k_order = model.expert_format == "mxfp4";
+  c.x_scaling = layer_fp8_scaling(model, ep_protocol(mode));
   c.validate();
   return c;
 }
@@ -92,6 +96,13 @@ void GpuMoeLayer::Impl::take_shapes(const ModelSpec& model, const MoeLayerWeight
                fmtr("EP buffer's mxfp4_k_order = {} for model '{}' with expert_format {}: an MXFP4 layer's experts read "
                     "their rows in the MXFP4 GEMM's K order, an FP8 layer's in the natural one (layer_ep_config sets it)",
                     s.ec.mxfp4_k_order, model.name, model.expert_format));
+  const Fp8Scaling scaling = layer_fp8_scaling(model, ep_protocol(s.ec.mode));
+  MOEKIT_CHECK(s.ec.x_scaling == scaling,
+               fmtr("EP buffer's x_scaling = {} for model '{}' ({}) in {} mode: the layer's FP8 activations are {} "
+                    "(layer_fp8_scaling; layer_ep_config sets it)",
+                    fp8_scaling_name(s.ec.x_scaling), model.name, model.expert_format, ep_mode_name(s.ec.mode),
+                    fp8_scaling_name(scaling)));
+  s.token_scales = scaling == Fp8Scaling::kPerToken;
   MOEKIT_CHECK(weights.hidden_size == model.hidden_size && weights.intermediate_size == model.moe_intermediate_size,
                fmtr("layer weights have hidden {} and inter {}, the model {} and {}", weights.hidden_size,
                     weights.intermediate_size, model.hidden_size, model.moe_intermediate_size));
@@ -166,6 +177,7 @@ void GpuMoeLayer::Impl::set_up_weights(const ModelSpec& model, const MoeLayerWei
   s.activation_table = same_act ? other->activation_table : std::make_shared<const ActivationTable>(act);
   s.activation = s.activation_table->act();
   s.activation.mxfp4_k_order = s.mxfp4;  // GEMM2's FP8 input in the MXFP4 GEMM's K order (mxfp4.h)
+  s.activation.token_scales = s.token_scales;  // and scaled per token where the dispatch is
   // The replica table at a fixed stride (the most replicas any placement of these slots can
   // give an expert), so that set_placement() never changes what a captured graph points at.
   s.replicas.max_replicas = s.ec.num_slots - s.num_experts + 1;
@@ -366,9 +378,19 @@ void GpuMoeLayer::Impl::plan_gemms() {
     const bool shared_first = s.cfg.shared_first == -1 ? s.t_max > 1 : s.cfg.shared_first == 1;
     s.gemm1->set_last_expert_first(s.merged && s.recv_ready && shared_first);
   } else {
-    const ContiguousGemmProblem c1{s.e_loc, 2 * s.inter, s.d, s.rows, format};
-    const ContiguousGemmProblem c2{s.e_loc, s.d, s.inter, s.rows, format};
-    const GemmConfig cfg1 = contiguous_plan_config(c1), cfg2 = contiguous_plan_config(c2);
+    ContiguousGemmProblem c1{s.e_loc, 2 * s.inter, s.d, s.rows, format};
+    ContiguousGemmProblem c2{s.e_loc, s.d, s.inter, s.rows, format};
+    GemmConfig cfg1 = contiguous_plan_config(c1), cfg2 = contiguous_plan_config(c2);
+    // Per-token activations: the register kernel then keeps the whole K in one accumulator
+    // (a_row_scales, docs/gemm-mxfp4.md run 41). A plan the knobs sent to the FP8 copy or to the
+    // widening warpgroups reads the same values as 1x128 scales (a row's slots all hold its scale).
+    auto take_row_scales = [&](ContiguousGemmProblem& c, GemmConfig& cfg) {
+      if (!s.token_scales || cfg.mxfp4_fp8_copy || cfg.mxfp4_widen_wgs != 0) return;
+      c.a_row_scales = true;
+      cfg = contiguous_plan_config(c);
+    };
+    take_row_scales(c1, cfg1);
+    take_row_scales(c2, cfg2);
     // MXFP4 GEMMs that widen into an FP8 copy share one: prefill launches no kernel early (no PDL
     // outside a plan), so GEMM2's copy starts only once GEMM1's grid is done; GEMM1's is the larger.
     uint8_t* copy = cfg1.mxfp4_fp8_copy || cfg2.mxfp4_fp8_copy ? s.fp8_copy_workspace(c1, c2) : nullptr;
