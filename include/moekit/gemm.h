@@ -220,12 +220,13 @@ struct ContiguousGemmProblem {
 // Heuristics (pure functions of the problem and the multiprocessor count).
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms);
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms);
-// MXFP4 weights, masked, the heuristic's tiles of 16, 32 or 48 tokens (cfg from choose_masked_config):
-// whether tiles of 256 weight rows (block_n = 256, two 128-row slabs a stage) should replace them on a GPU
-// whose HBM gives `hbm_bytes_per_sm_cycle` (its peak bandwidth over SMs x SM clock; 0: unknown).
-// Where HBM outruns the 128-row kernel's chain per stage (an H200: ~19 B per SM cycle; an H100:
-// ~13, where both tilings wait on HBM alike), the wider tile's shorter chain per weight byte
-// pays, if its tiles do not cost more rounds of SMs (docs/gemm-mxfp4.md runs 34 and 36-39).
+// MXFP4 weights, masked, a heuristic's config (choose_masked_config): whether tiles of 256 weight
+// rows (block_n = 256, two 128-row slabs a stage) should replace its 48-token tiles on a GPU whose
+// HBM gives `hbm_bytes_per_sm_cycle` (its peak bandwidth over SMs x SM clock; 0: unknown). Where
+// HBM outruns the 128-row kernel's chain per stage (an H200: ~19 B per SM cycle; an H100: ~13,
+// where both tilings wait on HBM alike), the wider tile's shorter chain per weight byte pays, if
+// its tiles do not cost more rounds of SMs. 16- and 32-token tiles take them only through
+// MOEKIT_MXFP4_ROWS: on an H200 they did not pay there (docs/gemm-mxfp4.md runs 34, 36-39 and 42).
 bool mxfp4_wide_tiles(const MaskedGemmProblem& p, const GemmConfig& cfg, int num_sms, double hbm_bytes_per_sm_cycle);
 // The config of a contiguous MXFP4 problem through an FP8 copy of its weights
 // (GemmConfig::mxfp4_fp8_copy); throws moekit::Error naming the format for FP8 weights.

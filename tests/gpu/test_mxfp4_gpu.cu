@@ -388,19 +388,22 @@ TEST(GemmMxfp4Masked, WideTilesRule) {
     p.weights = WeightFormat::kMxfp4;
     return mxfp4_wide_tiles(p, choose_masked_config(p, 132), 132, bytes);
   };
-  EXPECT_TRUE(wide(8, 4096, 7168, 16, 19.0));    // DeepSeek-V3 x 8 GEMM1: 256 tiles (2 rounds) -> 128 (1)
-  EXPECT_TRUE(wide(32, 5888, 2944, 16, 19.0));   // gpt-oss-120b x 32 GEMM1: 12 rounds -> 6
-  EXPECT_TRUE(wide(128, 5888, 2944, 5, 19.0));   // one rank of gpt-oss-120b at B = 64: 45 rounds -> 23
-  EXPECT_FALSE(wide(8, 4096, 7168, 16, 13.0));   // an H100's bytes per cycle
-  EXPECT_FALSE(wide(8, 4096, 7168, 16, 0.0));    // unknown
-  EXPECT_FALSE(wide(8, 5888, 2944, 16, 19.0));   // gpt-oss-120b x 8: 3 rounds -> 2 of double work
-  EXPECT_TRUE(wide(8, 2944, 2944, 16, 19.0));    // its GEMM2 (N/128 = 23): 184 tiles (2 rounds) -> 96 (1)
-  EXPECT_TRUE(wide(8, 4096, 7168, 20, 19.0));    // 32-token tiles: 256 -> 128
-  EXPECT_TRUE(wide(128, 5888, 2944, 44, 19.0));  // one rank of gpt-oss-120b at B = 1024, 48-token tiles: 45 rounds -> 23
+  // 48-token plans (33..48 expected rows) on an H200's bytes per SM cycle:
+  EXPECT_TRUE(wide(8, 4096, 7168, 44, 19.0));    // DeepSeek-V3 x 8 GEMM1: 256 tiles (2 rounds) -> 128 (1)
+  EXPECT_TRUE(wide(32, 5888, 2944, 44, 19.0));   // gpt-oss-120b x 32 GEMM1: 12 rounds -> 6
+  EXPECT_TRUE(wide(128, 5888, 2944, 44, 19.0));  // one rank of gpt-oss-120b at B = 1024: 45 rounds -> 23
   EXPECT_TRUE(wide(128, 2944, 2944, 44, 19.0));  // its GEMM2: 23 rounds -> 12
-  EXPECT_FALSE(wide(8, 4096, 7168, 60, 19.0));   // 64-token tiles: not compiled with 256 rows
-  EXPECT_FALSE(wide(2, 4096, 7168, 16, 19.0));   // 64 tiles: the 128-row plan splits K
-  MaskedGemmProblem fp8{8, 4096, 7168, 128, 16};
+  EXPECT_TRUE(wide(8, 2944, 2944, 44, 19.0));    // gpt-oss-120b x 8 GEMM2 (N/128 = 23): 184 tiles (2 rounds) -> 96 (1)
+  EXPECT_FALSE(wide(8, 5888, 2944, 44, 19.0));   // its GEMM1: 3 rounds -> 2 of double work
+  EXPECT_FALSE(wide(8, 4096, 7168, 44, 13.0));   // an H100's bytes per cycle
+  EXPECT_FALSE(wide(8, 4096, 7168, 44, 0.0));    // unknown
+  EXPECT_FALSE(wide(2, 4096, 7168, 44, 19.0));   // 64 tiles: the 128-row plan splits K
+  // 16- and 32-token plans keep 128 rows (run 42), 64-token ones have no 256-row kernel:
+  EXPECT_FALSE(wide(8, 4096, 7168, 16, 19.0));
+  EXPECT_FALSE(wide(128, 5888, 2944, 5, 19.0));  // one rank of gpt-oss-120b at B = 64
+  EXPECT_FALSE(wide(8, 4096, 7168, 20, 19.0));   // 32-token tiles
+  EXPECT_FALSE(wide(8, 4096, 7168, 60, 19.0));
+  MaskedGemmProblem fp8{8, 4096, 7168, 128, 44};
   EXPECT_FALSE(mxfp4_wide_tiles(fp8, choose_masked_config(fp8, 132), 132, 19.0));
   // The knob: 128 or 256 over the heuristic's plan (where compiled), anything else refused by name.
   std::mt19937 rng(105);

@@ -160,11 +160,14 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
 // on an H100 (~13 B per cycle at its peak) both tilings take ~700 from HBM. Between the two GPUs.
 // The 32- and 48-token tiles' chains shorten likewise (runs 37-39: -18% and -24% from the L2; at
 // the H100's base clock -9% and -16% on gpt-oss-120b's GEMM1, -14% at DeepSeek-V3's 44 rows).
+// Measured on an H200 (run 42), the rule takes 48-token plans only: there the pair is 11-12%
+// faster (DeepSeek-V3 x 8 and gpt-oss-120b x 32 at 32-48 rows) and one rank of gpt-oss-120b 6.7%
+// at B = 1024; at 16 tokens the wider tiles were -1% to +3% (+8% at B = 1, where 4 experts of 128
+// have rows and half as many tiles stream their weights), and at 32 tokens +1.5% (B = 512).
 constexpr double kMxfp4WideTilesBytesPerCycle = 15.0;
 
 bool mxfp4_wide_tiles(const MaskedGemmProblem& p, const GemmConfig& cfg, int num_sms, double hbm_bytes_per_sm_cycle) {
-  const bool compiled = cfg.block_m == 16 || cfg.block_m == 32 || cfg.block_m == 48;
-  if (p.weights != WeightFormat::kMxfp4 || !cfg.swap_ab || !compiled || cfg.block_n != 128 ||
+  if (p.weights != WeightFormat::kMxfp4 || !cfg.swap_ab || cfg.block_m != 48 || cfg.block_n != 128 ||
       cfg.mxfp4_widen_wgs != 0 || num_sms < 1 || hbm_bytes_per_sm_cycle < kMxfp4WideTilesBytesPerCycle)
     return false;
   const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
