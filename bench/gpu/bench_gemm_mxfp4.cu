@@ -17,11 +17,11 @@
 //     (ContiguousGemmProblem::a_row_scales: no block partial to promote), 64- and 128-token tiles.
 // Times are medians of per-iteration CUDA events over two rotating input sets (more than the L2
 // holds). Usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M]
-// [--mx-widen registers|smem|smem2] [--masked-only] [--contiguous-only] [--only-oss] [--beside-ctas LIST] (study knobs, 0 = the heuristic's: N the MXFP4
+// [--mx-widen registers|smem|smem2] [--mx-rows 0|128|256] [--mx-splits N] [--masked-only] [--contiguous-only] [--only-oss] [--beside-ctas LIST] (study knobs, 0 = the heuristic's: N the MXFP4
 // masked plans' ring depth, M the token block of their tiles above 32 rows; --mx-widen: every MXFP4
 // plan widening in registers, or with one or two widening warpgroups (GemmConfig::mxfp4_widen_wgs;
 // smem2 for the masked plans of up to 64 tokens, the others take smem); --masked-only skips the
-// contiguous part, --contiguous-only the masked part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]: only CTA 0's stage trace
+// contiguous part, --contiguous-only the masked part, --only-oss all but its gpt-oss-120b rows; --trace FILE [--trace-fp8] [--trace-oss] [--trace-gemm2] [--trace-rows R] [--trace-experts E]: only CTA 0's stage trace
 // of one GEMM1, trace_gemm1 below, in a build configured with -DMOEKIT_STAGE_TRACE=ON)
 #include <algorithm>
 #include <cstdio>
@@ -102,6 +102,12 @@ int g_mx_block_m = 0;
 // warpgroups, gemm_mxfp4_widen.cuh).
 int g_mx_widen = -1;
 std::vector<int> g_beside_ctas = {0};
+// --mx-rows: weight rows per tile of the MXFP4 masked plans of 16, 32 or 48 tokens: 0 the heuristic's, 128, or
+// 256 (two 128-row slabs a stage; GemmConfig::block_n).
+int g_mx_rows = 0;
+// --mx-splits: split-K ways of every MXFP4 masked plan (at most its K blocks; 0 the heuristic's), to
+// read what a last round of tiles that fills few SMs costs (docs/gemm-mxfp4.md run 37).
+int g_mx_splits = 0;
 
 std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
@@ -118,10 +124,15 @@ std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int exp
   const bool stages = g.mx && g_mx_stages > 0 && c.block_m <= 32;  // the decode tiles (larger ones fit fewer)
   const bool block = g.mx && g_mx_block_m > 0 && c.block_m > 32 && c.block_m < 128;
   const bool widen = g.mx && g_mx_widen >= 0;
-  if (stages || block || widen) {
+  const bool splits = g.mx && g_mx_splits > 0;
+  const bool rows =
+      g.mx && g_mx_rows > 0 && c.block_m <= 48 && c.mxfp4_widen_wgs == 0;
+  if (stages || block || widen || rows || splits) {
+    if (rows) c.block_n = g_mx_rows, c.num_stages = 0;  // the ring depth follows the stage's size
     if (stages) c.num_stages = g_mx_stages;
     if (block) c.block_m = g_mx_block_m, c.num_stages = 0;  // the ring depth follows the tile (split-K stays)
     if (widen) c.mxfp4_widen_wgs = c.block_m <= 64 ? g_mx_widen : std::min(g_mx_widen, 1);
+    if (splits) c.num_splits = std::min(g_mx_splits, g.k / 128);
     c.num_ctas = 0;
     return std::make_unique<MaskedGemm>(p, b, &c);
   }
@@ -274,13 +285,14 @@ json run_contiguous(const char* shape, int experts, int n, int k, int rows, bool
 // experts > 0 (--trace-experts) replaces the shape's expert count: with one or two experts the
 // weights stay in the L2 across the warm-up runs (a DeepSeek-V3 GEMM1 expert is 15.6 MB in MXFP4,
 // 29 MB in FP8), so the trace shows what a stage costs the kernel when HBM is not in the way.
-void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int experts) {
+// gemm2 (--trace-gemm2): the shape's GEMM2 instead (N hidden, K inter).
+void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int experts, bool gemm2) {
   Shape s = oss ? Shape{"gpt-oss-120b", 32, 2944, 2944} : Shape{"deepseek-v3", 8, 7168, 2048};
   if (experts > 0) s.experts = experts;
   const std::vector<int32_t> mm(s.experts, rows);
   int32_t* m = device_alloc<int32_t>(mm.size());
   MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
-  Gemm g(s.experts, 2 * s.inter, s.hidden, 128, mx, 1);
+  Gemm g(s.experts, gemm2 ? s.hidden : 2 * s.inter, gemm2 ? s.inter : s.hidden, 128, mx, 1);
   auto plan = masked_plan(g, m, rows);
   constexpr int kN = kStageTraceWords;
   long long* d = device_alloc<long long>(kN);
@@ -352,12 +364,12 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
   // than the median period over a few dozen stages, and it counts the tile boundaries (run 36).
   const int slabs = std::max(1, plan->config().block_n / 128);
   const double span = n > 1 ? double(ev(n - 1, kStageTraceReleased) - ev(0, kStageTraceWaitEnd)) / (n - 1) / slabs : 0;
-  std::printf("\nstage trace, %s GEMM1 of %s x%d at %d rows, CTA 0, %d stages (%s), SM cycles, medians:\n"
+  std::printf("\nstage trace, %s GEMM%d of %s x%d at %d rows, CTA 0, %d stages (%s), SM cycles, medians:\n"
               "  period %.0f; first math warp waiting %.0f, wait end -> wgmmas committed %.0f, -> handed back %.0f;"
               " hand-back -> refill issued %.0f; issue -> use %.0f; stages issued ahead of the one waited for %.0f\n"
               "  CTA 0's span per stage and 128 weight rows %.0f\n"
               "  wrote %s\n",
-              mx ? "MXFP4" : "FP8", s.name, s.experts, rows, n, plan->config().to_string().c_str(), median(period),
+              mx ? "MXFP4" : "FP8", gemm2 ? 2 : 1, s.name, s.experts, rows, n, plan->config().to_string().c_str(), median(period),
               median(waited), median(widen), median(held), median(refill), median(latency), median(issued_ahead), span,
               path.c_str());
 }
@@ -367,7 +379,7 @@ void trace_gemm1(const std::string& path, bool mx, bool oss, int rows, int exper
 int main(int argc, char** argv) {
   std::string json_path;
   std::string trace_path;
-  bool trace_fp8 = false, trace_oss = false;
+  bool trace_fp8 = false, trace_oss = false, trace_gemm2 = false;
   int trace_rows = 16, trace_experts = 0;
   bool quick = false, masked_only = false, contiguous_only = false, only_oss = false;
   for (int i = 1; i < argc; ++i) {
@@ -382,6 +394,20 @@ int main(int argc, char** argv) {
         return 2;
       }
       g_mx_widen = v == "smem" ? 1 : v == "smem2" ? 2 : 0;
+    }
+    else if (!std::strcmp(argv[i], "--mx-rows") && i + 1 < argc) {
+      g_mx_rows = std::atoi(argv[++i]);
+      if (g_mx_rows != 0 && g_mx_rows != 128 && g_mx_rows != 256) {
+        std::fprintf(stderr, "bench_gemm_mxfp4: --mx-rows %s; expected 0, 128 or 256\n", argv[i]);
+        return 2;
+      }
+    }
+    else if (!std::strcmp(argv[i], "--mx-splits") && i + 1 < argc) {
+      g_mx_splits = std::atoi(argv[++i]);
+      if (g_mx_splits < 0 || g_mx_splits > 16) {
+        std::fprintf(stderr, "bench_gemm_mxfp4: --mx-splits %s; expected 0..16\n", argv[i]);
+        return 2;
+      }
     }
     else if (!std::strcmp(argv[i], "--masked-only")) masked_only = true;
     else if (!std::strcmp(argv[i], "--contiguous-only")) contiguous_only = true;
@@ -401,6 +427,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_path = argv[++i];
     else if (!std::strcmp(argv[i], "--trace-fp8")) trace_fp8 = true;
     else if (!std::strcmp(argv[i], "--trace-oss")) trace_oss = true;
+    else if (!std::strcmp(argv[i], "--trace-gemm2")) trace_gemm2 = true;
     else if (!std::strcmp(argv[i], "--trace-rows") && i + 1 < argc) trace_rows = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--trace-experts") && i + 1 < argc) {
       const std::string v = argv[++i];
@@ -412,7 +439,7 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: bench_gemm_mxfp4 [--json PATH] [--quick] [--mx-stages N] [--mx-block-m M] "
-                           "[--mx-widen registers|smem|smem2] [--masked-only] [--contiguous-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-rows R] [--trace-experts E]]\n");
+                           "[--mx-widen registers|smem|smem2] [--mx-rows 0|128|256] [--mx-splits N] [--masked-only] [--contiguous-only] [--only-oss] [--beside-ctas LIST] [--trace FILE [--trace-fp8] [--trace-oss] [--trace-gemm2] [--trace-rows R] [--trace-experts E]]\n");
       return 2;
     }
   }
@@ -420,7 +447,7 @@ int main(int argc, char** argv) {
     if (!trace_path.empty()) {  // the stage trace alone
       MOEKIT_CHECK(trace_rows >= 1 && trace_rows <= 128,
                    "bench_gemm_mxfp4: --trace-rows " + std::to_string(trace_rows) + ", expected 1..128");
-      trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows, trace_experts);
+      trace_gemm1(trace_path, !trace_fp8, trace_oss, trace_rows, trace_experts, trace_gemm2);
       return 0;
     }
     const int sms = query_device().num_sms;  // the copy beside the GEMM leaves the GEMM at least one SM

@@ -149,7 +149,9 @@ struct GemmConfig {
   int block_n = 0;       // weight rows (output columns) per tile: 128; 64 (masked swap-AB, 16 tokens);
                          // 256 (normal orientation, block_m 128, contiguous or masked, one CTA, no split-K:
                          // fewer stage bytes per FLOP;
-                         // masked swap-AB up to 64 tokens, BF16 output, N a multiple of 256: two 128-row slabs)
+                         // masked swap-AB up to 64 tokens, BF16 output, N a multiple of 256: two 128-row slabs;
+                         // MXFP4 weights: 16, 32 or 48 tokens, widened in registers, any N (a last slab past
+                         // N is not stored); mxfp4_wide_tiles says where the heuristic takes it)
   int num_stages = 0;    // shared-memory pipeline depth
   int num_splits = 1;    // split-K factor (partials reduced by the last split of a tile)
   int num_ctas = 0;      // persistent grid size (a multiple of cluster)
@@ -218,6 +220,14 @@ struct ContiguousGemmProblem {
 // Heuristics (pure functions of the problem and the multiprocessor count).
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms);
 GemmConfig choose_contiguous_config(const ContiguousGemmProblem& p, int num_sms);
+// MXFP4 weights, masked, a heuristic's config (choose_masked_config): whether tiles of 256 weight
+// rows (block_n = 256, two 128-row slabs a stage) should replace its 48-token tiles on a GPU whose
+// HBM gives `hbm_bytes_per_sm_cycle` (its peak bandwidth over SMs x SM clock; 0: unknown). Where
+// HBM outruns the 128-row kernel's chain per stage (an H200: ~19 B per SM cycle; an H100: ~13,
+// where both tilings wait on HBM alike), the wider tile's shorter chain per weight byte pays, if
+// its tiles do not cost more rounds of SMs. 16- and 32-token tiles take them only through
+// MOEKIT_MXFP4_ROWS: on an H200 they did not pay there (docs/gemm-mxfp4.md runs 34, 36-39 and 42).
+bool mxfp4_wide_tiles(const MaskedGemmProblem& p, const GemmConfig& cfg, int num_sms, double hbm_bytes_per_sm_cycle);
 // The config of a contiguous MXFP4 problem through an FP8 copy of its weights
 // (GemmConfig::mxfp4_fp8_copy); throws moekit::Error naming the format for FP8 weights.
 GemmConfig choose_mxfp4_fp8_copy_config(const ContiguousGemmProblem& p, int num_sms);

@@ -320,6 +320,41 @@ TEST(GemmMxfp4Masked, WideningInSharedMemoryGivesTheSameBits) {
     }
 }
 
+TEST(GemmMxfp4Masked, TwoSlabTilesGiveTheSameBits) {
+  // A 256-row tile (block_n 256: two 128-row slabs a stage, one activation tile) multiplies every
+  // row with the same four k32 wgmmas per block and promotes it in the same order as two 128-row
+  // tiles, so the outputs match bit for bit; and both against float64. K 128 / 384 / 1024 give the
+  // two-partial loop one, three and eight blocks (its odd and even tails), split 1 and 3 ways;
+  // tiles of 16, 32 and 48 tokens (the 128-row tiles of 32 tokens run the paired loop, the 256-row
+  // ones the two-partial loop; at 48 tokens the 128-row tiles run two partials, the 256-row ones
+  // one: the same products, promoted in the same order). N = 384 (three slabs, as gpt-oss-120b's
+  // GEMM2 has 23): each expert's last tile computes a second slab past N on the next expert's first
+  // rows, or (the last expert, which has rows) on TMA's zero fill, and stores neither.
+  std::mt19937 rng(111);
+  for (int n : {512, 384})
+  for (int k : {128, 384, 1024}) {
+    MaskedCase c({5, n, k, 48, 0}, rng);
+    const std::vector<int32_t> masked_m = {16, 0, 1, 29, 60};  // full, none, one, odd, clamped to 48
+    for (int bm : {16, 32, 48})
+    for (int splits : {1, 3}) {
+      if (splits > k / 128) continue;
+      GemmConfig narrow = forced_mx(bm, splits, 0), wide = narrow;
+      wide.block_n = 256;
+      const std::string what = "N " + std::to_string(n) + " block_m " + std::to_string(bm) + " K " +
+                               std::to_string(k) + " splits " + std::to_string(splits);
+      expect_good(c.run_once(masked_m, &narrow, true), what + " block_n 128");
+      const std::vector<uint16_t> base = c.d_out.download();
+      expect_good(c.run_once(masked_m, &wide, true), what + " block_n 256");
+      const std::vector<uint16_t> got = c.d_out.download();
+      size_t differ = 0;
+      for (size_t i = 0; i < base.size(); ++i) differ += base[i] != got[i];
+      EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << base.size()
+                            << " outputs of the 256-row tiles differ from the 128-row tiles'";
+    }
+  }
+  // In a graph: GraphReplayWithNewMaskedMAndData.
+}
+
 TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
   // gpt-oss-120b's expert GEMMs after the loader's padding (hidden 2880 -> 2944): W1 is
   // [2·2944, 2944], W2 [2944, 2944]; 8 local experts, a handful of tokens each.
@@ -342,6 +377,48 @@ TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
   MaskedCase c({8, 2944, 2944, 64, 44}, rng);
   expect_good(c.run_once({44, 31, 0, 48, 26, 1, 47, 33}, nullptr, true), "gpt-oss GEMM2, 26..48 rows, heuristic");
   expect_good(c.run_once({64, 49, 12, 0, 48, 3, 60, 40}, nullptr, true), "gpt-oss GEMM2, rows past 48, heuristic");
+}
+
+// The rule for 256-row tiles (mxfp4_wide_tiles): plans of 16, 32 or 48 tokens in registers, no more
+// rounds of tile work than 128-row tiles, and only where HBM gives at least ~15 B per SM cycle (an
+// H200's ~19, not an H100's ~13); MOEKIT_MXFP4_ROWS sets it over the heuristic.
+TEST(GemmMxfp4Masked, WideTilesRule) {
+  auto wide = [](int e, int n, int k, int expected, double bytes) {
+    MaskedGemmProblem p{e, n, k, 128, expected};
+    p.weights = WeightFormat::kMxfp4;
+    return mxfp4_wide_tiles(p, choose_masked_config(p, 132), 132, bytes);
+  };
+  // 48-token plans (33..48 expected rows) on an H200's bytes per SM cycle:
+  EXPECT_TRUE(wide(8, 4096, 7168, 44, 19.0));    // DeepSeek-V3 x 8 GEMM1: 256 tiles (2 rounds) -> 128 (1)
+  EXPECT_TRUE(wide(32, 5888, 2944, 44, 19.0));   // gpt-oss-120b x 32 GEMM1: 12 rounds -> 6
+  EXPECT_TRUE(wide(128, 5888, 2944, 44, 19.0));  // one rank of gpt-oss-120b at B = 1024: 45 rounds -> 23
+  EXPECT_TRUE(wide(128, 2944, 2944, 44, 19.0));  // its GEMM2: 23 rounds -> 12
+  EXPECT_TRUE(wide(8, 2944, 2944, 44, 19.0));    // gpt-oss-120b x 8 GEMM2 (N/128 = 23): 184 tiles (2 rounds) -> 96 (1)
+  EXPECT_FALSE(wide(8, 5888, 2944, 44, 19.0));   // its GEMM1: 3 rounds -> 2 of double work
+  EXPECT_FALSE(wide(8, 4096, 7168, 44, 13.0));   // an H100's bytes per cycle
+  EXPECT_FALSE(wide(8, 4096, 7168, 44, 0.0));    // unknown
+  EXPECT_FALSE(wide(2, 4096, 7168, 44, 19.0));   // 64 tiles: the 128-row plan splits K
+  // 16- and 32-token plans keep 128 rows (run 42), 64-token ones have no 256-row kernel:
+  EXPECT_FALSE(wide(8, 4096, 7168, 16, 19.0));
+  EXPECT_FALSE(wide(128, 5888, 2944, 5, 19.0));  // one rank of gpt-oss-120b at B = 64
+  EXPECT_FALSE(wide(8, 4096, 7168, 20, 19.0));   // 32-token tiles
+  EXPECT_FALSE(wide(8, 4096, 7168, 60, 19.0));
+  MaskedGemmProblem fp8{8, 4096, 7168, 128, 44};
+  EXPECT_FALSE(mxfp4_wide_tiles(fp8, choose_masked_config(fp8, 132), 132, 19.0));
+  // The knob: 128 or 256 over the heuristic's plan (where compiled), anything else refused by name.
+  std::mt19937 rng(105);
+  MaskedCase c({4, 512, 512, 16, 16}, rng);
+  MaskedGemmProblem p = c.problem;
+  p.weights = WeightFormat::kMxfp4;
+  for (const char* v : {"256", "128"}) {
+    setenv("MOEKIT_MXFP4_ROWS", v, 1);
+    MaskedGemm g(p, c.buffers(false));
+    EXPECT_EQ(g.config().block_n, std::atoi(v)) << g.config().to_string();
+  }
+  setenv("MOEKIT_MXFP4_ROWS", "512", 1);
+  expect_error([&] { MaskedGemm g(p, c.buffers(false)); }, {"MOEKIT_MXFP4_ROWS = '512'", "128 or 256"});
+  unsetenv("MOEKIT_MXFP4_ROWS");
+  expect_good(c.run_once({16, 3, 0, 9}, nullptr, true), "the heuristic's plan after the knob");
 }
 
 TEST(GemmMxfp4Masked, WideScaleSpreadTakesTheRoundedPath) {
@@ -376,25 +453,19 @@ TEST(GemmMxfp4Masked, ZeroGroupsDoNotSetTheRowBase) {
 
 TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
   // The heuristic's plan, and 16- and 48-token tiles with split-K (the tile counters must be back
-  // at zero for the next replay).
+  // at zero for the next replay); 256-row tiles (N 512) with split-K too.
   std::mt19937 rng(104);
-  MaskedCase c({5, 384, 768, 48, 16}, rng);
-  MaskedGemmProblem p = c.problem;
-  p.weights = WeightFormat::kMxfp4;
-  const GemmConfig narrow_split = forced(true, 16, 2), wide_split = forced(true, 48, 2);
-  const GemmConfig widen_narrow = forced_mx(16, 2, 1), widen_wide = forced_mx(48, 1, 1);
-  const GemmConfig widen2_narrow = forced_mx(16, 2, 2), widen2_wide = forced_mx(48, 1, 2);
-  const GemmConfig* configs[] = {nullptr,      &narrow_split,  &wide_split, &widen_narrow,
-                                 &widen_wide, &widen2_narrow, &widen2_wide};
-  for (const GemmConfig* cfg : configs) {
+  auto replay = [&](MaskedCase& c, const GemmConfig* cfg) {
+    MaskedGemmProblem p = c.problem;
+    p.weights = WeightFormat::kMxfp4;
     MaskedGemm gemm(p, c.buffers(true), cfg);
     cudaStream_t stream;
     MOEKIT_CUDA_CHECK(cudaStreamCreate(&stream));
     {
       const CapturedGraph graph(stream, [&] { gemm.run(stream); });
-      std::uniform_int_distribution<int> m(0, 48);
+      std::uniform_int_distribution<int> m(0, p.max_m);
       for (int rep = 0; rep < 3; ++rep) {
-        std::vector<int32_t> masked_m(5);
+        std::vector<int32_t> masked_m(p.num_experts);
         for (auto& x : masked_m) x = m(rng);
         c.new_activations(rng);
         c.d_m.upload(masked_m);
@@ -405,7 +476,19 @@ TEST(GemmMxfp4Masked, GraphReplayWithNewMaskedMAndData) {
       }
     }
     MOEKIT_CUDA_CHECK(cudaStreamDestroy(stream));
-  }
+  };
+  MaskedCase c({5, 384, 768, 48, 16}, rng);
+  const GemmConfig narrow_split = forced(true, 16, 2), wide_split = forced(true, 48, 2);
+  const GemmConfig widen_narrow = forced_mx(16, 2, 1), widen_wide = forced_mx(48, 1, 1);
+  const GemmConfig widen2_narrow = forced_mx(16, 2, 2), widen2_wide = forced_mx(48, 1, 2);
+  for (const GemmConfig* cfg :
+       {static_cast<const GemmConfig*>(nullptr), &narrow_split, &wide_split, &widen_narrow, &widen_wide, &widen2_narrow,
+        &widen2_wide})
+    replay(c, cfg);
+  MaskedCase c512({4, 512, 512, 16, 16}, rng);
+  GemmConfig rows256 = forced_mx(16, 2, 0);
+  rows256.block_n = 256;
+  replay(c512, &rows256);
 }
 
 TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
@@ -432,6 +515,13 @@ TEST(GemmMxfp4Masked, BadArgumentsAreNamed) {
   normal.block_m = 64;
   normal.block_n = 128;
   expect_error([&] { MaskedGemm g(p, c.buffers(false), &normal); }, {"swap-AB with block_n = 128"});
+  // 256-row tiles: 16, 32 or 48 tokens, widened in registers (any N: TwoSlabTilesGiveTheSameBits
+  // runs N = 384; the FP8 kernel's refusal of an odd N/128 is test_gemm's).
+  GemmConfig wide64 = forced_mx(64, 1, 0), wide_smem = forced_mx(16, 1, 1);
+  wide64.block_n = wide_smem.block_n = 256;
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &wide64); },
+               {"block_m=64", "block_m = 16, 32 or 48 and mxfp4_widen_wgs = 0"});
+  expect_error([&] { MaskedGemm g(p, c.buffers(false), &wide_smem); }, {"widen_wgs=1", "block_n = 256"});
   // The widening warpgroup with FP8 weights, and a bad value of its study knob, both named.
   MaskedGemmProblem fp8_problem = c.problem;
   MaskedGemmBuffers fp8_buffers = c.buffers(false);

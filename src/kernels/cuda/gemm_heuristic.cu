@@ -155,6 +155,33 @@ GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   return cfg;
 }
 
+// The bytes per SM cycle from which run 36's 256-row tiles are predicted to pay: the 128-row kernel's
+// chain takes ~605 SM cycles for a 10.7 KB stage when HBM is not in the way, ~18 B per cycle, and
+// on an H100 (~13 B per cycle at its peak) both tilings take ~700 from HBM. Between the two GPUs.
+// The 32- and 48-token tiles' chains shorten likewise (runs 37-39: -18% and -24% from the L2; at
+// the H100's base clock -9% and -16% on gpt-oss-120b's GEMM1, -14% at DeepSeek-V3's 44 rows).
+// Measured on an H200 (run 42), the rule takes 48-token plans only: there the pair is 11-12%
+// faster (DeepSeek-V3 x 8 and gpt-oss-120b x 32 at 32-48 rows) and one rank of gpt-oss-120b 6.7%
+// at B = 1024; at 16 tokens the wider tiles were -1% to +3% (+8% at B = 1, where 4 experts of 128
+// have rows and half as many tiles stream their weights), and at 32 tokens +1.5% (B = 512).
+constexpr double kMxfp4WideTilesBytesPerCycle = 15.0;
+
+bool mxfp4_wide_tiles(const MaskedGemmProblem& p, const GemmConfig& cfg, int num_sms, double hbm_bytes_per_sm_cycle) {
+  if (p.weights != WeightFormat::kMxfp4 || !cfg.swap_ab || cfg.block_m != 48 || cfg.block_n != 128 ||
+      cfg.mxfp4_widen_wgs != 0 || num_sms < 1 || hbm_bytes_per_sm_cycle < kMxfp4WideTilesBytesPerCycle)
+    return false;
+  const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
+  const long token_blocks = long(p.num_experts) * ((m + cfg.block_m - 1) / cfg.block_m);
+  const long tiles128 = token_blocks * (p.n / 128), tiles256 = token_blocks * ((p.n + 255) / 256);
+  if (tiles128 < num_sms) return false;  // the 128-row plan splits K to fill the SMs; no room for wider tiles
+  const auto rounds = [&](long tiles) { return double((tiles + num_sms - 1) / num_sms); };
+  // A 256-row tile is two 128-row tiles' work (an odd N/128's last one too: its second slab is
+  // computed, not stored): no more rounds of it than the narrow plan's (5% slack: with many rounds
+  // the last one's quantisation is noise; gpt-oss-120b x 8's 184 tiles on 132 SMs cost a third
+  // more, 10-13% slower measured in run 34).
+  return 2 * rounds(tiles256) <= 1.05 * rounds(tiles128);
+}
+
 int upper_typical_rows(int64_t rows, int experts) {
   MOEKIT_CHECK(rows >= 0 && experts >= 1, "upper_typical_rows: rows = " + std::to_string(rows) + " and experts = " +
                                                std::to_string(experts) + ", expected rows >= 0 and experts >= 1");

@@ -2,6 +2,7 @@
 #include <cudaTypedefs.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -60,6 +61,25 @@ CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t c
   MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) + " for a " +
                                       std::to_string(rows) + "x" + std::to_string(cols) + " tensor, box " +
                                       std::to_string(box_rows) + "x" + std::to_string(box_cols));
+  return map;
+}
+
+CUtensorMap make_tma_3d(const void* ptr, bool is_fp32, uint64_t d0, uint64_t d1, uint64_t d2, uint32_t b0, uint32_t b1,
+                        uint32_t b2) {
+  CUtensorMap map{};
+  const uint64_t elem = is_fp32 ? 4 : 1;
+  cuuint64_t dims[3] = {d0, d1, d2};
+  cuuint64_t strides[2] = {d0 * elem, d0 * d1 * elem};
+  cuuint32_t box[3] = {b0, b1, b2};
+  cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode_fn()(&map, is_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
+                           const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                           CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) + " for a " +
+                                      std::to_string(d2) + "x" + std::to_string(d1) + "x" + std::to_string(d0) +
+                                      " tensor, box " + std::to_string(b2) + "x" + std::to_string(b1) + "x" +
+                                      std::to_string(b0));
   return map;
 }
 
@@ -149,6 +169,35 @@ int num_sms() {
   MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
   MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
   return v;
+}
+
+double hbm_bytes_per_sm_cycle() {
+  int dev = 0, mem_khz = 0, bus_bits = 0, sm_khz = 0, sms = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev));
+  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (mem_khz <= 0 || bus_bits <= 0 || sm_khz <= 0 || sms <= 0) return 0.0;
+  return 2.0 * mem_khz * (bus_bits / 8.0) / (double(sms) * sm_khz);
+}
+
+void set_mxfp4_rows(GemmConfig& cfg, const MaskedGemmProblem& p, int rows) {
+  cfg.block_n = rows;
+  cfg.num_stages = 0;  // the ring depth follows the stage's size
+  const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
+  const long tiles = long(p.num_experts) * ((m + cfg.block_m - 1) / cfg.block_m) * ((p.n + rows - 1) / rows);
+  cfg.num_splits = choose_splits(tiles, num_sms(), p.k / 128);
+}
+
+void apply_mxfp4_rows_knob(GemmConfig& cfg, const MaskedGemmProblem& p) {
+  const char* env = std::getenv("MOEKIT_MXFP4_ROWS");
+  if (env == nullptr || env[0] == '\0') return;
+  const std::string v = env;
+  MOEKIT_CHECK(v == "128" || v == "256", "MOEKIT_MXFP4_ROWS = '" + v + "'; expected 128 or 256 (or unset)");
+  const bool compiled = cfg.block_m == 16 || cfg.block_m == 32 || cfg.block_m == 48;
+  if (!compiled || cfg.mxfp4_widen_wgs != 0) return;
+  set_mxfp4_rows(cfg, p, std::stoi(v));
 }
 
 void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_regs) {

@@ -23,6 +23,10 @@ namespace moekit::gemm_detail {
 // for the MXFP4 codes the widening warpgroup reads (gemm_mxfp4_widen.cuh), 0 for none.
 CUtensorMap make_tma_2d(const void* ptr, bool is_fp32, uint64_t rows, uint64_t cols, uint64_t row_stride,
                         uint32_t box_rows, uint32_t box_cols, int swizzle_bytes);
+// A dense 3D tensor of d2 x d1 x d0 elements (d0 innermost, no padding), unswizzled, with a box of
+// b2 x b1 x b0: two MXFP4 weight slabs of a stage as one copy (gemm_mxfp4.cu).
+CUtensorMap make_tma_3d(const void* ptr, bool is_fp32, uint64_t d0, uint64_t d1, uint64_t d2, uint32_t b0, uint32_t b1,
+                        uint32_t b2);
 
 void check_shape(int n, int k);            // N, K positive multiples of 128
 void check_pointer(const void* p, const char* name);  // non-null, 16-byte aligned
@@ -42,6 +46,15 @@ void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked);
 void apply_mxfp4_prefill_knob(GemmConfig& cfg, const ContiguousGemmProblem& p);
 int max_smem_per_block();
 int num_sms();
+// The current device's peak HBM bandwidth (memory clock x 2 x bus width) over its SMs x SM clock;
+// 0 where the device does not report them.
+double hbm_bytes_per_sm_cycle();
+// A masked MXFP4 config of 16-, 32- or 48-token tiles with `rows` (128 or 256) weight rows per tile:
+// block_n, the ring depth that fits, and the split count for the new number of tiles.
+void set_mxfp4_rows(GemmConfig& cfg, const MaskedGemmProblem& p, int rows);
+// MOEKIT_MXFP4_ROWS (128 | 256, or unset) over a heuristic's masked MXFP4 config of 16-, 32- or 48-token tiles:
+// the weight rows per tile (set_mxfp4_rows), a study knob for the layer's A/B.
+void apply_mxfp4_rows_knob(GemmConfig& cfg, const MaskedGemmProblem& p);
 
 // Stages that fit next to the fixed part, capped where deeper buys nothing. Layout: the
 // kernel's SmemLayout (or Mxfp4SmemLayout); extra_static: static shared memory beyond the
@@ -159,21 +172,22 @@ struct Instance {
 // on (its consumers would wait for them forever): that is ptxas's to decide, so the device is asked.
 void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_regs);
 
-// One compiled MXFP4 kernel instance (swap-AB, 128 weight rows per tile): widening in the math
-// threads' registers (kWidenWGs 0, gemm_mxfp4.cuh) or by kWidenWGs warpgroups of its own into
-// shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs); kRowScales: the register
-// kernel with one activation scale per row (ContiguousGemmProblem::a_row_scales).
-template <bool kMasked, int kBlockT, int kWidenWGs, bool kRowScales = false>
+// One compiled MXFP4 kernel instance (swap-AB, 128 · kSlabs weight rows per tile): widening in the
+// math threads' registers (kWidenWGs 0, gemm_mxfp4.cuh; kSlabs 2 there only) or by kWidenWGs
+// warpgroups of its own into shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs);
+// kRowScales: the register kernel with one activation scale per row (ContiguousGemmProblem::a_row_scales).
+template <bool kMasked, int kBlockT, int kWidenWGs, int kSlabs = 1, bool kRowScales = false>
 struct Mxfp4Instance {
   static_assert(!kRowScales || (!kMasked && kWidenWGs == 0), "row scales: contiguous plans, register kernel");
   static constexpr bool kWiden = kWidenWGs > 0;
-  using Layout = std::conditional_t<kWiden, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT>>;
+  static_assert(kSlabs == 1 || !kWiden, "256-row MXFP4 tiles widen in registers");
+  using Layout = std::conditional_t<kWiden, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT, kSlabs>>;
   using Regs = std::conditional_t<kWiden, Mxfp4WidenRegisters<kWidenWGs>, Mxfp4Registers>;
   static Launch launch(GemmConfig& cfg, int num_experts) {
     finish_config<Layout>(cfg, num_experts, 0);
     Launch l;
     if constexpr (kWiden) l.kernel_mxfp4 = &grouped_gemm_mxfp4_widen_kernel<kMasked, kBlockT, kWidenWGs>;
-    else l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT, kRowScales>;
+    else l.kernel_mxfp4 = &grouped_gemm_mxfp4_kernel<kMasked, kBlockT, kSlabs, kRowScales>;
     l.threads = Regs::kThreads;
     allow_smem(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg.smem_bytes);
     check_register_split(reinterpret_cast<const void*>(l.kernel_mxfp4), cfg, Regs::kLaunch);

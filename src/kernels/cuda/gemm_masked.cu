@@ -122,7 +122,11 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   Impl& im = *impl_;
   im.problem = p;
   im.cfg = config ? *config : choose_masked_config(p, num_sms());
-  if (config == nullptr && mxfp4) apply_mxfp4_widen_knob(im.cfg, true);
+  if (config == nullptr && mxfp4) {
+    apply_mxfp4_widen_knob(im.cfg, true);
+    if (mxfp4_wide_tiles(p, im.cfg, num_sms(), hbm_bytes_per_sm_cycle())) set_mxfp4_rows(im.cfg, p, 256);
+    apply_mxfp4_rows_knob(im.cfg, p);
+  }
   MOEKIT_CHECK(mxfp4 || im.cfg.mxfp4_widen_wgs == 0,
                "masked GEMM config " + im.cfg.to_string() +
                    ": mxfp4_widen_wgs (the widening warpgroups) needs MXFP4 weights");
@@ -140,8 +144,9 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   }
 
   check_cluster(im.cfg, gated ? p.n / 2 : p.n);
-  // A 256-row swap-AB tile stores both of its slabs: N must hold whole tiles.
-  MOEKIT_CHECK(!(im.cfg.swap_ab && im.cfg.block_n == 256) || p.n % 256 == 0,
+  // A 256-row FP8 swap-AB tile stores both of its slabs: N must hold whole tiles. (The MXFP4 kernel
+  // leaves a second slab past N unstored.)
+  MOEKIT_CHECK(!(im.cfg.swap_ab && im.cfg.block_n == 256) || mxfp4 || p.n % 256 == 0,
                "masked GEMM: swap-AB with block_n = 256 needs N a multiple of 256; N = " + std::to_string(p.n));
   const int bm = im.cfg.block_m, bn = im.cfg.block_n;
   im.tma_a = make_tma_2d(b.a, false, uint64_t(p.num_experts) * p.max_m, p.k, p.k, bm / im.cfg.cluster, kBlockK, 128);

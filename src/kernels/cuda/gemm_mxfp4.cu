@@ -22,7 +22,7 @@ Launch mxfp4_instance(GemmConfig& cfg, int num_experts, bool row_scales) {
       MOEKIT_CHECK(cfg.mxfp4_widen_wgs == 0, "contiguous MXFP4 GEMM config " + cfg.to_string() +
                                                  ": a_row_scales (one activation scale per row) is compiled for "
                                                  "the register kernel only; expected mxfp4_widen_wgs 0");
-      return Mxfp4Instance<false, kBlockT, 0, true>::launch(cfg, num_experts);
+      return Mxfp4Instance<false, kBlockT, 0, 1, true>::launch(cfg, num_experts);
     }
   }
   switch (cfg.mxfp4_widen_wgs) {
@@ -40,8 +40,16 @@ Launch mxfp4_instance(GemmConfig& cfg, int num_experts, bool row_scales) {
 Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts, bool row_scales) {
   const std::string bad = std::string(masked ? "masked" : "contiguous") + " MXFP4 GEMM config " + cfg.to_string() +
                           " is not compiled; expected ";
-  MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128, bad + "swap-AB with block_n = 128");
   MOEKIT_CHECK(cfg.cluster == 1, bad + "cluster = 1 (MXFP4 kernels run one CTA per cluster)");
+  if (masked && cfg.swap_ab && cfg.block_n == 256) {  // two 128-row slabs a stage (gemm_mxfp4.cuh)
+    MOEKIT_CHECK((cfg.block_m == 16 || cfg.block_m == 32 || cfg.block_m == 48) && cfg.mxfp4_widen_wgs == 0,
+                 bad + "block_m = 16, 32 or 48 and mxfp4_widen_wgs = 0 with block_n = 256");
+    if (cfg.block_m == 48) return Mxfp4Instance<true, 48, 0, 2>::launch(cfg, num_experts);
+    if (cfg.block_m == 32) return Mxfp4Instance<true, 32, 0, 2>::launch(cfg, num_experts);
+    return Mxfp4Instance<true, 16, 0, 2>::launch(cfg, num_experts);
+  }
+  MOEKIT_CHECK(cfg.swap_ab && cfg.block_n == 128,
+               bad + "swap-AB with block_n = 128 (or 256 for masked tiles of 16, 32 or 48 tokens)");
   if (!masked) {
     switch (cfg.block_m) {
       case 64: return mxfp4_instance<false, 64>(cfg, num_experts, row_scales);
@@ -71,9 +79,17 @@ void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int
   // fragment loads (a quad reads a row's 64 bytes); the 64-byte swizzle for the widening warpgroup,
   // whose threads read one row each (gemm_mxfp4_widen.cuh). Scales: tile-major too, rows of 128
   // 4-byte words, a box of one row per stage (TMA moves them as fp32 words; the bits are not touched).
-  plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n * k_blocks, kBlockK / 2, kBlockK / 2, 128, kBlockK / 2,
-                           plan.cfg.mxfp4_widen_wgs > 0 ? 64 : 0);
-  plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, 0);
+  if (plan.cfg.block_n == 256) {
+    // Two 128-row slabs a stage (gemm_mxfp4.cuh): the same bytes seen as [E·N/128 row blocks][K/128
+    // k blocks][128 rows of 64 bytes, or 128 words], a box of two row blocks, one copy per stage each.
+    const uint64_t row_blocks = uint64_t(num_experts) * (n / 128);
+    plan.tma_w = make_tma_3d(w, false, kBlockK / 2, uint64_t(k_blocks) * 128, row_blocks, kBlockK / 2, 128, 2);
+    plan.tma_ws = make_tma_3d(w_mx_scales, true, 128, k_blocks, row_blocks, 128, 1, 2);
+  } else {
+    plan.tma_w = make_tma_2d(w, false, uint64_t(num_experts) * n * k_blocks, kBlockK / 2, kBlockK / 2, 128,
+                             kBlockK / 2, plan.cfg.mxfp4_widen_wgs > 0 ? 64 : 0);
+    plan.tma_ws = make_tma_2d(w_mx_scales, true, uint64_t(num_experts) * (n / 128) * k_blocks, 128, 128, 1, 128, 0);
+  }
   plan.args.bias = bias;
   plan.args.w_mx_scales = w_mx_scales;
 }

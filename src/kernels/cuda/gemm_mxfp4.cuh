@@ -44,9 +44,11 @@ namespace moekit::gemm_detail {
 // weight tiles, weight-scale tiles, A-scale rows, full and empty barriers (the stage ring), then
 // (masked) prefix [E+1] and m_of [E]. The widening kernel's layout (gemm_mxfp4_widen.cuh) is this
 // one with its widened tiles before the ring and their barriers after it.
-template <int kBlockT>
+// kSlabs: 128-row weight slabs per stage (2: a 256-row tile of the register kernel, both slabs
+// multiplied with the stage's one activation tile).
+template <int kBlockT, int kSlabs = 1>
 struct Mxfp4SmemLayout {
-  static constexpr int kWRows = 128;
+  static constexpr int kWRows = 128 * kSlabs;
   static constexpr int kATile = kBlockT * kBlockK;
   static constexpr int kWTile = kWRows * kBlockK / 2;
   static constexpr int kWsTile = kWRows * 4;
@@ -119,23 +121,32 @@ struct Mxfp4Registers {
 // Stage s's tiles: codes + s·kWTile, scale words + s·kWsTile, activations + s·kATile, their
 // scales + s·kSaFloats (Layout: either kernel's shared-memory layout). kBlockScales false (the
 // register kernel with ContiguousGemmProblem::a_row_scales): the stages carry no activation scales.
+// A stage's weights are Layout::kWRows / 128 slabs: 128-row blocks t.w0 / 128 and + 1 (for two),
+// their runs of codes and of words k_blocks runs apart, each kind taken by one 3D copy (the maps of
+// bind_mxfp4_weights for block_n 256): the producer's issue, not the bytes, is what a copy costs
+// (docs/gemm-mxfp4.md runs 18 and 34).
 template <bool kMasked, int kBlockT, class Layout, bool kBlockScales = true, class Decode>
 __device__ __forceinline__ void produce_mxfp4(const KernelArgs& args, int num_tiles, bool early_weights, Decode&& decode,
                                               uint64_t* full, uint64_t* empty, uint8_t* code_tiles, uint8_t* ws_tiles,
                                               uint8_t* a_tiles, float* sa_tiles, const CUtensorMap* tma_a,
                                               const CUtensorMap* tma_w, const CUtensorMap* tma_sa,
                                               const CUtensorMap* tma_ws) {
-  constexpr int kBlockW = 128;
+  constexpr int kBlockW = 128, kSlabs = Layout::kWRows / kBlockW;
   const int warp = threadIdx.x / 32;
   if (warp > 1) return;
   const int num_w_blocks = args.n / kBlockW, k_blocks = args.k / kBlockK;
   const uint64_t policy_w = ptx::policy_evict_first();
   const uint64_t policy_a = ptx::policy_evict_last();
-  auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K
-    // Tile-major codes and words: the stage is run `run` of both.
-    const int run = int(mxfp4_gemm_run(t.e, t.w0 / kBlockW, kb, num_w_blocks, k_blocks));
-    ptx::tma_load_2d(code_tiles + stage * Layout::kWTile, tma_w, &full[stage], 0, run * kBlockW, policy_w);
-    ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, tma_ws, &full[stage], 0, run, policy_w);
+  auto load_w = [&](int stage, int kb, const TileInfo& t) {  // codes and scales of 128 rows x 128 K a slab
+    if constexpr (kSlabs == 1) {  // tile-major codes and words: the stage is run `run` of both
+      const int run = int(mxfp4_gemm_run(t.e, t.w0 / kBlockW, kb, num_w_blocks, k_blocks));
+      ptx::tma_load_2d(code_tiles + stage * Layout::kWTile, tma_w, &full[stage], 0, run * kBlockW, policy_w);
+      ptx::tma_load_2d(ws_tiles + stage * Layout::kWsTile, tma_ws, &full[stage], 0, run, policy_w);
+    } else {  // [row block][k block][128 rows] views: both slabs of k block kb in one copy each
+      const int row_block = t.e * num_w_blocks + t.w0 / kBlockW;
+      ptx::tma_load_3d(code_tiles + stage * Layout::kWTile, tma_w, &full[stage], 0, kb * kBlockW, row_block, policy_w);
+      ptx::tma_load_3d(ws_tiles + stage * Layout::kWsTile, tma_ws, &full[stage], 0, kb, row_block, policy_w);
+    }
   };
   auto load_a = [&](int stage, int kb, const TileInfo& t) {
     const int a_row = kMasked ? t.e * args.rows + t.t0 : t.t0;
@@ -153,20 +164,25 @@ __device__ __forceinline__ void produce_mxfp4(const KernelArgs& args, int num_ti
             kProduceActivations);
 }
 
-// The scale words of a math thread's two accumulator rows in tile t (every block of a row holds
-// the same s_row; block 0's is read), for the row factor after the K loop; loaded when a tile
-// starts, so that their latency hides under its K loop.
+// The scale words of a math thread's two accumulator rows in tile t, rows frag_row and + 8 from
+// t.w0 (both in one 128-row block: frag_row % 16 < 8; every k block of a row holds the same s_row,
+// block 0's is read), for the row factor after the K loop; loaded when a tile starts, so that
+// their latency hides under its K loop. row_blocks: N / 128.
 __device__ __forceinline__ uint2 mxfp4_row_words(const KernelArgs& args, const TileInfo& t, int frag_row,
-                                                 int num_w_blocks, int k_blocks) {
+                                                 int row_blocks, int k_blocks) {
   constexpr int kBlockW = 128;
-  const uint32_t* words = args.w_mx_scales + mxfp4_gemm_run(t.e, t.w0 / kBlockW, 0, num_w_blocks, k_blocks) * kBlockW;
-  return make_uint2(__ldg(words + frag_row), __ldg(words + frag_row + 8));
+  const int row = t.w0 + frag_row;
+  const uint32_t* words =
+      args.w_mx_scales + mxfp4_gemm_run(t.e, row / kBlockW, 0, row_blocks, k_blocks) * kBlockW + row % kBlockW;
+  return make_uint2(__ldg(words), __ldg(words + 8));
 }
 
 // A tile's end in both MXFP4 kernels: the row factor 2^(base - 127) (exact: a power of two), then
-// split-K's reduction and the BF16 store with the bias. A math thread holds kSlabs 64-row slabs
-// of accumulators (slab sl: acc + sl·kRegs, rows f.row + 64·sl and + 8, scale words row_words[sl]).
-template <bool kMasked, int kBlockT, int kRegs, int kMathThreads, int kSlabs = 1>
+// split-K's reduction and the BF16 store with the bias. A math thread holds kSlabs slabs of
+// accumulators (slab sl: acc + sl·kRegs, rows f.row + kSlabRows·sl and + 8, scale words
+// row_words[sl]): 64-row slabs of one warpgroup (gemm_mxfp4_widen.cuh), or the 128-row slabs of a
+// 256-row tile.
+template <bool kMasked, int kBlockT, int kRegs, int kMathThreads, int kSlabs = 1, int kSlabRows = 64>
 __device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const TileInfo& t, float* acc,
                                                  const uint2 (&row_words)[kSlabs], const Fragment& f, int* last_flag) {
 #pragma unroll
@@ -180,29 +196,41 @@ __device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const T
   if (!store) return;
 #pragma unroll
   for (int sl = 0; sl < kSlabs; ++sl) {
+    if (t.w0 + kSlabRows * sl >= args.n) continue;  // a 256-row tile's second slab past N
     Fragment fs = f;
-    fs.row += 64 * sl;
+    fs.row += kSlabRows * sl;
     store_bf16_transposed<kMasked, kBlockT, kRegs>(args, t, acc + sl * kRegs, fs);
   }
 }
 
-// kRowScales (contiguous, ContiguousGemmProblem::a_row_scales): one activation scale per row for
-// all of K, so the whole K accumulates in the tensor core and the scale multiplies once at the end.
-template <bool kMasked, int kBlockT, bool kRowScales = false>
+// kSlabs = 2: tiles of 256 weight rows, two 128-row slabs per stage sharing its activation tile;
+// each math warpgroup multiplies its 64 rows of both (half the activation loads, full-barrier
+// waits and hand-backs per weight byte, and two independent widenings per stage). N a multiple
+// of 128 (an odd one computes the last tile's second slab on the next rows, and does not store it); tiles of up to 32 tokens in the two-partial loop, 48 in the one-partial loop (two
+// partials of two 48-token slabs spill 516 bytes at ptxas's 168 registers; one does not).
+// kRowScales (contiguous, ContiguousGemmProblem::a_row_scales; one slab): one activation scale per
+// row for all of K, so the whole K accumulates in the tensor core and the scale multiplies once at
+// the end.
+template <bool kMasked, int kBlockT, int kSlabs = 1, bool kRowScales = false>
 __global__ void __launch_bounds__(384, 1)
     grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
                               const __grid_constant__ CUtensorMap tma_sa, const __grid_constant__ CUtensorMap tma_ws,
                               const KernelArgs args) {
   // Two math warpgroups hold a tile's 128 rows. (Four, two pairs taking a tile's k blocks in
   // turn, measured no faster: docs/gemm-mxfp4.md, runs 6 and 8.)
-  constexpr int kMathWGs = 2, kBlockW = 128, kMathThreads = 256;
-  // Stage pipelining needs a second partial in registers: up to 64 tokens per tile.
-  constexpr bool kPipelined = kBlockT <= 64;
-  // Stages issued in pairs (two pairs in flight: four partials in registers): up to 32 tokens.
-  constexpr bool kPaired = kBlockT <= 32;
+  constexpr int kMathWGs = 2, kBlockW = 128 * kSlabs, kMathThreads = 256;
+  static_assert(kSlabs == 1 || (kSlabs == 2 && kBlockT <= 48), "256-row tiles: up to 48 tokens");
+  static_assert(!kRowScales || (!kMasked && kSlabs == 1), "row scales: contiguous plans of one slab");
+  // Stage pipelining needs a second partial in registers: up to 64 tokens per tile, 32 with two slabs.
+  constexpr bool kPipelined = kBlockT <= (kSlabs == 1 ? 64 : 32);
+  // Stages issued in pairs (two pairs in flight: four partials in registers): up to 32 tokens, one
+  // slab (a 256-row stage is already two slabs' widening and eight wgmmas; four partials of two
+  // slabs do not fit ptxas's 168 registers, which then serialises every wgmma).
+  constexpr bool kPaired = kBlockT <= 32 && kSlabs == 1;
   using Mma = ptx::WgmmaRS<kBlockT>;
   constexpr int kRegs = Mma::kRegs;
-  using Layout = Mxfp4SmemLayout<kBlockT>;
+  constexpr int kAccRegs = kSlabs * kRegs;  // slab sl: registers sl·kRegs ..
+  using Layout = Mxfp4SmemLayout<kBlockT, kSlabs>;
   using Regs = Mxfp4Registers;
 
   extern __shared__ uint8_t smem_raw[];
@@ -219,7 +247,11 @@ __global__ void __launch_bounds__(384, 1)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int num_w_blocks = args.n / kBlockW;
+  // Tiles per expert and token block. With two slabs and N an odd multiple of 128 the last tile's
+  // second slab lies past N: its stage holds the next expert's first row block (or, after the last
+  // expert, TMA's zero fill), its products are computed and not stored (store_mxfp4_tile).
+  const int num_w_blocks = (args.n + kBlockW - 1) / kBlockW;
+  const int row_blocks = args.n / 128;        // the layout's 128-row blocks
   const int k_blocks = args.k / kBlockK;
 
   // PDL as in gemm_fp8.cuh: the trigger always follows this kernel's own wait.
@@ -252,7 +284,7 @@ __global__ void __launch_bounds__(384, 1)
   const int wg = warp / 4 - 1;
   const int warp_in_wg = warp % 4;
   const int mtid = threadIdx.x - 128;
-  const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // A and accumulator rows frag_row, frag_row + 8
+  const int frag_row = wg * 64 + warp_in_wg * 16 + lane / 4;  // A and accumulator rows frag_row, + 8 (+ 128 · sl)
   const int frag_col = (lane % 4) * 2;
   __shared__ int last_flag;
   if (mtid == 0) trace_cta(args, kStageTraceCtaBegin);
@@ -264,34 +296,43 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t phase = 0;
   int consumed = 0, committed = 0, released = 0;  // stages waited for, committed, handed back (set_stage_trace)
   long long* const tracer = stage_tracer(args);
-  // The A fragments of the stage at the ring position s, once it is full (widen_stage).
-  auto widen = [&](uint32_t (&a)[4][4]) {
+  // The A fragments of the stage at the ring position s, once it is full (widen_stage), slab by
+  // slab (a slab's 128 rows are 128 consecutive rows of the stage's codes and words).
+  using Frags = uint32_t[kSlabs][4][4];
+  auto widen = [&](Frags& a) {
     trace_at(tracer, consumed, kStageTraceWaitBegin);
     ptx::mbar_wait(&full[s], phase);
     trace_at(tracer, consumed, kStageTraceWaitEnd);
     ++consumed;
-    const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
-    const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile);
-    const uint4 codes_r = *reinterpret_cast<const uint4*>(w_stage + frag_row * (kBlockK / 2) + (lane % 4) * 16);
-    const uint4 codes_r8 = *reinterpret_cast<const uint4*>(w_stage + (frag_row + 8) * (kBlockK / 2) + (lane % 4) * 16);
-    widen_stage(codes_r, codes_r8, ws_stage[frag_row], ws_stage[frag_row + 8], a);
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl) {
+      const int row = sl * 128 + frag_row;
+      const uint8_t* w_stage = w_tiles + s * Layout::kWTile;
+      const uint32_t* ws_stage = reinterpret_cast<const uint32_t*>(ws_tiles + s * Layout::kWsTile);
+      const uint4 codes_r = *reinterpret_cast<const uint4*>(w_stage + row * (kBlockK / 2) + (lane % 4) * 16);
+      const uint4 codes_r8 = *reinterpret_cast<const uint4*>(w_stage + (row + 8) * (kBlockK / 2) + (lane % 4) * 16);
+      widen_stage(codes_r, codes_r8, ws_stage[row], ws_stage[row + 8], a[sl]);
+    }
   };
   // accumulate: the stage's first wgmma adds to `part` (the row-scale loop's one accumulator)
   // instead of starting it.
-  auto mma_stage = [&](float* part, const uint32_t (&a)[4][4], int stage, bool accumulate = false) {
+  auto mma_stage = [&](float* part, const Frags& a, int stage, bool accumulate = false) {
     const uint64_t desc_n = ptx::make_smem_desc_sw128(a_tiles + stage * Layout::kATile);
 #pragma unroll
-    for (int g = 0; g < kBlockK / 32; ++g) Mma::mma(part, a[g], desc_n + 2 * g, accumulate || g > 0);
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+      for (int g = 0; g < kBlockK / 32; ++g)
+        Mma::mma(part + sl * kRegs, a[sl][g], desc_n + 2 * g, accumulate || g > 0);
   };
   auto fence_part = [&](float* part) {
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+    for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
   };
   auto advance = [&] {
     if (++s == stages) s = 0, phase ^= 1;
   };
-  // Stage `stage`'s four wgmmas from fragments a into `part`, committed (not waited for).
-  auto mma_commit = [&](float* part, const uint32_t (&a)[4][4], int stage, bool accumulate = false) {
+  // Stage `stage`'s four wgmmas per slab from fragments a into `part`, committed (not waited for).
+  auto mma_commit = [&](float* part, const Frags& a, int stage, bool accumulate = false) {
     fence_part(part);
     ptx::wgmma_fence();  // orders the fragments' writes before the wgmmas that read them
     mma_stage(part, a, stage, accumulate);
@@ -303,7 +344,7 @@ __global__ void __launch_bounds__(384, 1)
   // One stage: wait for it, widen its weights into A fragments, issue its wgmmas into `part`;
   // the ring moves on.
   auto issue = [&](float* part) {
-    uint32_t a[4][4];
+    Frags a;
     widen(a);
     mma_commit(part, a, s);
     advance();
@@ -312,7 +353,7 @@ __global__ void __launch_bounds__(384, 1)
   // one fence and one commit, so the warpgroup meets once per two stages, and the widening of
   // the two has twice the independent work to interleave.
   auto issue_pair = [&](float* pa, float* pb, int& sa, int& sb) {
-    uint32_t a0[4][4], a1[4][4];
+    Frags a0, a1;
     sa = s;
     widen(a0);
     advance();
@@ -343,21 +384,24 @@ __global__ void __launch_bounds__(384, 1)
   // once per tile, which saves a multiply per accumulator and stage.)
   auto promote = [&](int st, float* part, float* acc) {
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+    for (int i = 0; i < kAccRegs; ++i) ptx::fence_operand(part[i]);
     TokenScales<kBlockT> sa;
     sa.load(sa_tiles + st * Layout::kSaFloats, frag_col);
     release(st);
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = fmaf(part[i], sa.of(i), acc[i]);
+    for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], sa.of(i % kRegs), acc[i]);  // every slab: the same tokens
   };
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     if (t.e < 0) continue;
-    const uint2 row_words[1] = {mxfp4_row_words(args, t, frag_row, num_w_blocks, k_blocks)};
-    float acc[kRegs];
+    uint2 row_words[kSlabs];
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = 0.0f;
+    for (int sl = 0; sl < kSlabs; ++sl)  // a slab past N (not stored) reads slab 0's words, not past the array
+      row_words[sl] = mxfp4_row_words(args, t, frag_row + (t.w0 + 128 * sl < args.n ? 128 * sl : 0), row_blocks, k_blocks);
+    float acc[kAccRegs];
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
     const int num_kb = t.kb_end - t.kb_begin;
     if constexpr (kRowScales) {
       // The whole K in `acc` (the tensor core orders wgmmas on one accumulator): stage kb + 1 is
@@ -366,12 +410,12 @@ __global__ void __launch_bounds__(384, 1)
       // latency hides under the K loop, and multiply once at the end.
       TokenScales<kBlockT> row_scale;
       row_scale.load(args.a_row_scales + t.t0, frag_col);
-      uint32_t a0[4][4], a1[4][4];
+      Frags a0, a1;
       int prev = s;
       widen(a0);
       advance();
       mma_commit(acc, a0, prev);
-      auto step = [&](uint32_t (&fb)[4][4]) {  // the other fragments' stage (prev) in flight
+      auto step = [&](Frags& fb) {  // the other fragments' stage (prev) in flight
         const int cur = s;
         widen(fb);
         advance();
@@ -389,11 +433,11 @@ __global__ void __launch_bounds__(384, 1)
       ptx::wgmma_wait<0>();
       release(prev);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] *= row_scale.of(i);
+      for (int i = 0; i < kAccRegs; ++i) acc[i] *= row_scale.of(i % kRegs);
     } else if (kPaired && stages >= 4 && num_kb >= 2) {
       // Pairs of stages, two pairs in flight: pair j's wgmmas run while pair j - 1 is promoted
       // and pair j + 1 widened (four stages held, so the ring needs at least four).
-      float p0[kRegs], p1[kRegs], p2[kRegs], p3[kRegs];
+      float p0[kAccRegs], p1[kAccRegs], p2[kAccRegs], p3[kAccRegs];
       int s0, s1, s2, s3;
       issue_pair(p0, p1, s0, s1);
       int left = num_kb - 2;
@@ -442,7 +486,7 @@ __global__ void __launch_bounds__(384, 1)
     } else if constexpr (kPipelined) {
       // Two partials in flight: stage kb's wgmmas run while stage kb - 1 is promoted and stage
       // kb + 1 is widened.
-      float part[2][kRegs];
+      float part[2][kAccRegs];
       int prev = s;
       issue(part[0]);
       int kb = t.kb_begin + 1;
@@ -470,15 +514,16 @@ __global__ void __launch_bounds__(384, 1)
         promote(prev, part[0], acc);
       }
     } else {
-      // One partial (a second does not fit beside 128 tokens' accumulators), but the next stage
-      // is widened while this one's wgmmas run: its fragments are the only extra registers.
-      float part[kRegs];
-      uint32_t a0[4][4], a1[4][4];
+      // One partial (a second does not fit beside 128 tokens' accumulators, nor beside two slabs of
+      // 48), but the next stage is widened while this one's wgmmas run: its fragments are the only
+      // extra registers.
+      float part[kAccRegs];
+      Frags a0, a1;
       int cur = s;
       widen(a0);
       advance();
       // Stage `cur` from fragments fa; the next one (if any) widened into fb meanwhile.
-      auto step = [&](const uint32_t (&fa)[4][4], uint32_t (&fb)[4][4], bool more) {
+      auto step = [&](const Frags& fa, Frags& fb, bool more) {
         mma_commit(part, fa, cur);
         const int next = s;
         if (more) {
@@ -486,7 +531,9 @@ __global__ void __launch_bounds__(384, 1)
           advance();
 #pragma unroll
           for (int g = 0; g < 4; ++g)  // pinned before the wait, so the widening runs under the wgmmas
-            for (int j = 0; j < 4; ++j) ptx::fence_operand(fb[g][j]);
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int sl = 0; sl < kSlabs; ++sl) ptx::fence_operand(fb[sl][g][j]);
         }
         ptx::wgmma_wait<0>();
         promote(cur, part, acc);
@@ -505,8 +552,8 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
 
-    store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads>(args, t, acc, row_words,
-                                                            Fragment{frag_row, frag_col, mtid, warp - 4}, &last_flag);
+    store_mxfp4_tile<kMasked, kBlockT, kRegs, kMathThreads, kSlabs, 128>(
+        args, t, acc, row_words, Fragment{frag_row, frag_col, mtid, warp - 4}, &last_flag);
   }
   if (mtid == 0) {
     stamp_end(args.stamp);
