@@ -732,6 +732,59 @@ TEST(GpuLayerKernels, GateMatchesReference) {
   }
 }
 
+// Both router kernels on shapes that end inside a tile (tokens, experts and columns), a padded
+// row (x_cols < d) and a logit bias: the tiled kernel sums in gating.h's order, so its logits are
+// the reference's bits; the warp kernel's within fp64 rounding. Poisoned outputs: every logit is
+// written.
+TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
+  struct Shape {
+    int T, E, d, x_cols;
+    bool bias;
+  };
+  for (const Shape sh : {Shape{1, 128, 512, 512, false}, Shape{200, 60, 512, 480, true}, Shape{130, 256, 2944, 2880, true},
+                         Shape{64, 64, 16, 4, false}}) {
+    std::mt19937 rng(uint32_t(sh.T * 7 + sh.E));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> x(size_t(sh.T) * sh.x_cols);
+    for (auto& v : x) v = float_to_bf16(normal(rng));
+    std::vector<float> xf(size_t(sh.T) * sh.d, 0.0f), rw(size_t(sh.E) * sh.d, 0.0f), lb(sh.E);
+    for (int t = 0; t < sh.T; ++t)
+      for (int c = 0; c < sh.x_cols; ++c) xf[size_t(t) * sh.d + c] = bf16_to_float(x[size_t(t) * sh.x_cols + c]);
+    for (int e = 0; e < sh.E; ++e)
+      for (int c = 0; c < sh.x_cols; ++c) rw[size_t(e) * sh.d + c] = normal(rng) * 0.05f;  // fp32, padded columns 0
+    for (auto& v : lb) v = normal(rng);
+    std::vector<float> want(size_t(sh.T) * sh.E);
+    ref::router_logits(xf.data(), sh.T, sh.d, rw.data(), sh.E, want.data(), sh.bias ? lb.data() : nullptr);
+
+    DeviceArray<uint16_t> dx(x.size());
+    DeviceArray<float> dw(rw.size()), dlb(lb.size()), dl(want.size());
+    dx.upload(x.data(), x.size());
+    dw.upload(rw.data(), rw.size());
+    dlb.upload(lb.data(), lb.size());
+    for (gpu::RouterKernel kernel : {gpu::RouterKernel::kWarps, gpu::RouterKernel::kTiles}) {
+      const bool tiles = kernel == gpu::RouterKernel::kTiles;
+      MOEKIT_CUDA_CHECK(cudaMemset(dl.ptr, 0xff, want.size() * sizeof(float)));  // NaN everywhere
+      gpu::launch_router_logits(dx.ptr, sh.T, sh.d, dw.ptr, sh.E, dl.ptr, nullptr, {}, sh.bias ? dlb.ptr : nullptr,
+                                sh.x_cols, kernel);
+      MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = dl.download(want.size());
+      size_t same = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        same += got[i] == want[i];
+        if (tiles) ASSERT_EQ(got[i], want[i]) << "T " << sh.T << " E " << sh.E << " d " << sh.d << " at " << i;
+        else ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i]))) << "T " << sh.T << " E " << sh.E << " at " << i;
+      }
+      std::printf("[layer] router %s T %d E %d d %d x_cols %d: %zu/%zu logits the same bits\n", tiles ? "tiles" : "warps",
+                  sh.T, sh.E, sh.d, sh.x_cols, same, got.size());
+    }
+  }
+  // The rule: tiles once they fill the SMs.
+  EXPECT_EQ(gpu::choose_router_kernel(8192, 128, 132), gpu::RouterKernel::kTiles);
+  EXPECT_EQ(gpu::choose_router_kernel(4224, 128, 132), gpu::RouterKernel::kTiles);
+  EXPECT_EQ(gpu::choose_router_kernel(4160, 128, 132), gpu::RouterKernel::kWarps);
+  EXPECT_EQ(gpu::choose_router_kernel(64, 256, 132), gpu::RouterKernel::kWarps);
+}
+
 TEST(GpuLayerErrors, BadInputIsReported) {
   for (gpu::GpuPipeline pipeline : {gpu::GpuPipeline::kStaged, kFused}) {
   const Fixture& f = fixture();
