@@ -38,8 +38,9 @@ struct RouterParams {
 // lane every 128th column, the lanes' sums added in a tree) for few tokens, where it spreads the
 // columns over many warps; kTiles (a CTA 64 tokens x 64 experts through shared memory, each
 // thread 16 dot products summed in column order from the bias, gating.h's order: its logits are
-// gating.h's bits) once the tiles fill the SMs, where kWarps is bound by widening every product's
-// operands to fp64 (docs/layer-gpu.md, the router). kAuto picks; MOEKIT_ROUTER=warps|tiles
+// gating.h's bits) once the tiles fill the SMs, where kWarps's widening of both operands of every
+// product to fp64 costs more than the tiles' idle SMs. Why the bits can differ:
+// docs/layer-gpu.md §Numerics: what is the same bits. kAuto picks; MOEKIT_ROUTER=warps|tiles
 // overrides it for a study.
 enum class RouterKernel { kAuto, kWarps, kTiles };
 RouterKernel choose_router_kernel(int num_tokens, int num_experts, int num_sms);
