@@ -245,12 +245,19 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
   end_kernel(stamp);
 }
 
-// Per token (GpuActivation::token_scales): one warp per row and two passes over its groups, the
-// row's largest magnitude (by quantize_group's rule: a lane's NaNs left out), then its codes under
-// the one scale, which goes into each of the row's inter/128 slots. The second pass computes the
-// activation again (a look-up and a multiply per value) rather than hold inter/32 values per lane.
+// Per token (GpuActivation::token_scales): one warp per row, the row's largest magnitude (by
+// quantize_group's rule: a lane's NaNs left out) first, then its codes under the one scale, which
+// goes into each of the row's inter/128 slots. A lane holds its values of the row's first
+// kHeldGroups groups in registers between the two (gpt-oss-120b's 23 groups: 92 per lane), so the
+// row is read and activated once; a wider row's further groups are activated again in the second
+// pass. Holding them costs the kernel its 8 CTAs per SM (~130 registers: 2), which the 23
+// independent loads a lane issues at once make up for (the two-pass kernel of 32 registers was 25%
+// slower than the 1x128 kernel in gpt-oss-120b's prefill, docs/gemm-mxfp4.md run 43).
+constexpr int kHeldGroups = 24;
+constexpr int kTokenCtasPerSm = 2;
+
 template <bool kClamped>
-__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
     silu_mul_quant_contiguous_token_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
                                            const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
                                            float* __restrict__ out_scales, GpuActivation act,
@@ -267,21 +274,37 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
       activate4<kClamped>(act, window, *reinterpret_cast<const uint2*>(src + g * kQuantBlock),
                           *reinterpret_cast<const uint2*>(src + inter + g * kQuantBlock), v);
     };
+    auto amax4 = [](const float(&v)[4]) {
+      return fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    };
+    float held[kHeldGroups][4];  // static indices only (unrolled loops): registers, not local memory
     float lane_amax = 0.0f;
-    for (int g = 0; g < groups; ++g) {
+#pragma unroll
+    for (int g = 0; g < kHeldGroups; ++g)
+      if (g < groups) {
+        activated(g, held[g]);
+        lane_amax = fmaxf(lane_amax, amax4(held[g]));
+      }
+    for (int g = kHeldGroups; g < groups; ++g) {
       float v[4];
       activated(g, v);
-      lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+      lane_amax = fmaxf(lane_amax, amax4(v));
     }
     const unsigned bits = __reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax));
     const float scale = fp8_group_scale(__uint_as_float(bits));
     const double inv = reciprocal_rn(scale);
-    for (int g = 0; g < groups; ++g) {
-      float v[4];
-      activated(g, v);
+    auto store = [&](int g, const float(&v)[4]) {
       *reinterpret_cast<uint32_t*>(out + size_t(m) * inter + g * kQuantBlock + group_unit_offset(act, lane)) =
           fp8x4_by(v, inv);
       if (lane == 0) out_scales[size_t(g) * total_m + m] = scale;  // layout.h: scale (m, g) at g M_total + m
+    };
+#pragma unroll
+    for (int g = 0; g < kHeldGroups; ++g)
+      if (g < groups) store(g, held[g]);
+    for (int g = kHeldGroups; g < groups; ++g) {
+      float v[4];
+      activated(g, v);
+      store(g, v);
     }
   }
   end_kernel(stamp);
@@ -502,7 +525,8 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
   check_activation_args("silu_mul_quant_contiguous", act, inter);
   MOEKIT_CHECK(total_m >= 0, fmtr("silu_mul_quant_contiguous: total_m = {}, expected >= 0", total_m));
   if (total_m == 0) return;
-  const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
+  const int ctas_per_sm = act.token_scales ? kTokenCtasPerSm : kContiguousCtasPerSm;
+  const int blocks = int(std::min<int64_t>(int64_t(ctas_per_sm) * gemm_detail::num_sms(),
                                            (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
   auto kernel = act.token_scales ? (act.clamped_swiglu ? silu_mul_quant_contiguous_token_kernel<true>
                                                         : silu_mul_quant_contiguous_token_kernel<false>)
