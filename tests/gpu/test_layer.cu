@@ -523,8 +523,8 @@ std::vector<uint16_t> random_gate_up(size_t rows, int inter, std::mt19937& rng) 
 // once (8 rows each, up to 8 CTAs per SM: its loop over row blocks turns more than once), padding
 // rows (row_expert = -1) left untouched, inputs as in the masked case (random_gate_up); with 1x128
 // scales and per token (GpuActivation::token_scales, the kernel of one warp per row: each row's
-// scale in all of its slots), per token also at gpt-oss-120b's 23 groups, all held in registers,
-// and at 26, two more than the registers hold.
+// scale in all of its slots), per token also at gpt-oss-120b's 23 groups, all held in shared
+// memory between the kernel's two passes, and at 26, two more than it holds.
 TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   int num_sms = 0;
