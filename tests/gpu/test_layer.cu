@@ -522,19 +522,27 @@ std::vector<uint16_t> random_gate_up(size_t rows, int inter, std::mt19937& rng) 
 // The contiguous activation kernel alone against reference.h: more rows than its grid's CTAs hold at
 // once (8 rows each, up to 8 CTAs per SM: its loop over row blocks turns more than once), padding
 // rows (row_expert = -1) left untouched, inputs as in the masked case (random_gate_up); with 1x128
-// scales and per token (GpuActivation::token_scales, the kernel of one warp per row and two
-// passes: each row's scale in all of its slots).
+// scales and per token (GpuActivation::token_scales, the kernel of one warp per row: each row's
+// scale in all of its slots), per token also at gpt-oss-120b's 23 groups, all held in shared
+// memory between the kernel's two passes, and at 26, two more than it holds.
 TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   int num_sms = 0;
   MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  const int inter = 384, total_m = 8 * 8 * num_sms * 2 + 40;
-  const ContiguousLayout o{total_m, inter};
-  std::mt19937 rng(31);
-  const std::vector<uint16_t> gate_up = random_gate_up(size_t(total_m), inter, rng);
-  std::vector<int32_t> row_expert(total_m);
-  for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
-  for (const Fp8Scaling scaling : {Fp8Scaling::kPerBlock, Fp8Scaling::kPerToken}) {
+  struct Case {
+    int inter, total_m;
+    Fp8Scaling scaling;
+  };
+  const int many_rows = 8 * 8 * num_sms * 2 + 40;
+  for (const Case c : {Case{384, many_rows, Fp8Scaling::kPerBlock}, Case{384, many_rows, Fp8Scaling::kPerToken},
+                       Case{2944, 1500, Fp8Scaling::kPerToken}, Case{3328, 700, Fp8Scaling::kPerToken}}) {
+    const int inter = c.inter, total_m = c.total_m;
+    const Fp8Scaling scaling = c.scaling;
+    const ContiguousLayout o{total_m, inter};
+    std::mt19937 rng(31);
+    const std::vector<uint16_t> gate_up = random_gate_up(size_t(total_m), inter, rng);
+    std::vector<int32_t> row_expert(total_m);
+    for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
     std::vector<uint8_t> want(o.a_elems(), 0xAB);
     std::vector<float> want_s(o.scale_elems(), -1.0f);
     ref::activation_quant_contiguous(ref::Activation{}, o, gate_up.data(), row_expert.data(), want.data(),
@@ -568,9 +576,9 @@ TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
     }
     for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
     const size_t rows = size_t(std::count_if(row_expert.begin(), row_expert.end(), [](int32_t e) { return e >= 0; }));
-    std::printf("[layer] contiguous activation (%s), %d rows: %zu of %zu fp8 bytes and %zu of %zu scales differ from "
-                "the reference; %zu of %zu rows have one scale\n", fp8_scaling_name(scaling), total_m, diff, got.size(),
-                diff_s, got_s.size(), one_scale_rows, rows);
+    std::printf("[layer] contiguous activation (%s), inter %d, %d rows: %zu of %zu fp8 bytes and %zu of %zu scales "
+                "differ from the reference; %zu of %zu rows have one scale\n", fp8_scaling_name(scaling), inter, total_m,
+                diff, got.size(), diff_s, got_s.size(), one_scale_rows, rows);
     // As the masked case: glibc's expf and the correctly rounded one can differ in a rare halfway case.
     EXPECT_LE(diff, 4 + got.size() / 1000);
     EXPECT_LE(diff_s, 1 + got_s.size() / 1000);
