@@ -79,9 +79,10 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
   end_kernel(stamp);
 }
 
-// The router GEMM in tiles, for many tokens. The warp kernel above widens both operands of every
-// product to fp64 (8 of its 14 instructions per product); here a CTA widens a 64-token x 16-column
-// slice of x and a 64-expert slice of w once into shared memory and each value serves 64 products.
+// The router GEMM in tiles, for many tokens. The warp kernel above converts an operand to fp64 for
+// every product (36 conversions per 32 products and lane, at 16 per SM and clock: a quarter of the
+// fp64 FMA rate); here a CTA widens a 64-token x 16-column slice of x and a 64-expert slice of w
+// once into shared memory, and each value serves 64 products.
 // Thread (ty, tx) owns tokens ty + 16 i and experts tx + 16 j (i, j < 4): a warp reads 2 tokens'
 // values (broadcast) and 16 consecutive experts' (one 128-byte wavefront) per column. Each of the
 // 16 sums starts at the bias and adds its products in column order, as gating.h's loop does; the
