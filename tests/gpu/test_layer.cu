@@ -522,19 +522,27 @@ std::vector<uint16_t> random_gate_up(size_t rows, int inter, std::mt19937& rng) 
 // The contiguous activation kernel alone against reference.h: more rows than its grid's CTAs hold at
 // once (8 rows each, up to 8 CTAs per SM: its loop over row blocks turns more than once), padding
 // rows (row_expert = -1) left untouched, inputs as in the masked case (random_gate_up); with 1x128
-// scales and per token (GpuActivation::token_scales, the kernel of one warp per row and two
-// passes: each row's scale in all of its slots).
+// scales and per token (GpuActivation::token_scales, the kernel of one warp per row: each row's
+// scale in all of its slots), per token also at gpt-oss-120b's 23 groups, all held in shared
+// memory between the kernel's two passes, and at 26, two more than it holds.
 TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   int num_sms = 0;
   MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  const int inter = 384, total_m = 8 * 8 * num_sms * 2 + 40;
-  const ContiguousLayout o{total_m, inter};
-  std::mt19937 rng(31);
-  const std::vector<uint16_t> gate_up = random_gate_up(size_t(total_m), inter, rng);
-  std::vector<int32_t> row_expert(total_m);
-  for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
-  for (const Fp8Scaling scaling : {Fp8Scaling::kPerBlock, Fp8Scaling::kPerToken}) {
+  struct Case {
+    int inter, total_m;
+    Fp8Scaling scaling;
+  };
+  const int many_rows = 8 * 8 * num_sms * 2 + 40;
+  for (const Case c : {Case{384, many_rows, Fp8Scaling::kPerBlock}, Case{384, many_rows, Fp8Scaling::kPerToken},
+                       Case{2944, 1500, Fp8Scaling::kPerToken}, Case{3328, 700, Fp8Scaling::kPerToken}}) {
+    const int inter = c.inter, total_m = c.total_m;
+    const Fp8Scaling scaling = c.scaling;
+    const ContiguousLayout o{total_m, inter};
+    std::mt19937 rng(31);
+    const std::vector<uint16_t> gate_up = random_gate_up(size_t(total_m), inter, rng);
+    std::vector<int32_t> row_expert(total_m);
+    for (int m = 0; m < total_m; ++m) row_expert[m] = m % 11 == 3 ? -1 : m / 1000;
     std::vector<uint8_t> want(o.a_elems(), 0xAB);
     std::vector<float> want_s(o.scale_elems(), -1.0f);
     ref::activation_quant_contiguous(ref::Activation{}, o, gate_up.data(), row_expert.data(), want.data(),
@@ -568,9 +576,9 @@ TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
     }
     for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
     const size_t rows = size_t(std::count_if(row_expert.begin(), row_expert.end(), [](int32_t e) { return e >= 0; }));
-    std::printf("[layer] contiguous activation (%s), %d rows: %zu of %zu fp8 bytes and %zu of %zu scales differ from "
-                "the reference; %zu of %zu rows have one scale\n", fp8_scaling_name(scaling), total_m, diff, got.size(),
-                diff_s, got_s.size(), one_scale_rows, rows);
+    std::printf("[layer] contiguous activation (%s), inter %d, %d rows: %zu of %zu fp8 bytes and %zu of %zu scales "
+                "differ from the reference; %zu of %zu rows have one scale\n", fp8_scaling_name(scaling), inter, total_m,
+                diff, got.size(), diff_s, got_s.size(), one_scale_rows, rows);
     // As the masked case: glibc's expf and the correctly rounded one can differ in a rare halfway case.
     EXPECT_LE(diff, 4 + got.size() / 1000);
     EXPECT_LE(diff_s, 1 + got_s.size() / 1000);
@@ -730,6 +738,59 @@ TEST(GpuLayerKernels, GateMatchesReference) {
     std::printf("[layer] gate %s: %zu/%zu logits the same bits\n", spec.scoring.c_str(), same_l, got_l.size());
     EXPECT_EQ(st.download(1)[0].kind, 0);
   }
+}
+
+// Both router kernels on shapes that end inside a tile (tokens, experts and columns), a padded
+// row (x_cols < d) and a logit bias: the tiled kernel sums in gating.h's order, so its logits are
+// the reference's bits; the warp kernel's within fp64 rounding. Poisoned outputs: every logit is
+// written.
+TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
+  struct Shape {
+    int T, E, d, x_cols;
+    bool bias;
+  };
+  for (const Shape sh : {Shape{1, 128, 512, 512, false}, Shape{200, 60, 512, 480, true}, Shape{130, 256, 2944, 2880, true},
+                         Shape{64, 64, 16, 4, false}}) {
+    std::mt19937 rng(uint32_t(sh.T * 7 + sh.E));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> x(size_t(sh.T) * sh.x_cols);
+    for (auto& v : x) v = float_to_bf16(normal(rng));
+    std::vector<float> xf(size_t(sh.T) * sh.d, 0.0f), rw(size_t(sh.E) * sh.d, 0.0f), lb(sh.E);
+    for (int t = 0; t < sh.T; ++t)
+      for (int c = 0; c < sh.x_cols; ++c) xf[size_t(t) * sh.d + c] = bf16_to_float(x[size_t(t) * sh.x_cols + c]);
+    for (int e = 0; e < sh.E; ++e)
+      for (int c = 0; c < sh.x_cols; ++c) rw[size_t(e) * sh.d + c] = normal(rng) * 0.05f;  // fp32, padded columns 0
+    for (auto& v : lb) v = normal(rng);
+    std::vector<float> want(size_t(sh.T) * sh.E);
+    ref::router_logits(xf.data(), sh.T, sh.d, rw.data(), sh.E, want.data(), sh.bias ? lb.data() : nullptr);
+
+    DeviceArray<uint16_t> dx(x.size());
+    DeviceArray<float> dw(rw.size()), dlb(lb.size()), dl(want.size());
+    dx.upload(x.data(), x.size());
+    dw.upload(rw.data(), rw.size());
+    dlb.upload(lb.data(), lb.size());
+    for (gpu::RouterKernel kernel : {gpu::RouterKernel::kWarps, gpu::RouterKernel::kTiles}) {
+      const bool tiles = kernel == gpu::RouterKernel::kTiles;
+      MOEKIT_CUDA_CHECK(cudaMemset(dl.ptr, 0xff, want.size() * sizeof(float)));  // NaN everywhere
+      gpu::launch_router_logits(dx.ptr, sh.T, sh.d, dw.ptr, sh.E, dl.ptr, nullptr, {}, sh.bias ? dlb.ptr : nullptr,
+                                sh.x_cols, kernel);
+      MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = dl.download(want.size());
+      size_t same = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        same += got[i] == want[i];
+        if (tiles) ASSERT_EQ(got[i], want[i]) << "T " << sh.T << " E " << sh.E << " d " << sh.d << " at " << i;
+        else ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i]))) << "T " << sh.T << " E " << sh.E << " at " << i;
+      }
+      std::printf("[layer] router %s T %d E %d d %d x_cols %d: %zu/%zu logits the same bits\n", tiles ? "tiles" : "warps",
+                  sh.T, sh.E, sh.d, sh.x_cols, same, got.size());
+    }
+  }
+  // The rule: tiles once they fill the SMs.
+  EXPECT_EQ(gpu::choose_router_kernel(8192, 128, 132), gpu::RouterKernel::kTiles);
+  EXPECT_EQ(gpu::choose_router_kernel(4224, 128, 132), gpu::RouterKernel::kTiles);
+  EXPECT_EQ(gpu::choose_router_kernel(4160, 128, 132), gpu::RouterKernel::kWarps);
+  EXPECT_EQ(gpu::choose_router_kernel(64, 256, 132), gpu::RouterKernel::kWarps);
 }
 
 TEST(GpuLayerErrors, BadInputIsReported) {

@@ -245,21 +245,32 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
   end_kernel(stamp);
 }
 
-// Per token (GpuActivation::token_scales): one warp per row and two passes over its groups, the
-// row's largest magnitude (by quantize_group's rule: a lane's NaNs left out), then its codes under
-// the one scale, which goes into each of the row's inter/128 slots. The second pass computes the
-// activation again (a look-up and a multiply per value) rather than hold inter/32 values per lane.
+// Per token (GpuActivation::token_scales): one warp per row, the row's largest magnitude (by
+// quantize_group's rule: a lane's NaNs left out) first, then its codes under the one scale, which
+// goes into each of the row's inter/128 slots. Between the two a warp keeps its row's activated
+// values of the first kHeldGroups groups in shared memory (gpt-oss-120b's 23 groups: 11.5 KB), so
+// the row is read and activated once; a wider row's further groups are activated again. (Computing
+// every group twice made the kernel 25% slower than the 1x128 one in gpt-oss-120b's prefill,
+// docs/gemm-mxfp4.md run 43; holding the values in registers instead unrolls 24 groups' code,
+// ~250 KB of instructions a row.)
+constexpr int kHeldGroups = 24;
+constexpr int kTokenCtasPerSm = 2;  // 96 KB of held values and the 16 KB gate window each
+constexpr int kPrefetchGroups = 4;
+constexpr size_t kTokenHeldBytes = size_t(kRowsPerBlock) * kHeldGroups * kQuantBlock * sizeof(float);
+
 template <bool kClamped>
-__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
     silu_mul_quant_contiguous_token_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
                                            const int32_t* __restrict__ row_expert, uint8_t* __restrict__ out,
                                            float* __restrict__ out_scales, GpuActivation act,
                                            unsigned long long* stamp) {
   __shared__ __align__(16) float window[kGateWindow];
+  extern __shared__ float4 held_values[];  // [warp][group][lane]: a lane's 4 values of a group
   load_gate_window(act.gate_table, window);
   begin_kernel(stamp);
   __syncthreads();  // the window
   const int groups = inter / kQuantBlock, lane = threadIdx.x % kWarp;
+  float4* held = held_values + size_t(threadIdx.x / kWarp) * kHeldGroups * kWarp + lane;  // each lane its own
   for (int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp; m < total_m; m += gridDim.x * kRowsPerBlock) {
     if (row_expert[m] < 0) continue;  // warp-uniform: one warp per row
     const uint16_t* src = gate_up + size_t(m) * 2 * inter + lane * 4;
@@ -268,17 +279,36 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kContiguousCtasPerSm)
                           *reinterpret_cast<const uint2*>(src + inter + g * kQuantBlock), v);
     };
     float lane_amax = 0.0f;
-    for (int g = 0; g < groups; ++g) {
-      float v[4];
-      activated(g, v);
-      lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+    // Four groups' loads in flight per lane before any is used: at 2 CTAs per SM the warps alone do
+    // not cover HBM's latency (the compiler keeps a group's loads behind the previous group's work).
+    for (int g0 = 0; g0 < groups; g0 += kPrefetchGroups) {
+      uint2 gate[kPrefetchGroups], up[kPrefetchGroups];
+#pragma unroll
+      for (int i = 0; i < kPrefetchGroups; ++i)
+        if (g0 + i < groups) {
+          gate[i] = *reinterpret_cast<const uint2*>(src + (g0 + i) * kQuantBlock);
+          up[i] = *reinterpret_cast<const uint2*>(src + inter + (g0 + i) * kQuantBlock);
+        }
+#pragma unroll
+      for (int i = 0; i < kPrefetchGroups; ++i)
+        if (g0 + i < groups) {
+          float v[4];
+          activate4<kClamped>(act, window, gate[i], up[i], v);
+          lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+          if (g0 + i < kHeldGroups) held[(g0 + i) * kWarp] = make_float4(v[0], v[1], v[2], v[3]);
+        }
     }
     const unsigned bits = __reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax));
     const float scale = fp8_group_scale(__uint_as_float(bits));
     const double inv = reciprocal_rn(scale);
     for (int g = 0; g < groups; ++g) {
       float v[4];
-      activated(g, v);
+      if (g < kHeldGroups) {
+        const float4 h = held[g * kWarp];
+        v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
+      } else {
+        activated(g, v);
+      }
       *reinterpret_cast<uint32_t*>(out + size_t(m) * inter + g * kQuantBlock + group_unit_offset(act, lane)) =
           fp8x4_by(v, inv);
       if (lane == 0) out_scales[size_t(g) * total_m + m] = scale;  // layout.h: scale (m, g) at g M_total + m
@@ -502,13 +532,16 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
   check_activation_args("silu_mul_quant_contiguous", act, inter);
   MOEKIT_CHECK(total_m >= 0, fmtr("silu_mul_quant_contiguous: total_m = {}, expected >= 0", total_m));
   if (total_m == 0) return;
-  const int blocks = int(std::min<int64_t>(int64_t(kContiguousCtasPerSm) * gemm_detail::num_sms(),
+  const int ctas_per_sm = act.token_scales ? kTokenCtasPerSm : kContiguousCtasPerSm;
+  const int blocks = int(std::min<int64_t>(int64_t(ctas_per_sm) * gemm_detail::num_sms(),
                                            (int64_t(total_m) + kRowsPerBlock - 1) / kRowsPerBlock));
   auto kernel = act.token_scales ? (act.clamped_swiglu ? silu_mul_quant_contiguous_token_kernel<true>
                                                         : silu_mul_quant_contiguous_token_kernel<false>)
                                  : (act.clamped_swiglu ? silu_mul_quant_contiguous_kernel<true>
                                                        : silu_mul_quant_contiguous_kernel<false>);
-  launch_kernel_ex(kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, gate_up, total_m, inter,
+  const size_t smem = act.token_scales ? kTokenHeldBytes : 0;
+  if (smem > 0) gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // past the 48 KB default
+  launch_kernel_ex(kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), smem, stream, opt.pdl, gate_up, total_m, inter,
                    row_expert, out, out_scales, act, opt.stamp);
 }
 

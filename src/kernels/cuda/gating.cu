@@ -3,10 +3,14 @@
 // same operation order, in fp64 where the reference uses fp64.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/gating.cuh"
+#include "kernels/cuda/gemm_host.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "moekit/bf16.h"
+#include "moekit/check.h"
 #include "moekit/cuda_check.h"
 
 namespace moekit::gpu {
@@ -71,6 +75,92 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
     if (tt >= nt) break;
     const double s = warp_sum(acc[tt]) + (logit_bias ? double(logit_bias[e]) : 0.0);
     if (lane == 0) logits[size_t(t0 + tt) * num_experts + e] = float(s);
+  }
+  end_kernel(stamp);
+}
+
+// The router GEMM in tiles, for many tokens. The warp kernel above converts an operand to fp64 for
+// every product (36 conversions per 32 products and lane, at 16 per SM and clock: a quarter of the
+// fp64 FMA rate); here a CTA widens a 64-token x 16-column slice of x and a 64-expert slice of w
+// once into shared memory, and each value serves 64 products.
+// Thread (ty, tx) owns tokens ty + 16 i and experts tx + 16 j (i, j < 4): a warp reads 2 tokens'
+// values (broadcast) and 16 consecutive experts' (one 128-byte wavefront) per column. Each of the
+// 16 sums starts at the bias and adds its products in column order, as gating.h's loop does; the
+// products are exact, so fma rounds as its add does and the logits are gating.h's bits. Columns
+// past x_cols are read as zero and add exact zeros.
+constexpr int kTileT = 64, kTileE = 64, kTileK = 16, kTileThreads = 256;
+
+__global__ void __launch_bounds__(kTileThreads)
+    router_logits_tiled_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int x_cols,
+                               const float* __restrict__ w, int num_experts, float* __restrict__ logits,
+                               const float* __restrict__ logit_bias, unsigned long long* stamp) {
+  begin_kernel(stamp);
+  __shared__ double xs[2][kTileK][kTileT];  // [buffer][column][token]
+  __shared__ double ws[2][kTileK][kTileE];  // [buffer][column][expert]
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  const int t0 = blockIdx.y * kTileT, e0 = blockIdx.x * kTileE;
+  // The loader: thread tid brings row tid / 4 (a token of x, an expert of w), columns c .. c + 3.
+  const int lrow = tid / 4, lcol = (tid % 4) * 4;
+  const bool t_ok = t0 + lrow < num_tokens, e_ok = e0 + lrow < num_experts;
+  const uint16_t* xrow = x + size_t(t_ok ? t0 + lrow : 0) * x_cols;
+  const float* wrow = w + size_t(e_ok ? e0 + lrow : 0) * hidden;
+  uint2 xv = {};
+  float4 wv = {};
+  auto load = [&](int k0) {
+    const bool c_ok = k0 + lcol < x_cols;  // x_cols is a multiple of 4: a group is in or out whole
+    xv = t_ok && c_ok ? *reinterpret_cast<const uint2*>(xrow + k0 + lcol) : uint2{};
+    wv = e_ok && c_ok ? *reinterpret_cast<const float4*>(wrow + k0 + lcol) : float4{};
+  };
+  auto store = [&](int buf) {
+    xs[buf][lcol + 0][lrow] = double(bf16_to_float(uint16_t(xv.x & 0xffff)));
+    xs[buf][lcol + 1][lrow] = double(bf16_to_float(uint16_t(xv.x >> 16)));
+    xs[buf][lcol + 2][lrow] = double(bf16_to_float(uint16_t(xv.y & 0xffff)));
+    xs[buf][lcol + 3][lrow] = double(bf16_to_float(uint16_t(xv.y >> 16)));
+    ws[buf][lcol + 0][lrow] = double(wv.x);
+    ws[buf][lcol + 1][lrow] = double(wv.y);
+    ws[buf][lcol + 2][lrow] = double(wv.z);
+    ws[buf][lcol + 3][lrow] = double(wv.w);
+  };
+  double acc[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int e = e0 + tx + 16 * j;
+    const double b = logit_bias && e < num_experts ? double(logit_bias[e]) : 0.0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i][j] = b;
+  }
+  const int k_tiles = (x_cols + kTileK - 1) / kTileK;
+  load(0);
+  store(0);
+  __syncthreads();
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < k_tiles) load((kt + 1) * kTileK);  // in flight while this slice is multiplied
+#pragma unroll
+    for (int kk = 0; kk < kTileK; ++kk) {
+      double a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[buf][kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = ws[buf][kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+    }
+    // The other buffer was last read in iteration kt - 1, which every thread has left.
+    if (kt + 1 < k_tiles) store(buf ^ 1);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = t0 + ty + 16 * i;
+    if (t >= num_tokens) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = e0 + tx + 16 * j;
+      if (e < num_experts) logits[size_t(t) * num_experts + e] = float(acc[i][j]);
+    }
   }
   end_kernel(stamp);
 }
@@ -249,13 +339,43 @@ __global__ void map_replicas_kernel(ReplicaMap map, int num_tokens, int k, const
 
 }  // namespace
 
+RouterKernel choose_router_kernel(int num_tokens, int num_experts, int num_sms) {
+  // Tiles once they make a full wave: below that the warp kernel keeps more SMs busy.
+  const long tiles = long((num_tokens + kTileT - 1) / kTileT) * ((num_experts + kTileE - 1) / kTileE);
+  return tiles >= num_sms ? RouterKernel::kTiles : RouterKernel::kWarps;
+}
+
+namespace {
+
+RouterKernel router_kernel_override() {
+  static const RouterKernel k = [] {
+    const char* env = std::getenv("MOEKIT_ROUTER");
+    if (!env || !*env) return RouterKernel::kAuto;
+    const std::string v(env);
+    MOEKIT_CHECK(v == "warps" || v == "tiles", "MOEKIT_ROUTER = '" + v + "', expected 'warps' or 'tiles'");
+    return v == "warps" ? RouterKernel::kWarps : RouterKernel::kTiles;
+  }();
+  return k;
+}
+
+}  // namespace
+
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
                           float* logits, cudaStream_t stream, const LaunchOptions& opt, const float* logit_bias,
-                          int x_cols) {
+                          int x_cols, RouterKernel kernel) {
   if (num_tokens == 0) return;
+  if (x_cols <= 0) x_cols = hidden;
+  if (kernel == RouterKernel::kAuto) kernel = router_kernel_override();
+  if (kernel == RouterKernel::kAuto) kernel = choose_router_kernel(num_tokens, num_experts, gemm_detail::num_sms());
+  if (kernel == RouterKernel::kTiles) {
+    const dim3 grid((num_experts + kTileE - 1) / kTileE, (num_tokens + kTileT - 1) / kTileT);
+    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), 0, stream, opt.pdl, x, num_tokens, hidden,
+                     x_cols, router_weight, num_experts, logits, logit_bias, opt.stamp);
+    return;
+  }
   const dim3 grid((num_experts + kLogitWarps - 1) / kLogitWarps, (num_tokens + kLogitTokens - 1) / kLogitTokens);
   launch_kernel_ex(router_logits_kernel, grid, dim3(kLogitWarps * kWarp), 0, stream, opt.pdl, x, num_tokens, hidden,
-                   x_cols > 0 ? x_cols : hidden, router_weight, num_experts, logits, logit_bias, opt.stamp);
+                   x_cols, router_weight, num_experts, logits, logit_bias, opt.stamp);
 }
 
 void launch_select_experts(const float* logits, int num_tokens, int num_experts, int k, const RouterParams& router,

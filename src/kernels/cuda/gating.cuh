@@ -31,11 +31,22 @@ struct RouterParams {
 
 // logits [T, E] fp32 = x [T, d] bf16 . w [E, d] fp32 ^T (+ logit_bias [E] when not null: gpt-oss),
 // each dot product and its bias summed in fp64 and rounded once to fp32 (the products are exact in
-// fp64; only the summation order differs from gating.h's, see docs/layer-gpu.md). x_cols > 0: x is
+// fp64; only kWarps's summation order differs from gating.h's, see docs/layer-gpu.md). x_cols > 0: x is
 // [T, x_cols] (a multiple of 4, at most d), the rest of each row zero (a padded hidden size).
+//
+// Two kernels, one result within fp64 rounding: kWarps (each warp one expert for 8 tokens, a
+// lane every 128th column, the lanes' sums added in a tree) for few tokens, where it spreads the
+// columns over many warps; kTiles (a CTA 64 tokens x 64 experts through shared memory, each
+// thread 16 dot products summed in column order from the bias, gating.h's order: its logits are
+// gating.h's bits) once the tiles fill the SMs, where kWarps's widening of both operands of every
+// product to fp64 costs more than the tiles' idle SMs. Why the bits can differ:
+// docs/layer-gpu.md §Numerics: what is the same bits. kAuto picks; MOEKIT_ROUTER=warps|tiles
+// overrides it for a study.
+enum class RouterKernel { kAuto, kWarps, kTiles };
+RouterKernel choose_router_kernel(int num_tokens, int num_experts, int num_sms);
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
                           float* logits, cudaStream_t stream, const LaunchOptions& opt = {},
-                          const float* logit_bias = nullptr, int x_cols = 0);
+                          const float* logit_bias = nullptr, int x_cols = 0, RouterKernel kernel = RouterKernel::kAuto);
 
 // The replica map of eplb.h choose_replicas_for_rank, per (token, entry): logical expert ->
 // physical slot, and counts[e] += 1 for every valid entry (EPLB statistics).

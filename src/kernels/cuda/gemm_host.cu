@@ -214,7 +214,7 @@ void allow_smem(const void* kernel, int smem_bytes) {
   cudaFuncAttributes attr{};
   MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const int limit = optin - int(attr.sharedSizeBytes);
-  MOEKIT_CHECK(smem_bytes <= limit, "GEMM plan needs " + std::to_string(smem_bytes) +
+  MOEKIT_CHECK(smem_bytes <= limit, "kernel needs " + std::to_string(smem_bytes) +
                                         " B of dynamic shared memory, the device allows " + std::to_string(limit));
   MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
 }
