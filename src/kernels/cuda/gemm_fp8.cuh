@@ -40,7 +40,7 @@
 // rows. Measured slower than single CTAs on the H200 (the L2 -> SM bytes were not the limit,
 // docs/gemm.md run 9): a forced config only.
 //
-// Per-expert readiness (masked, gemm_schedule.cuh): a GEMM may signal each stored tile into
+// Per-expert readiness (masked, gemm_ready.cuh): a GEMM may signal each stored tile into
 // per-expert counters (ready_out) and the next masked GEMM may wait on them (ready_in) instead of
 // on this kernel's grid, so GEMM2 streams the experts GEMM1 has finished while GEMM1 finishes the
 // rest.

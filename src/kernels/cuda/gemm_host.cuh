@@ -214,7 +214,7 @@ struct Mxfp4Fp8Copy {
   int runs = 0, k = 0;
   bool pdl = false;                  // the plan's overlap with the kernel before it
   int ctas = 0;                      // > 0: the copy beside the GEMM on this many SMs
-  int* ready = nullptr;              // beside: [E x N / 128 + 1] row-block counters (gemm_schedule.cuh)
+  int* ready = nullptr;              // beside: [E x N / 128 + 1] row-block counters (gemm_ready.cuh)
   Mxfp4Fp8Copy() = default;
   Mxfp4Fp8Copy(const Mxfp4Fp8Copy&) = delete;
   Mxfp4Fp8Copy& operator=(const Mxfp4Fp8Copy&) = delete;

@@ -1,155 +1,20 @@
-// gemm_schedule.cuh: what the FP8 grouped GEMM's threads agree on: the kernel arguments, the
-// shared-memory layout of a pipeline stage and the tile order (gemm_fp8.cuh has the kernel).
+// gemm_schedule.cuh: the tile schedule of the grouped GEMM kernels: the shared-memory layout of a
+// pipeline stage, the tile order and its decoding, the tile count of a masked launch, and the
+// producer warp's loop (gemm_fp8.cuh has the FP8 kernel; its arguments are in gemm_args.cuh, the
+// per-expert readiness the producer waits on in gemm_ready.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/gemm_args.cuh"
+#include "kernels/cuda/gemm_ready.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/stamp.cuh"
 #include "moekit/gemm.h"
 
 namespace moekit::gemm_detail {
-
-constexpr int kBlockK = 128;        // one quantisation block of K per pipeline stage
-constexpr int kRasterGroup = 8;     // contiguous: token blocks that share the weight stream in L2
-
-struct KernelArgs {
-  int num_experts = 0;
-  int n = 0;
-  int k = 0;
-  int rows = 0;                   // masked: M_max; contiguous: M_total
-  const int* masked_m = nullptr;  // masked only
-  const int* row_expert = nullptr;  // contiguous only
-  const float* w_scales = nullptr;
-  uint16_t* out = nullptr;
-  float* partials = nullptr;  // split-K workspace: slots x splits x tile floats
-  int* counters = nullptr;    // one per slot, zero between launches
-  int num_splits = 1;
-  int num_stages = 0;
-  int flags = 0;  // kFlag* below
-  const float* bias = nullptr;     // MXFP4 plans: [E, n] fp32 added before the BF16 rounding
-  const uint32_t* w_mx_scales = nullptr;  // MXFP4 plans: the scale words (mxfp4.h), for the row factor
-  uint8_t* act = nullptr;          // gated: SiLU·up in FP8 [E, rows, n/2]
-  float* act_scales = nullptr;     // gated: its scales [E, n/256, rows]
-  unsigned long long* stamp = nullptr;  // stamp.cuh pair of a timed step, or null
-  long long* stage_trace = nullptr;     // study: CTA 0's SM clock per stage (MaskedGemm::set_stage_trace)
-  int* ready_out = nullptr;  // masked: per-expert readiness this GEMM signals (expert_ready_add)
-  int* ready_in = nullptr;   // masked, kFlagExpertReady: the readiness it waits for, [E + 1]
-                             // (+ kFlagRowsReady: [E + 2])
-  // Affine epilogue (the FP8 kernel's kAffine instances: an MXFP4 plan's FP8 copy, mxfp4_fp8_copy.cuh):
-  // output column n of expert e is acc · out_col_scale[e, n] + bias[e, n] (bias optional). Last,
-  // so that the fields above keep their offsets in every other instance's parameter bank.
-  const float* out_col_scale = nullptr;
-  // The MXFP4 register kernel's row-scale instances (ContiguousGemmProblem::a_row_scales): [rows]
-  // fp32, one activation scale per row for all of K.
-  const float* a_row_scales = nullptr;
-};
-
-// Programmatic dependent launch: this kernel may start while the previous kernel on the stream
-// is still running. Everything the previous kernel may write (activations, their scales,
-// masked_m, row_expert, the output) is touched only after `griddepcontrol.wait`.
-constexpr int kFlagPdl = 1;
-// With kFlagPdl: masked_m and the weights are not written by the previous kernel, so the
-// schedule is computed and the first ring of weight tiles is loaded before the wait: the
-// weight stream starts during the previous kernel's tail (GEMM2 after the activation kernel).
-constexpr int kFlagEarlyWeights = 2;
-// With kFlagPdl | kFlagEarlyWeights: the previous kernel is a masked GEMM that signals per expert
-// (ready_out = this kernel's ready_in), so the producer waits for each expert's rows, not for the
-// previous kernel's grid: experts the previous GEMM has finished stream while it finishes the rest.
-constexpr int kFlagExpertReady = 4;
-// With kFlagPdl | kFlagEarlyWeights | kFlagExpertReady: the previous kernel is the EP dispatch
-// receive (ep.h EpBuffer::dispatch_recv with rows_ready), which counts rows, not 64-column units:
-// ready_in[E + 1] turns nonzero once masked_m is final, and ready_in[e] then reaches masked_m[e]
-// when expert e's rows and scales have landed. The schedule waits for the first (it reads
-// masked_m), each expert's loads for the second; the weights need neither.
-constexpr int kFlagRowsReady = 8;
-// Masked, with ready_out: the next kernel on the stream (the EP combine send beside this GEMM,
-// ep.h) waits for each expert's rows through ready_out and for this grid before it completes,
-// and reads nothing else an earlier kernel may still write; so every CTA triggers it at its
-// start, and it takes the SMs this GEMM's CTAs leave as they finish (gemm.h set_early_trigger).
-// It reads the rows with ordinary loads, so the signal needs no async-proxy fence.
-constexpr int kFlagEarlyTrigger = 16;
-// Masked: the last expert is walked first, and its weights load without demoting their L2 lines
-// (ptx::policy_evict_unchanged; every other expert streams evict-first). The fused decode step's
-// merged shared expert (slab E_loc) is the last expert: its rows are the rank's own tokens, so its
-// weights are sure to be read whatever the routing. With kFlagRowsReady each CTA also asks the L2
-// for its share of those weights while it waits for the receive to publish masked_m, when HBM
-// carries little else, and the CTAs that take the expert's tiles first find them there
-// (gemm.h set_last_expert_first).
-constexpr int kFlagLastExpertFirst = 32;
-// Contiguous, an MXFP4 plan's FP8 copy made beside the GEMM (mxfp4_fp8_copy.cuh, the previous
-// kernel on the stream): the copy adds 1 to ready_in[rb] for every 128-deep block of weight row
-// block rb (128 rows of the [E x N] copy) it has stored, and the producer waits for a tile's row
-// blocks to reach K / 128 before it loads their first stage. Nothing else this kernel reads is
-// written by the copy, and the copy waited for the kernel before it, so the GEMM does not wait
-// for the copy's grid until its end (before its trigger and the counters' reset).
-constexpr int kFlagWeightsReady = 64;
-
-// The expert at position p of the walk, and the position of expert e (kFlagLastExpertFirst:
-// E-1, 0, 1, ..., E-2; otherwise 0, 1, ..., E-1).
-__device__ __forceinline__ int walk_expert(const KernelArgs& args, int p) {
-  if (!(args.flags & kFlagLastExpertFirst)) return p;
-  return p == 0 ? args.num_experts - 1 : p - 1;
-}
-__device__ __forceinline__ int walk_position(const KernelArgs& args, int e) {
-  if (!(args.flags & kFlagLastExpertFirst)) return e;
-  return e == args.num_experts - 1 ? 0 : e + 1;
-}
-
-// Per-expert readiness between two masked GEMMs of one step (GEMM1 -> GEMM2 of a decode step).
-// The counter of expert e counts units of 64 output columns x 1 row: every stored tile of the
-// signalling GEMM adds (its weight rows / 64) x (its real token rows), so the expert is complete
-// when the counter reaches (K / 64) x masked_m[e] of the waiting GEMM, whose K is the signalling
-// GEMM's output width. Neither side needs the other's tile shape. The signal is a release after a
-// barrier of the tile's math threads (whose stores precede it); the wait is an acquire and then
-// a proxy fence, since the waiting GEMM reads the rows with TMA. The waiting GEMM's last CTA zeroes
-// the counters (and its own CTA count, element E) for the next step.
-
-// One thread spins until done() (acquire loads inside it), then orders what it saw before the
-// TMA loads that follow. What it waits for is written by a kernel that is resident whenever this
-// runs (PDL: this kernel is launched only once every CTA of it has started), so the wait ends; a
-// condition that never comes true (a caller pairing kernels wrongly) traps after ~10 s instead
-// of hanging the stream.
-// idle() runs once per poll (count_tiles' prefetch while it waits for the publication).
-template <class Done, class Idle>
-__device__ __forceinline__ void spin_until(Done&& done, Idle&& idle) {
-  const long long start = clock64();
-  while (!done()) {
-    if (clock64() - start > (1ll << 34)) __trap();
-    idle();
-    __nanosleep(32);
-  }
-  ptx::fence_proxy_async_global();
-}
-template <class Done>
-__device__ __forceinline__ void spin_until(Done&& done) {
-  spin_until(done, [] {});
-}
-// Until a counter reaches target.
-__device__ __forceinline__ void ready_wait(const int* counter, int target) {
-  spin_until([&] { return ptx::ld_acquire_gpu(counter) >= target; });
-}
-// kFlagWeightsReady: the row blocks a tile of kBlockW weight rows starting at row t.w0 of expert
-// t.e reads (the last may reach past N: its rows are never stored), each widened over all of K.
-template <int kBlockW>
-__device__ __forceinline__ void weights_ready_wait(const KernelArgs& args, int e, int w0) {
-  const int first = (e * args.n + w0) / 128, k_blocks = args.k / 128;
-  for (int j = 0; j < kBlockW / 128 && w0 + j * 128 < args.n; ++j) ready_wait(args.ready_in + first + j, k_blocks);
-}
-// kFlagRowsReady: expert e's rows from the EP receive, or the receive's abort (gemm.h
-// kRowsReadyAbort in the published word: a receive CTA timed out, so some rows never come).
-__device__ __forceinline__ void rows_ready_wait(const KernelArgs& args, int e, int m_valid) {
-  const int* word = args.ready_in + args.num_experts + 1;
-  spin_until([&] {
-    return ptx::ld_acquire_gpu(args.ready_in + e) >= m_valid || (ptx::ld_acquire_gpu(word) & kRowsReadyAbort);
-  });
-}
-__device__ __forceinline__ void expert_ready_wait(const KernelArgs& args, int e, int m_valid) {
-  if (args.flags & kFlagRowsReady) return rows_ready_wait(args, e, m_valid);
-  ready_wait(args.ready_in + e, (args.k / 64) * m_valid);
-}
 
 // Shared memory, in order: W tiles, A tiles (each 1024-aligned for the 128-byte swizzle),
 // A-scale rows, the epilogue's staging rows (kEpiBytes, gemm_epilogue.cuh), full and empty
@@ -166,17 +31,6 @@ struct SmemLayout {
   static int bytes(int stages, int num_experts) {
     return 1024 + stages * kStageBytes + kEpiBytes + (2 * num_experts + 1) * 4;
   }
-};
-
-struct TileInfo {
-  int e;          // local expert (-1: nothing to do, contiguous padding block)
-  int w0;         // first weight row (output column) within the expert
-  int t0;         // first token row: within the expert (masked) or global (contiguous)
-  int m_valid;    // masked: rows of the expert that are real
-  int kb_begin, kb_end;
-  int split;
-  int slot;       // split-K workspace slot of (expert, weight block, token block)
-  uint32_t real[4];  // contiguous: bit r % 32 of word r / 32 is set when token row t0 + r is real
 };
 
 // Contiguous: whether token row t0 + r of the tile is a real row (not segment padding).
@@ -481,51 +335,6 @@ __device__ __forceinline__ void produce(const KernelArgs& args, int num_tiles, T
 template <int kCluster>
 __device__ __forceinline__ void end_cluster() {
   if constexpr (kCluster > 1) ptx::cluster_sync();
-}
-
-// The consumer warpgroups' named barrier (the producer warps have left).
-template <int kMathThreads>
-__device__ __forceinline__ void math_barrier() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kMathThreads) : "memory");
-}
-
-// The signalling side, by every math thread after a tile's output is stored: the tile's stores,
-// then one release of its units of expert t.e. It costs GEMM2 of DeepSeek-V3 at B = 256 ~6 us
-// alone (bench_stream, run 56). Sent a few K blocks into the next tile instead, once the stores
-// have long reached the L2, it cost ~2 us alone but the step nothing less (run 57).
-template <int kMathThreads, int kBlockW, int kBlockT>
-__device__ __forceinline__ void expert_ready_add(const KernelArgs& args, const TileInfo& t, int mtid) {
-  // The next GEMM reads these rows with TMA; the combine beside this one (kFlagEarlyTrigger) with
-  // ordinary loads, which need no proxy fence.
-  if (!(args.flags & kFlagEarlyTrigger)) ptx::fence_proxy_async_global();
-  math_barrier<kMathThreads>();
-  if (mtid == 0) ptx::red_release_gpu_add(args.ready_out + t.e, (kBlockW / 64) * min(kBlockT, t.m_valid - t.t0));
-}
-
-// The waiting side, by every math thread at the CTA's end: the last CTA zeroes the counters for
-// the next step. Every CTA's producer has read its counters before its consumers got their last
-// stage, so no read is still to come. `count` counters, then the CTA count; `extra` more words
-// past it are zeroed too.
-template <int kMathThreads>
-__device__ __forceinline__ void ready_reset(int* counters, int count, int extra, int mtid, int* last_flag) {
-  math_barrier<kMathThreads>();
-  if (mtid == 0) *last_flag = atomicAdd(counters + count, 1) == int(gridDim.x) - 1;
-  math_barrier<kMathThreads>();
-  if (!*last_flag) return;
-  for (int i = mtid; i <= count + extra; i += kMathThreads) counters[i] = 0;
-}
-template <int kMathThreads>
-__device__ __forceinline__ void expert_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
-  // (with kFlagRowsReady the published word too)
-  ready_reset<kMathThreads>(args.ready_in, args.num_experts, (args.flags & kFlagRowsReady) ? 1 : 0, mtid, last_flag);
-}
-// kFlagWeightsReady: the copy's E x N / 128 row-block counters (element E x N / 128 counts the
-// CTAs), once the copy's grid is complete: it also counts the row blocks of experts without rows,
-// which no tile waits for.
-template <int kMathThreads>
-__device__ __forceinline__ void weights_ready_reset(const KernelArgs& args, int mtid, int* last_flag) {
-  ptx::grid_dependency_wait();
-  ready_reset<kMathThreads>(args.ready_in, args.num_experts * (args.n / 128), 0, mtid, last_flag);
 }
 
 }  // namespace moekit::gemm_detail

@@ -32,7 +32,7 @@
 // the one-run CTAs above keep 8 KB each. Sixteen warps widen; one more warp refills the ring and,
 // every kBesideSignalEvery runs, adds 1 to each of those runs' row-block counters with one
 // GPU-scope release; the GEMM's producer waits for K / 128 in each row block its tile reads
-// (gemm_schedule.cuh kFlagWeightsReady). The GEMM runs on the other SMs: the copy never
+// (gemm_args.cuh kFlagWeightsReady). The GEMM runs on the other SMs: the copy never
 // waits for it, so the two cannot deadlock whatever the CTAs' placement.
 #pragma once
 

@@ -203,7 +203,7 @@ __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.p
 // a later reader, which must also fence after it has acquired them).
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// ---- GPU-scope flags between the CTAs of two kernels (per-expert readiness, gemm_schedule.cuh) --
+// ---- GPU-scope flags between the CTAs of two kernels (per-expert readiness, gemm_ready.cuh) --
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
