@@ -1,5 +1,5 @@
 // Internal to src/ep/cuda: the byte layout of one rank's memory and the kernel arguments,
-// shared by the host code (ep_buffer.cu) and the kernels (dispatch.cu, combine.cu).
+// shared by the host code (ep_config.cu, ep_buffer.cu) and the kernels (dispatch.cu, combine.cu).
 //
 // Symmetric region (peers write here), base = EpArgs::symmetric:
 //   dispatch inboxes [parity 2][src P] of dispatch_inbox_bytes:
@@ -106,15 +106,23 @@ struct EpArgs {
   }
 };
 
-// Byte sizes derived from the config (host side, ep_buffer.cu).
+// Byte sizes derived from the config (host side, ep_config.cu).
 struct EpSizes {
   size_t msg_bytes, msg_scale_off, msg_meta_off;
   size_t dispatch_header_bytes, dispatch_inbox_bytes, combine_inbox_bytes;
   size_t symmetric_bytes;
 };
 
+// The private allocation, region by region (offsets are 256-byte aligned; host side, ep_config.cu).
+struct PrivateLayout {
+  size_t counters, status, route_ranks, send_msgs, recv_msgs, map_token, map_rows, map_w;
+  size_t recv_x, recv_scales, recv_count, recv_src, row_expert, total_rows;
+  size_t state_bytes, output_bytes, total;
+};
+
 struct EpConfig;
-EpSizes ep_sizes(const EpConfig& config);  // ep_buffer.cu
+EpSizes ep_sizes(const EpConfig& config);                // ep_config.cu
+PrivateLayout private_layout(const EpConfig& config);    // ep_config.cu
 
 // What a transport does on the stream right after a send kernel: nothing for transports whose
 // kernels write straight into peers' memory; grouped ncclSend/ncclRecv of the inboxes for `nccl`.
