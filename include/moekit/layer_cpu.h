@@ -59,9 +59,10 @@ enum class EpProtocol { kLowLatency, kNormal };
 const char* protocol_name(EpProtocol protocol);  // "low-latency" | "normal"
 
 // How a layer scales its FP8 activations, the dispatched tokens and GEMM2's input (quant.h): per
-// token in an MXFP4 layer's normal mode, whose prefill GEMMs then keep the whole K in one
-// accumulator (gemm.h ContiguousGemmProblem::a_row_scales), 1x128 otherwise. The CPU and GPU
-// layers, their EP buffers and the oracle's callers take it from here.
+// token in an MXFP4 layer (both modes), whose GEMMs then keep the whole K in one accumulator
+// (gemm.h ContiguousGemmProblem::a_row_scales, MaskedGemmProblem::a_row_scales), 1x128 otherwise.
+// The protocol does not change it today; it stays a parameter so that a mode may differ. The CPU
+// and GPU layers, their EP buffers and the oracle's callers take it from here.
 Fp8Scaling layer_fp8_scaling(const ModelSpec& model, EpProtocol protocol);
 
 struct CpuLayerConfig {

@@ -353,8 +353,11 @@ void GpuMoeLayer::Impl::plan_gemms() {
   // Merged: slab E_loc holds every token of the rank, which the heuristic weighs on its own.
   const int shared_rows = s.merged ? s.t_max : 0;
   const int m_plan = s.planned_m();
-  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, m_plan, epilogue1, format, shared_rows};
-  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, m_plan, GemmEpilogue::kBf16, format, shared_rows};
+  // Per-token activations (an MXFP4 layer): the register kernel keeps the whole K in one
+  // accumulator (a_row_scales, docs/gemm-mxfp4.md run 44).
+  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, m_plan, epilogue1, format, shared_rows, s.token_scales};
+  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, m_plan, GemmEpilogue::kBf16, format, shared_rows,
+                             s.token_scales};
   const EpBuffer& ep = *s.ep;
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
                              s.act_scales, s.w1_mx, s.b1, s.expert_ready, s.recv_ready};
