@@ -43,6 +43,8 @@ int choose_splits(long tiles, int num_sms, int k_blocks) {
   return int(std::max<long>(s, 1));
 }
 
+int planned_rows(const MaskedGemmProblem& p) { return p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m; }
+
 }  // namespace gemm_detail
 
 namespace {
@@ -97,7 +99,7 @@ int smallest_block(int m, std::initializer_list<int> blocks) {
 
 GemmConfig choose_masked_config(const MaskedGemmProblem& p, int num_sms) {
   GemmConfig cfg;
-  const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
+  const int m = gemm_detail::planned_rows(p);
   cfg.block_n = 128;
   if (p.epilogue == GemmEpilogue::kSiluMulFp8) {
     cfg.swap_ab = true;
@@ -170,7 +172,7 @@ bool mxfp4_wide_tiles(const MaskedGemmProblem& p, const GemmConfig& cfg, int num
   if (p.weights != WeightFormat::kMxfp4 || !cfg.swap_ab || cfg.block_m != 48 || cfg.block_n != 128 ||
       cfg.mxfp4_widen_wgs != 0 || num_sms < 1 || hbm_bytes_per_sm_cycle < kMxfp4WideTilesBytesPerCycle)
     return false;
-  const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
+  const int m = gemm_detail::planned_rows(p);
   const long token_blocks = long(p.num_experts) * ((m + cfg.block_m - 1) / cfg.block_m);
   const long tiles128 = token_blocks * (p.n / 128), tiles256 = token_blocks * ((p.n + 255) / 256);
   if (tiles128 < num_sms) return false;  // the 128-row plan splits K to fill the SMs; no room for wider tiles

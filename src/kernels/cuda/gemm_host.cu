@@ -2,7 +2,6 @@
 #include <cudaTypedefs.h>
 
 #include <cstdio>
-#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -185,7 +184,7 @@ double hbm_bytes_per_sm_cycle() {
 void set_mxfp4_rows(GemmConfig& cfg, const MaskedGemmProblem& p, int rows) {
   cfg.block_n = rows;
   cfg.num_stages = 0;  // the ring depth follows the stage's size
-  const int m = p.expected_m > 0 ? std::min(p.expected_m, p.max_m) : p.max_m;
+  const int m = planned_rows(p);
   const long tiles = long(p.num_experts) * ((m + cfg.block_m - 1) / cfg.block_m) * ((p.n + rows - 1) / rows);
   cfg.num_splits = choose_splits(tiles, num_sms(), p.k / 128);
 }

@@ -235,5 +235,7 @@ void bind_mxfp4_fp8_copy(PlanCore& plan, Mxfp4Fp8Copy& copy, int num_experts, in
 
 // Split-K factor: 1 unless the tiles leave SMs idle in the only wave (gemm_heuristic.cu).
 int choose_splits(long tiles, int num_sms, int k_blocks);
+// The rows per expert a masked plan is made for: expected_m where given (at most M_max), else M_max.
+int planned_rows(const MaskedGemmProblem& p);
 
 }  // namespace moekit::gemm_detail

@@ -207,8 +207,9 @@ __device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const T
 // kSlabs = 2: tiles of 256 weight rows, two 128-row slabs per stage sharing its activation tile;
 // each math warpgroup multiplies its 64 rows of both (half the activation loads, full-barrier
 // waits and hand-backs per weight byte, and two independent widenings per stage). N a multiple
-// of 128 (an odd one computes the last tile's second slab on the next rows, and does not store it); tiles of up to 32 tokens in the two-partial loop, 48 in the one-partial loop (two
-// partials of two 48-token slabs spill 516 bytes at ptxas's 168 registers; one does not).
+// of 128 (an odd one computes the last tile's second slab on the next rows, and does not store
+// it); tiles of up to 32 tokens in the two-partial loop, 48 in the one-partial loop (two partials
+// of two 48-token slabs spill 516 bytes at ptxas's 168 registers; one does not).
 // kRowScales (ContiguousGemmProblem::a_row_scales with one slab, MaskedGemmProblem::a_row_scales
 // with either): one activation scale per row for all of K, so the whole K accumulates in the
 // tensor core and the scale multiplies once at the end.
