@@ -578,7 +578,7 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
   // The row prefix's shared memory beside the 16 KB window, within the 48 KB a launch gets unasked.
   MOEKIT_CHECK(num_experts <= kActMaxExperts,
                fmtr("silu_mul_quant_masked: {} experts, expected at most {}", num_experts, kActMaxExperts));
-  if (act.token_scales) {  // one warp per row; a grid that fits the GPU at once
+  if (act.token_scales) {  // a team of warps per row; a grid that fits the GPU at once
     auto kernel = act.clamped_swiglu ? silu_mul_quant_masked_token_kernel<true> : silu_mul_quant_masked_token_kernel<false>;
     const size_t smem = kTokenHeldBytes + sizeof(int) * (num_experts + 1);
     gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // past the 48 KB default
