@@ -805,6 +805,12 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   EXPECT_EQ(gpu::choose_router_kernel(4224, 128, 132), gpu::RouterKernel::kTiles);
   EXPECT_EQ(gpu::choose_router_kernel(4160, 128, 132), gpu::RouterKernel::kWarps);
   EXPECT_EQ(gpu::choose_router_kernel(64, 256, 132), gpu::RouterKernel::kWarps);
+  // Rows the kernels' 4-column loads cannot take, refused with the values (before any launch).
+  expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 6); },
+               {"x_cols = 6", "multiples of 4"});
+  expect_error([] { gpu::launch_router_logits(nullptr, 1, 510, nullptr, 8, nullptr, nullptr); }, {"hidden = 510"});
+  expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 516); },
+               {"x_cols = 516", "x_cols <= hidden"});
 }
 
 TEST(GpuLayerErrors, BadInputIsReported) {

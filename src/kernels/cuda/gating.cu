@@ -365,6 +365,10 @@ void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const f
                           int x_cols, RouterKernel kernel) {
   if (num_tokens == 0) return;
   if (x_cols <= 0) x_cols = hidden;
+  // Both kernels load 4 columns at once (x as uint2, w as float4) from rows that start aligned.
+  MOEKIT_CHECK(hidden % 4 == 0 && x_cols % 4 == 0 && x_cols <= hidden,
+               "launch_router_logits: hidden = " + std::to_string(hidden) + ", x_cols = " + std::to_string(x_cols) +
+                   "; expected multiples of 4 with x_cols <= hidden");
   if (kernel == RouterKernel::kAuto) kernel = router_kernel_override();
   if (kernel == RouterKernel::kAuto) kernel = choose_router_kernel(num_tokens, num_experts, gemm_detail::num_sms());
   if (kernel == RouterKernel::kTiles) {
