@@ -220,11 +220,11 @@ CpuMoeLayer::~CpuMoeLayer() = default;
 
 int CpuMoeLayer::num_local_experts() const { return num_slots_ / config_.num_ranks; }
 
-Fp8Scaling layer_fp8_scaling(const ModelSpec& model, EpProtocol) {
+Fp8Scaling layer_fp8_scaling(const ModelSpec& model) {
   return model.expert_format == "mxfp4" ? Fp8Scaling::kPerToken : Fp8Scaling::kPerBlock;
 }
 
-Fp8Scaling CpuMoeLayer::x_scaling() const { return layer_fp8_scaling(model_, config_.protocol); }
+Fp8Scaling CpuMoeLayer::x_scaling() const { return layer_fp8_scaling(model_); }
 
 EpConfig CpuMoeLayer::ep_config() const {
   EpConfig c;

@@ -579,7 +579,7 @@ TEST(Layer, OssOracleIsTheReferenceBlock) {
        router_bias = tensor(gpt_oss_router_bias_name(0));
   // FP8 as the layer quantises (per token: layer_fp8_scaling) over a row zero-padded to a multiple
   // of 128 (the layer's), dequantised, cropped.
-  const Fp8Scaling scaling = layer_fp8_scaling(f.model, EpProtocol::kLowLatency);
+  const Fp8Scaling scaling = layer_fp8_scaling(f.model);
   ASSERT_EQ(scaling, Fp8Scaling::kPerToken);
   auto q = [&](std::vector<float> v) {
     const size_t n = v.size();
