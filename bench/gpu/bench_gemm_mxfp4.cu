@@ -6,7 +6,8 @@
 //     all 5 / all 16 / random 1..16 / all 44 / binomial around 32 (one rank of gpt-oss-120b at
 //     B = 1024: 4096 rows over 128 experts) / all 64. Figures: time of the pair per format, the ratio
 //     MXFP4 / FP8 (target <= 0.55), and the MXFP4 bytes read (codes + scales of the experts with
-//     tokens) over the time, in TB/s and as a fraction of copy.
+//     tokens) over the time, in TB/s and as a fraction of copy; then the MXFP4 pair again with one
+//     activation scale per row (MaskedGemmProblem::a_row_scales, "us row") and its ratio to FP8.
 //   contiguous (prefill): 8 experts of the GEMM1 shape (N 4096, K 7168), 512 / 2048 / 8192 rows
 //     each, and gpt-oss-120b's GEMM1 over its 128 experts (N 5760, K 2944) at 64 / 256 / 1024 rows
 //     each: TFLOP/s of each format and the ratio (target >= 0.9); MXFP4 three ways: 64- and 128-token
@@ -109,9 +110,12 @@ int g_mx_rows = 0;
 // read what a last round of tiles that fills few SMs costs (docs/gemm-mxfp4.md run 37).
 int g_mx_splits = 0;
 
-std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected) {
+// row_scales: MaskedGemmProblem::a_row_scales (MXFP4; the kernel reads each row's first slot of the
+// random 1x128 scales, which costs the same as a per-token quantisation's).
+std::unique_ptr<MaskedGemm> masked_plan(const Gemm& g, const int32_t* m, int expected, bool row_scales = false) {
   MaskedGemmProblem p{g.e, g.n, g.k, g.rows, expected};
   p.weights = g.mx ? WeightFormat::kMxfp4 : WeightFormat::kFp8;
+  p.a_row_scales = row_scales;
   MaskedGemmBuffers b;
   b.a = g.a;
   b.a_scales = g.as;
@@ -145,7 +149,8 @@ struct Shape {
 };
 
 // The pair GEMM1 + GEMM2 of `shape` in one format, two rotating sets; returns the median us.
-double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int iters, std::string& config) {
+double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int iters, std::string& config,
+                 bool row_scales = false) {
   const int max_m = 128, expected = *std::max_element(mm.begin(), mm.end());
   int32_t* m = device_alloc<int32_t>(mm.size());
   MOEKIT_CUDA_CHECK(cudaMemcpy(m, mm.data(), mm.size() * 4, cudaMemcpyHostToDevice));
@@ -154,8 +159,8 @@ double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int it
   for (int set = 0; set < 2; ++set) {
     g.push_back(std::make_unique<Gemm>(s.experts, 2 * s.inter, s.hidden, max_m, mx, 100 * set + 1));
     g.push_back(std::make_unique<Gemm>(s.experts, s.hidden, s.inter, max_m, mx, 100 * set + 51));
-    plans.push_back(masked_plan(*g[2 * set], m, expected));
-    plans.push_back(masked_plan(*g[2 * set + 1], m, expected));
+    plans.push_back(masked_plan(*g[2 * set], m, expected, row_scales));
+    plans.push_back(masked_plan(*g[2 * set + 1], m, expected, row_scales));
   }
   config = plans[0]->config().to_string();
   const double us = median_us(iters, [&](int i) {
@@ -168,19 +173,22 @@ double time_pair(const Shape& s, bool mx, const std::vector<int32_t>& mm, int it
 }
 
 json run_masked(const Shape& s, const std::string& name, const std::vector<int32_t>& mm, double copy_tbps, int iters) {
-  std::string cfg8, cfg4;
+  std::string cfg8, cfg4, cfg4r;
   const double us8 = time_pair(s, false, mm, iters, cfg8), us4 = time_pair(s, true, mm, iters, cfg4);
+  const double us4r = time_pair(s, true, mm, iters, cfg4r, true);
   int hit = 0;
   for (int x : mm) hit += x > 0;
   const double params = double(hit) * 3.0 * s.hidden * s.inter;  // both GEMMs of the experts with tokens
   const double mx_bytes = params * (0.5 + 1.0 / 32), fp8_bytes = params * (1.0 + 4.0 / 16384);
   json r{{"shape", s.name}, {"experts", s.experts}, {"case", name}, {"masked_m", mm}, {"us_fp8", us8},
          {"us_mxfp4", us4}, {"ratio", us4 / us8}, {"mxfp4_TBps", mx_bytes / (us4 * 1e-6) / 1e12},
-         {"fp8_TBps", fp8_bytes / (us8 * 1e-6) / 1e12}, {"config_fp8", cfg8}, {"config_mxfp4", cfg4}};
+         {"fp8_TBps", fp8_bytes / (us8 * 1e-6) / 1e12}, {"config_fp8", cfg8}, {"config_mxfp4", cfg4},
+         {"us_mxfp4_row_scales", us4r}, {"ratio_row_scales", us4r / us8}};
   r["mxfp4_fraction_of_copy"] = r["mxfp4_TBps"].get<double>() / copy_tbps;
-  std::printf("%-22s %-11s %9.1f %9.1f %7.3f %9.3f %7.1f%% %9.3f   %s\n", (std::string(s.name) + " x" +
+  std::printf("%-22s %-11s %9.1f %9.1f %7.3f %9.3f %7.1f%% %9.3f %9.1f %7.3f   %s\n", (std::string(s.name) + " x" +
               std::to_string(s.experts)).c_str(), name.c_str(), us8, us4, us4 / us8, r["mxfp4_TBps"].get<double>(),
-              100 * r["mxfp4_fraction_of_copy"].get<double>(), r["fp8_TBps"].get<double>(), cfg4.c_str());
+              100 * r["mxfp4_fraction_of_copy"].get<double>(), r["fp8_TBps"].get<double>(), us4r, us4r / us8,
+              cfg4.c_str());
   return r;
 }
 
@@ -460,9 +468,9 @@ int main(int argc, char** argv) {
     std::printf("copy bandwidth %.3f TB/s (read + write)\n", copy);
     const int iters = quick ? 10 : 30;
     if (!contiguous_only)
-      std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s   %s\n",
-                  "shape", "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s",
-                  "config (mxfp4 gemm1)");
+      std::printf("\nmasked, GEMM1 + GEMM2 back to back, M_max 128\n%-22s %-11s %9s %9s %7s %9s %8s %9s %9s %7s   %s\n",
+                  "shape", "masked_m", "us fp8", "us mxfp4", "ratio", "mx TB/s", "%copy", "fp8 TB/s", "us row",
+                  "ratio", "config (mxfp4 gemm1)");
     std::mt19937 rng(2026);
     std::uniform_int_distribution<int> d16(1, 16);
     for (const Shape& s : {Shape{"deepseek-v3", 8, 7168, 2048}, Shape{"gpt-oss-120b", 8, 2944, 2944},

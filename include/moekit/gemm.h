@@ -202,6 +202,12 @@ struct MaskedGemmProblem {
   // Rows the last expert is known to hold when it is not a routed one (the layer's merged shared
   // expert: every token of the rank); 0: like the others (expected_m).
   int last_expert_m = 0;
+  // MXFP4 weights: each row's K/128 scale slots hold one scale, its token's (quant.h
+  // Fp8Scaling::kPerToken; a_scales keeps its layout). The register kernel then keeps the whole K
+  // in the tensor core's accumulator and multiplies the scale once, where it otherwise promotes
+  // a partial sum after every 128-deep block (docs/gemm-mxfp4.md run 44); a config that widens
+  // in warpgroups of their own reads the slots as 1x128 scales, the same values.
+  bool a_row_scales = false;
 };
 
 struct ContiguousGemmProblem {

@@ -59,10 +59,11 @@ enum class EpProtocol { kLowLatency, kNormal };
 const char* protocol_name(EpProtocol protocol);  // "low-latency" | "normal"
 
 // How a layer scales its FP8 activations, the dispatched tokens and GEMM2's input (quant.h): per
-// token in an MXFP4 layer's normal mode, whose prefill GEMMs then keep the whole K in one
-// accumulator (gemm.h ContiguousGemmProblem::a_row_scales), 1x128 otherwise. The CPU and GPU
-// layers, their EP buffers and the oracle's callers take it from here.
-Fp8Scaling layer_fp8_scaling(const ModelSpec& model, EpProtocol protocol);
+// token in an MXFP4 layer (both modes), whose GEMMs then keep the whole K in one accumulator
+// (gemm.h ContiguousGemmProblem::a_row_scales, MaskedGemmProblem::a_row_scales), 1x128 otherwise.
+// Both EP modes scale alike, so a token's FP8 values do not depend on the mode that moved it. The
+// CPU and GPU layers, their EP buffers and the oracle's callers take it from here.
+Fp8Scaling layer_fp8_scaling(const ModelSpec& model);
 
 struct CpuLayerConfig {
   int num_ranks = 1;   // P

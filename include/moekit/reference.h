@@ -133,11 +133,12 @@ inline float activate(const Activation& act, float gate, float up) {
   return act.kind == Activation::Kind::kSilu ? silu_mul(gate, up) : clamped_swiglu(gate, up, act.alpha, act.limit);
 }
 
-// Any activation + FP8 quantisation: the two functions below with activate(act, g, u); the
-// contiguous one also per token (quant.h Fp8Scaling: a row's one scale in each of its inter/128
-// slots), as an MXFP4 layer's prefill quantises.
+// Any activation + FP8 quantisation: the two functions below with activate(act, g, u), also per
+// token (quant.h Fp8Scaling: a row's one scale in each of its inter/128 slots), as an MXFP4 layer
+// quantises.
 void activation_quant_masked(const Activation& act, const MaskedLayout& out_layout, const uint16_t* gate_up,
-                             const int32_t* masked_m, uint8_t* out, float* out_scales);
+                             const int32_t* masked_m, uint8_t* out, float* out_scales,
+                             Fp8Scaling scaling = Fp8Scaling::kPerBlock);
 void activation_quant_contiguous(const Activation& act, const ContiguousLayout& out_layout, const uint16_t* gate_up,
                                  const int32_t* row_expert, uint8_t* out, float* out_scales,
                                  Fp8Scaling scaling = Fp8Scaling::kPerBlock);

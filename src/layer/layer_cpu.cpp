@@ -220,12 +220,11 @@ CpuMoeLayer::~CpuMoeLayer() = default;
 
 int CpuMoeLayer::num_local_experts() const { return num_slots_ / config_.num_ranks; }
 
-Fp8Scaling layer_fp8_scaling(const ModelSpec& model, EpProtocol protocol) {
-  return model.expert_format == "mxfp4" && protocol == EpProtocol::kNormal ? Fp8Scaling::kPerToken
-                                                                           : Fp8Scaling::kPerBlock;
+Fp8Scaling layer_fp8_scaling(const ModelSpec& model) {
+  return model.expert_format == "mxfp4" ? Fp8Scaling::kPerToken : Fp8Scaling::kPerBlock;
 }
 
-Fp8Scaling CpuMoeLayer::x_scaling() const { return layer_fp8_scaling(model_, config_.protocol); }
+Fp8Scaling CpuMoeLayer::x_scaling() const { return layer_fp8_scaling(model_); }
 
 EpConfig CpuMoeLayer::ep_config() const {
   EpConfig c;
@@ -379,7 +378,7 @@ void CpuMoeLayer::forward_low_latency(LocalEpGroup& group, int rank, const uint1
   });
   timed(times.activation, [&] {
     ref::activation_quant_masked(activation_, a2, me.gate_up.data(), me.recv_count.data(), me.act.data(),
-                                 me.act_scales.data());
+                                 me.act_scales.data(), x_scaling());
   });
   timed(times.gemm2, [&] {
     me.gemm2.masked(a2, me.act.data(), me.act_scales.data(), me.recv_count.data(), me.y.data());

@@ -488,19 +488,18 @@ TEST_P(OssLayerRanks, MatchesOracleAndOneRankBitForBit) {
   EXPECT_TRUE(run.rows == one.rows) << "payloads, scales or expert outputs differ from P = 1";
 }
 
-// An MXFP4 layer's normal mode scales each dispatched token once (x_scaling()): every received
-// row's d/128 scales are one value, the quant.h rule over the token's whole row. The low-latency
-// mode keeps 1x128 (the test's random rows give groups of different amax there).
-TEST(Layer, OssNormalModeScalesPerToken) {
+// An MXFP4 layer scales each dispatched token once (x_scaling()), in both modes: every received
+// row's d/128 scales are one value, the quant.h rule over the token's whole row (under 1x128 the
+// test's random rows give groups of different amax, so the rule's value tells the two apart).
+TEST(Layer, OssLayerScalesPerTokenInBothModes) {
   const Fixture& f = oss_fixture();
   for (const EpProtocol protocol : {EpProtocol::kLowLatency, EpProtocol::kNormal}) {
-    const bool per_token = protocol == EpProtocol::kNormal;
     CpuLayerConfig cfg;
     cfg.num_ranks = 1;
     cfg.max_tokens = kTokens;
     cfg.protocol = protocol;
     CpuMoeLayer layer(f.model, f.weights, identity_placement(16, 1), 0, cfg);
-    EXPECT_EQ(layer.x_scaling(), per_token ? Fp8Scaling::kPerToken : Fp8Scaling::kPerBlock);
+    EXPECT_EQ(layer.x_scaling(), Fp8Scaling::kPerToken);
     LocalEpGroup group(layer.ep_config());
     const int d_model = int(f.model.hidden_size), d = layer.ep_config().hidden, k_blocks = d / kQuantBlock;
     ASSERT_GE(k_blocks, 2) << "the test needs rows of several 128-column groups";
@@ -515,7 +514,7 @@ TEST(Layer, OssNormalModeScalesPerToken) {
       int token;
     };
     std::vector<Row> rows;
-    if (per_token) {
+    if (protocol == EpProtocol::kNormal) {
       for (int m = 0; m < b.rows; ++m)
         if (b.row_expert[m] >= 0) rows.push_back({b.recv_scales + m, size_t(b.rows), b.recv_src[m]});
     } else {
@@ -525,20 +524,20 @@ TEST(Layer, OssNormalModeScalesPerToken) {
           rows.push_back({b.recv_scales + e * k_blocks * b.rows + m, size_t(b.rows), b.recv_src[e * b.rows + m]});
     }
     ASSERT_EQ(rows.size(), size_t(kTokens) * f.model.num_experts_per_token);
-    int mixed = 0;
+    int mixed = 0;  // rows whose 128-column groups have different amax: 1x128 would differ there
     for (const Row& row : rows) {
       bool same = true;
       for (int kb = 1; kb < k_blocks; ++kb) same = same && row.scales[kb * row.stride] == row.scales[0];
-      mixed += !same;
-      if (!per_token) continue;
       EXPECT_TRUE(same) << "token " << row.token << ": its " << k_blocks << " scales differ";
-      float amax = 0.0f;  // the padded columns are zeros
-      for (int c = 0; c < d_model; ++c) amax = std::max(amax, std::fabs(bf16_to_float(f.x[size_t(row.token) * d_model + c])));
+      std::vector<float> group_amax(k_blocks, 0.0f);  // the padded columns are zeros
+      for (int c = 0; c < d_model; ++c)
+        group_amax[c / kQuantBlock] =
+            std::max(group_amax[c / kQuantBlock], std::fabs(bf16_to_float(f.x[size_t(row.token) * d_model + c])));
+      const float amax = *std::max_element(group_amax.begin(), group_amax.end());
+      mixed += *std::min_element(group_amax.begin(), group_amax.end()) != amax;
       EXPECT_EQ(row.scales[0], std::max(amax, kMinAmax) / kFp8Max) << "token " << row.token;
     }
-    if (!per_token) {
-      EXPECT_GT(mixed, 0) << "1x128 rows with one scale each: the test's data cannot tell the modes apart";
-    }
+    EXPECT_GT(mixed, 0) << "rows of one amax in every group: the test's data cannot tell the scalings apart";
   }
 }
 
@@ -550,9 +549,9 @@ INSTANTIATE_TEST_SUITE_P(Layer, OssLayerRanks,
 
 // The oracle against gpt-oss's MoE block written here from the reference implementation, straight
 // from the checkpoint's tensors (interleaved gate/up, unpadded, decoded with the e2m1 table and
-// ldexp), with the pipeline's three activation roundings reproduced: FP8 1x128 of x, the bf16 GEMM1
-// output, FP8 1x128 of the activation. Checks the loader's de-interleaving and padding, the biases,
-// the clamps and the router together. The layer's output then agrees with both.
+// ldexp), with the pipeline's three activation roundings reproduced: FP8 of x (per token, as an
+// MXFP4 layer quantises), the bf16 GEMM1 output, FP8 of the activation. Checks the loader's
+// de-interleaving and padding, the biases, the clamps and the router together. The layer's output then agrees with both.
 TEST(Layer, OssOracleIsTheReferenceBlock) {
   const Fixture& f = oss_fixture();
   const Checkpoint ckpt = Checkpoint::open(f.dir.string());
@@ -578,13 +577,16 @@ TEST(Layer, OssOracleIsTheReferenceBlock) {
   auto gate_up_bias = tensor(gpt_oss_expert_tensor_name(0, "gate_up_proj", "bias")),
        down_bias = tensor(gpt_oss_expert_tensor_name(0, "down_proj", "bias")), router = tensor(gpt_oss_router_weight_name(0)),
        router_bias = tensor(gpt_oss_router_bias_name(0));
-  // FP8 1x128 over a row zero-padded to a multiple of 128 (the layer's), dequantised, cropped.
-  auto q = [](std::vector<float> v) {
+  // FP8 as the layer quantises (per token: layer_fp8_scaling) over a row zero-padded to a multiple
+  // of 128 (the layer's), dequantised, cropped.
+  const Fp8Scaling scaling = layer_fp8_scaling(f.model);
+  ASSERT_EQ(scaling, Fp8Scaling::kPerToken);
+  auto q = [&](std::vector<float> v) {
     const size_t n = v.size();
     v.resize((n + 127) / 128 * 128, 0.0f);
     std::vector<uint8_t> codes(v.size());
     std::vector<float> scales(v.size() / 128);
-    quantize_row_fp8(v.data(), int(v.size()), codes.data(), scales.data(), 1);
+    quantize_row_fp8(v.data(), int(v.size()), codes.data(), scales.data(), 1, scaling);
     std::vector<double> out(n);
     for (size_t i = 0; i < n; ++i) out[i] = double(fp8_e4m3_to_float(codes[i])) * scales[i / 128];
     return out;
@@ -635,7 +637,7 @@ TEST(Layer, OssOracleIsTheReferenceBlock) {
   std::vector<float> xf(size_t(T) * d);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_float(f.x[i]);
   std::vector<double> got(want.size());
-  LayerOracle(f.model, f.weights).run(xf.data(), T, idx.data(), weights.data(), got.data());
+  LayerOracle(f.model, f.weights).run(xf.data(), T, idx.data(), weights.data(), got.data(), scaling);
   EXPECT_LT(ref::relative_frobenius_error(got.data(), want.data(), want.size()), 1e-5);
 
   // The layer chose the same experts and weights for these tokens, and its output is within bf16 noise.

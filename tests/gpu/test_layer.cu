@@ -586,10 +586,6 @@ TEST(GpuLayerKernels, SiluMulQuantContiguousMatchesReference) {
     if (scaling == Fp8Scaling::kPerToken) EXPECT_EQ(one_scale_rows, rows);
     else EXPECT_LT(one_scale_rows, rows / 2) << "1x128 rows with one scale: the data cannot tell the two apart";
   }
-  GpuActivation token = silu.act();
-  token.token_scales = true;
-  expect_error([&] { gpu::launch_silu_mul_quant_masked(nullptr, 1, 4, 128, nullptr, nullptr, nullptr, nullptr, {}, token); },
-               {"token_scales", "masked"});
 }
 
 // The gate table (activation.cuh ActivationTable) against reference.h's own gate half, computed
@@ -641,6 +637,9 @@ TEST(GpuActivation, GateTableIsTheReferencesGateHalf) {
 // masked_m untouched) on GEMM-like bf16 inputs: a small case, and one whose rows outnumber the
 // grid's warps times the items each loads at once (the kernel's loop turns more than once), with
 // one expert holding most of them (inputs: random_gate_up, gates in and outside the table's window).
+// Each with 1x128 scales and per token (GpuActivation::token_scales: a warp per row, every slot of
+// a row its one scale), per token also at gpt-oss-120b's 23 groups (all held in shared memory
+// between the kernel's two passes) and at 26, two more than it holds.
 TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
   const gpu::ActivationTable silu(ref::Activation{});
   struct Case {
@@ -650,15 +649,19 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
   // (The kernel deals runs of 4 consecutive (row, group) items: with 1, 2 or 3 groups per row a
   // run crosses rows, and experts, empty ones included.)
   for (const Case& k : {Case{3, 40, 256, {40, 0, 17}}, Case{3, 4096, 1024, {4096, 1, 2900}},
-                        Case{5, 24, 128, {0, 5, 0, 0, 24}}, Case{3, 16, 384, {7, 0, 16}}}) {
+                        Case{5, 24, 128, {0, 5, 0, 0, 24}}, Case{3, 16, 384, {7, 0, 16}},
+                        Case{4, 300, 2944, {300, 0, 41, 1}}, Case{2, 64, 3328, {9, 64}}})
+  for (const Fp8Scaling scaling : {Fp8Scaling::kPerBlock, Fp8Scaling::kPerToken}) {
     const int E = k.E, M = k.M, inter = k.inter;
+    if (scaling == Fp8Scaling::kPerBlock && inter > 1024) continue;  // (the groups' count matters per token only)
     const std::vector<int32_t>& masked_m = k.masked_m;
     const MaskedLayout o{E, M, inter};
     std::mt19937 rng(9 + M);
     const std::vector<uint16_t> gate_up = random_gate_up(size_t(E) * M, inter, rng);
     std::vector<uint8_t> want(o.a_elems(), 0xAB);
     std::vector<float> want_s(o.scale_elems(), -1.0f);
-    ref::silu_mul_quant_masked(o, gate_up.data(), masked_m.data(), want.data(), want_s.data());
+    ref::activation_quant_masked(ref::Activation{}, o, gate_up.data(), masked_m.data(), want.data(), want_s.data(),
+                                 scaling);
     DeviceArray<uint16_t> dg(gate_up.size());
     DeviceArray<int32_t> dm(E);
     DeviceArray<uint8_t> dq(want.size());
@@ -669,15 +672,17 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
     std::vector<float> ps(want_s.size(), -1.0f);
     dq.upload(pq.data(), pq.size());
     ds.upload(ps.data(), ps.size());
-    gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr, {}, silu.act());
+    GpuActivation act = silu.act();
+    act.token_scales = scaling == Fp8Scaling::kPerToken;
+    gpu::launch_silu_mul_quant_masked(dg.ptr, E, M, inter, dm.ptr, dq.ptr, ds.ptr, nullptr, {}, act);
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
     const auto got = dq.download(want.size());
     const auto got_s = ds.download(want_s.size());
     size_t diff = 0, diff_s = 0;
     for (size_t i = 0; i < got.size(); ++i) diff += got[i] != want[i];
     for (size_t i = 0; i < got_s.size(); ++i) diff_s += std::memcmp(&got_s[i], &want_s[i], 4) != 0;
-    std::printf("[layer] activation E = %d, M = %d: %zu of %zu fp8 bytes and %zu of %zu scales differ from the "
-                "reference\n", E, M, diff, got.size(), diff_s, got_s.size());
+    std::printf("[layer] activation (%s) E = %d, M = %d, inter %d: %zu of %zu fp8 bytes and %zu of %zu scales differ "
+                "from the reference\n", fp8_scaling_name(scaling), E, M, inter, diff, got.size(), diff_s, got_s.size());
     // glibc's expf vs the correctly rounded fp64 exp can differ in a rare halfway case; a wrong
     // formula or layout changes most bytes, so one in a thousand is a tight bound.
     size_t rows = 0;
@@ -688,6 +693,15 @@ TEST(GpuLayerKernels, SiluMulQuantMatchesReference) {
     for (int e = 0; e < E; ++e)
       for (int m = masked_m[e]; m < M; ++m)
         for (int c = 0; c < inter; ++c) ASSERT_EQ(got[o.a_offset(e, m) + c], 0xAB) << "expert " << e << " row " << m;
+    if (scaling != Fp8Scaling::kPerToken) continue;
+    size_t one_scale_rows = 0;  // every valid row's slots one value
+    for (int e = 0; e < E; ++e)
+      for (int m = 0; m < masked_m[e]; ++m) {
+        bool one = true;
+        for (int g = 1; g < inter / 128; ++g) one = one && got_s[o.scale_offset(e, m, g)] == got_s[o.scale_offset(e, m, 0)];
+        one_scale_rows += one;
+      }
+    EXPECT_EQ(one_scale_rows, rows);
   }
 }
 

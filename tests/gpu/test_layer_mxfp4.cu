@@ -151,8 +151,8 @@ TEST_P(GpuLayerMxfp4, EqualsCpuLayer) {
   const uint64_t seed = 21;
   GpuRig rig = oss_rig(c.P, c.decode ? gpu::EpMode::kLowLatency : gpu::EpMode::kNormal, placement, seed, c.pipeline);
   ASSERT_EQ(rig.group->rank(0).config().hidden, 256) << "the EP buffer runs the padded hidden size";
-  ASSERT_EQ(rig.group->rank(0).config().x_scaling, c.decode ? Fp8Scaling::kPerBlock : Fp8Scaling::kPerToken)
-      << "an MXFP4 layer's prefill scales its FP8 activations per token";
+  ASSERT_EQ(rig.group->rank(0).config().x_scaling, Fp8Scaling::kPerToken)
+      << "an MXFP4 layer scales its FP8 activations per token";
   std::mt19937 rng(300 + c.P);
   for (int step = 0; step < 2; ++step) {
     const auto x = random_tokens(kBatch, d_model(), rng);
@@ -446,13 +446,15 @@ TEST(GpuLayerMxfp4Errors, RefusalsAreNamed) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MXFP4"), std::string::npos) << e.what();
   }
-  // A prefill buffer made by hand with 1x128 scales: the layer names both scalings.
-  gpu::EpConfig normal = gpu::layer_ep_config(oss().model, placement.num_slots, 2, 8, gpu::EpMode::kNormal);
-  ASSERT_EQ(normal.x_scaling, Fp8Scaling::kPerToken);
-  normal.x_scaling = Fp8Scaling::kPerBlock;
-  gpu::EpLocalGroup blocks(normal);
-  expect_error([&] { gpu::GpuMoeLayer l(oss().model, oss().weights, placement, 0, blocks.rank(0), cfg); },
-               {"x_scaling = 1x128", "per-token"});
+  // A buffer made by hand with 1x128 scales, in either mode: the layer names both scalings.
+  for (const gpu::EpMode mode : {gpu::EpMode::kNormal, gpu::EpMode::kLowLatency}) {
+    gpu::EpConfig by_hand = gpu::layer_ep_config(oss().model, placement.num_slots, 2, 8, mode);
+    ASSERT_EQ(by_hand.x_scaling, Fp8Scaling::kPerToken);
+    by_hand.x_scaling = Fp8Scaling::kPerBlock;
+    gpu::EpLocalGroup blocks(by_hand);
+    expect_error([&] { gpu::GpuMoeLayer l(oss().model, oss().weights, placement, 0, blocks.rank(0), cfg); },
+                 {"x_scaling = 1x128", "per-token"});
+  }
 }
 
 }  // namespace

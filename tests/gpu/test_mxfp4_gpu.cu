@@ -355,6 +355,45 @@ TEST(GemmMxfp4Masked, TwoSlabTilesGiveTheSameBits) {
   // In a graph: GraphReplayWithNewMaskedMAndData.
 }
 
+TEST(GemmMxfp4Masked, RowScalesOnEveryTile) {
+  // One activation scale per row (MaskedGemmProblem::a_row_scales): each row's K/128 slots hold one
+  // random scale, as a per-token quantisation writes them, and the register kernel multiplies it
+  // once after the K loop. Every tile of 16 to 128 tokens, 128- and 256-row tiles (up to 48), K 128,
+  // 384 and 1024 (the paired loop of up to 32 tokens with one, two, three and eight blocks: its odd
+  // and even tails; the single loop beyond), split 1 and 3 ways; and a config that widens in a
+  // warpgroup of its own, which reads the slots as 1x128 scales. All against float64.
+  std::mt19937 rng(113);
+  for (int k : {128, 384, 1024}) {
+    MaskedCase c({5, 384, k, 128, 0}, rng);
+    const int k_blocks = k / 128;
+    for (int e = 0; e < 5; ++e)  // slot kb of row (e, m) at (e K/128 + kb) M_max + m: slot 0's value in all
+      for (int kb = 1; kb < k_blocks; ++kb)
+        for (int m = 0; m < 128; ++m)
+          c.a_scales[(size_t(e) * k_blocks + kb) * 128 + m] = c.a_scales[size_t(e) * k_blocks * 128 + m];
+    c.d_as.upload(c.a_scales);
+    c.problem.a_row_scales = true;
+    const std::vector<int32_t> masked_m = {16, 0, 1, 45, 200};  // full tile, none, one, odd, clamped
+    for (int bm : {16, 32, 48, 64, 128})
+      for (int rows : {128, 256})
+        for (int splits : {1, 3}) {
+          if (splits > k_blocks || (rows == 256 && bm > 48)) continue;
+          GemmConfig cfg = forced_mx(bm, splits, 0);
+          cfg.block_n = rows;
+          expect_good(c.run_once(masked_m, &cfg, true), "row scales K " + std::to_string(k) + " block_m " +
+                                                            std::to_string(bm) + " block_n " + std::to_string(rows) +
+                                                            " splits " + std::to_string(splits));
+        }
+    const GemmConfig smem = forced_mx(16, 1, 1);
+    expect_good(c.run_once(masked_m, &smem, true), "row scales K " + std::to_string(k) + " widen_wgs=1");
+    if (k != 128) continue;
+    MaskedGemmProblem fp8 = c.problem;  // (weights stays kFp8: run() is what sets MXFP4)
+    MaskedGemmBuffers fb = c.buffers(false);
+    fb.w_mx_scales = nullptr;
+    fb.w_scales = c.d_as.ptr;
+    expect_error([&] { MaskedGemm g(fp8, fb); }, {"a_row_scales", "needs MXFP4 weights"});
+  }
+}
+
 TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
   // gpt-oss-120b's expert GEMMs after the loader's padding (hidden 2880 -> 2944): W1 is
   // [2·2944, 2944], W2 [2944, 2944]; 8 local experts, a handful of tokens each.

@@ -252,7 +252,7 @@ void check_contiguous_segments(const int32_t* row_expert, int total_m, int block
 }
 
 void activation_quant_masked(const Activation& act, const MaskedLayout& out_layout, const uint16_t* gate_up,
-                             const int32_t* masked_m, uint8_t* out, float* out_scales) {
+                             const int32_t* masked_m, uint8_t* out, float* out_scales, Fp8Scaling scaling) {
   const char* who = "activation_quant_masked";
   check_inter(who, out_layout.k);
   check_masked_m(who, out_layout, masked_m);
@@ -262,7 +262,7 @@ void activation_quant_masked(const Activation& act, const MaskedLayout& out_layo
     for (int m = 0; m < masked_m[e]; ++m)
       activation_quant_row(act, gate_up + out_layout.out_offset(e, m, 2 * inter), inter, v.data(),
                            out + out_layout.a_offset(e, m), out_scales + out_layout.scale_offset(e, m, 0),
-                           out_layout.max_m);
+                           out_layout.max_m, scaling);
 }
 
 void activation_quant_contiguous(const Activation& act, const ContiguousLayout& out_layout, const uint16_t* gate_up,

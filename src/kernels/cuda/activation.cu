@@ -228,6 +228,62 @@ constexpr int kTokenCtasPerSm = 2;  // 96 KB of held values and the 16 KB gate w
 constexpr int kPrefetchGroups = 4;
 constexpr size_t kTokenHeldBytes = size_t(kRowsPerBlock) * kHeldGroups * kQuantBlock * sizeof(float);
 
+// Groups g_first, g_first + g_step, ... of one row by one warp: gate_up_row [2 inter] -> out_row
+// [inter] fp8 under the row's one scale, which goes into slots scale_slot + g scale_stride.
+// row_amax(warp's amax bits) gives the row's amax bits: the warp's own when it takes the whole row,
+// else its team's (called by every warp of the CTA, also one with no groups: g_first >= groups).
+// held: the warp's [kHeldGroups][kWarp] float4s of shared memory, offset by the lane; its slot j
+// holds the warp's j-th group.
+template <bool kClamped, class RowAmax>
+__device__ __forceinline__ void quant_token_groups(const GpuActivation& act, const float* window, float4* held,
+                                                   const uint16_t* __restrict__ gate_up_row, int inter, int g_first,
+                                                   int g_step, uint8_t* __restrict__ out_row,
+                                                   float* __restrict__ scale_slot, size_t scale_stride,
+                                                   RowAmax&& row_amax) {
+  const int groups = inter / kQuantBlock, lane = threadIdx.x % kWarp;
+  const uint16_t* src = gate_up_row + lane * 4;
+  auto activated = [&](int g, float(&v)[4]) {
+    activate4<kClamped>(act, window, *reinterpret_cast<const uint2*>(src + g * kQuantBlock),
+                        *reinterpret_cast<const uint2*>(src + inter + g * kQuantBlock), v);
+  };
+  float lane_amax = 0.0f;
+  // Four groups' loads in flight per lane before any is used: at 2 CTAs per SM the warps alone do
+  // not cover HBM's latency (the compiler keeps a group's loads behind the previous group's work).
+  for (int j0 = 0; g_first + j0 * g_step < groups; j0 += kPrefetchGroups) {
+    uint2 gate[kPrefetchGroups], up[kPrefetchGroups];
+#pragma unroll
+    for (int i = 0; i < kPrefetchGroups; ++i) {
+      const int g = g_first + (j0 + i) * g_step;
+      if (g < groups) {
+        gate[i] = *reinterpret_cast<const uint2*>(src + g * kQuantBlock);
+        up[i] = *reinterpret_cast<const uint2*>(src + inter + g * kQuantBlock);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPrefetchGroups; ++i)
+      if (g_first + (j0 + i) * g_step < groups) {
+        float v[4];
+        activate4<kClamped>(act, window, gate[i], up[i], v);
+        lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+        if (j0 + i < kHeldGroups) held[(j0 + i) * kWarp] = make_float4(v[0], v[1], v[2], v[3]);
+      }
+  }
+  const unsigned bits = row_amax(__reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax)));
+  const float scale = fp8_group_scale(__uint_as_float(bits));
+  const double inv = reciprocal_rn(scale);
+  for (int j = 0, g = g_first; g < groups; ++j, g += g_step) {
+    float v[4];
+    if (j < kHeldGroups) {
+      const float4 h = held[j * kWarp];
+      v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
+    } else {
+      activated(g, v);
+    }
+    *reinterpret_cast<uint32_t*>(out_row + g * kQuantBlock + group_unit_offset(act, lane)) = fp8x4_by(v, inv);
+    if (lane == 0) scale_slot[g * scale_stride] = scale;
+  }
+}
+
 template <bool kClamped>
 __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
     silu_mul_quant_contiguous_token_kernel(const uint16_t* __restrict__ gate_up, int total_m, int inter,
@@ -239,50 +295,57 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
   load_gate_window(act.gate_table, window);
   begin_kernel(stamp);
   __syncthreads();  // the window
-  const int groups = inter / kQuantBlock, lane = threadIdx.x % kWarp;
-  float4* held = held_values + size_t(threadIdx.x / kWarp) * kHeldGroups * kWarp + lane;  // each lane its own
+  float4* held = held_values + size_t(threadIdx.x / kWarp) * kHeldGroups * kWarp + threadIdx.x % kWarp;
   for (int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp; m < total_m; m += gridDim.x * kRowsPerBlock) {
     if (row_expert[m] < 0) continue;  // warp-uniform: one warp per row
-    const uint16_t* src = gate_up + size_t(m) * 2 * inter + lane * 4;
-    auto activated = [&](int g, float(&v)[4]) {
-      activate4<kClamped>(act, window, *reinterpret_cast<const uint2*>(src + g * kQuantBlock),
-                          *reinterpret_cast<const uint2*>(src + inter + g * kQuantBlock), v);
-    };
-    float lane_amax = 0.0f;
-    // Four groups' loads in flight per lane before any is used: at 2 CTAs per SM the warps alone do
-    // not cover HBM's latency (the compiler keeps a group's loads behind the previous group's work).
-    for (int g0 = 0; g0 < groups; g0 += kPrefetchGroups) {
-      uint2 gate[kPrefetchGroups], up[kPrefetchGroups];
-#pragma unroll
-      for (int i = 0; i < kPrefetchGroups; ++i)
-        if (g0 + i < groups) {
-          gate[i] = *reinterpret_cast<const uint2*>(src + (g0 + i) * kQuantBlock);
-          up[i] = *reinterpret_cast<const uint2*>(src + inter + (g0 + i) * kQuantBlock);
-        }
-#pragma unroll
-      for (int i = 0; i < kPrefetchGroups; ++i)
-        if (g0 + i < groups) {
-          float v[4];
-          activate4<kClamped>(act, window, gate[i], up[i], v);
-          lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-          if (g0 + i < kHeldGroups) held[(g0 + i) * kWarp] = make_float4(v[0], v[1], v[2], v[3]);
-        }
-    }
-    const unsigned bits = __reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax));
-    const float scale = fp8_group_scale(__uint_as_float(bits));
-    const double inv = reciprocal_rn(scale);
-    for (int g = 0; g < groups; ++g) {
-      float v[4];
-      if (g < kHeldGroups) {
-        const float4 h = held[g * kWarp];
-        v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
-      } else {
-        activated(g, v);
-      }
-      *reinterpret_cast<uint32_t*>(out + size_t(m) * inter + g * kQuantBlock + group_unit_offset(act, lane)) =
-          fp8x4_by(v, inv);
-      if (lane == 0) out_scales[size_t(g) * total_m + m] = scale;  // layout.h: scale (m, g) at g M_total + m
-    }
+    // layout.h: scale (m, g) at g M_total + m.
+    quant_token_groups<kClamped>(act, window, held, gate_up + size_t(m) * 2 * inter, inter, 0, 1,
+                                 out + size_t(m) * inter, out_scales + m, size_t(total_m), [](unsigned b) { return b; });
+  }
+  end_kernel(stamp);
+}
+
+// The masked layout per token: each expert's valid rows (row_start after the held values: the
+// valid rows of experts < e, one warp's prefix) dealt over the grid, each to a team of 1, 2, 4 or
+// 8 warps of one CTA, the most that still gives every warp a row's share: a decode step has few
+// rows (256 at gpt-oss-120b's B = 64 on one rank), and one warp walking a row's 23 groups twice
+// took 17 us where the 1 x 128 kernel, which deals single groups, took 10 (one H100, 2026-12-07).
+// Warp w of a team takes groups w, w + team, ...; the team's amax meets in shared memory.
+template <bool kClamped>
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
+    silu_mul_quant_masked_token_kernel(const uint16_t* __restrict__ gate_up, int num_experts, int max_m, int inter,
+                                       const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
+                                       float* __restrict__ out_scales, GpuActivation act, unsigned long long* stamp) {
+  __shared__ __align__(16) float window[kGateWindow];
+  __shared__ unsigned warp_amax[kRowsPerBlock];
+  extern __shared__ float4 held_values[];  // as the contiguous kernel's, then row_start [E + 1]
+  int* row_start = reinterpret_cast<int*>(held_values + kRowsPerBlock * kHeldGroups * kWarp);
+  load_gate_window(act.gate_table, window);
+  begin_kernel(stamp);
+  if (threadIdx.x < kWarp) warp_prefix(row_start, num_experts, [&](int e) { return min(max(masked_m[e], 0), max_m); });
+  __syncthreads();  // the window and the prefix
+  const int groups = inter / kQuantBlock, rows = row_start[num_experts], warp = threadIdx.x / kWarp;
+  int team = 1;  // CTA-uniform: every warp of a CTA meets the same barriers
+  while (team < kRowsPerBlock && int64_t(rows) * team * 2 <= int64_t(gridDim.x) * kRowsPerBlock) team *= 2;
+  const int teams = kRowsPerBlock / team, first = warp - warp % team;
+  float4* held = held_values + size_t(warp) * kHeldGroups * kWarp + threadIdx.x % kWarp;
+  auto team_amax = [&](unsigned bits) {
+    if (team == 1) return bits;
+    if (threadIdx.x % kWarp == 0) warp_amax[warp] = bits;
+    __syncthreads();
+    for (int w = first; w < first + team; ++w) bits = max(bits, warp_amax[w]);
+    __syncthreads();  // read before the next row's writes
+    return bits;
+  };
+  for (int base = blockIdx.x * teams; base < rows; base += gridDim.x * teams) {  // CTA-uniform bounds
+    const int r = base + warp / team;
+    int e = 0, m = 0, g_first = groups;  // past the last row: no groups, the team's barriers only
+    if (r < rows) e = segment_of(row_start, num_experts, r), m = r - row_start[e], g_first = warp % team;
+    const size_t row = size_t(e) * max_m + m;
+    // layout.h: scale (e, m, g) at (e inter/128 + g) M_max + m.
+    quant_token_groups<kClamped>(act, window, held, gate_up + row * 2 * inter, inter, g_first, team,
+                                 out + row * inter, out_scales + size_t(e) * groups * max_m + m, size_t(max_m),
+                                 team_amax);
   }
   end_kernel(stamp);
 }
@@ -309,8 +372,6 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
                                   const LaunchOptions& opt, const GpuActivation& act) {
   check_activation_args("silu_mul_quant_masked", act, inter);
-  MOEKIT_CHECK(!act.token_scales, "silu_mul_quant_masked: GpuActivation::token_scales (one scale per row) is the "
-                                  "contiguous kernel's; the masked layout takes 1x128 scales");
   if (num_experts == 0 || max_m == 0) return;
   // The kernel counts rows (every expert's, added up) in 32-bit integers.
   MOEKIT_CHECK(num_experts > 0 && max_m > 0 && int64_t(num_experts) * max_m < (int64_t(1) << 31),
@@ -319,6 +380,16 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
   // The row prefix's shared memory beside the 16 KB window, within the 48 KB a launch gets unasked.
   MOEKIT_CHECK(num_experts <= kActMaxExperts,
                fmtr("silu_mul_quant_masked: {} experts, expected at most {}", num_experts, kActMaxExperts));
+  if (act.token_scales) {  // a team of warps per row; a grid that fits the GPU at once
+    auto kernel = act.clamped_swiglu ? silu_mul_quant_masked_token_kernel<true> : silu_mul_quant_masked_token_kernel<false>;
+    const size_t smem = kTokenHeldBytes + sizeof(int) * (num_experts + 1);
+    gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // past the 48 KB default
+    const int ctas = int(std::min<int64_t>(int64_t(kTokenCtasPerSm) * gemm_detail::num_sms(),
+                                           (int64_t(num_experts) * max_m + kRowsPerBlock - 1) / kRowsPerBlock));
+    launch_kernel_ex(kernel, dim3(ctas), dim3(kRowsPerBlock * kWarp), smem, stream, opt.pdl, gate_up, num_experts,
+                     max_m, inter, masked_m, out, out_scales, act, opt.stamp);
+    return;
+  }
   const int64_t items = int64_t(num_experts) * max_m * (inter / kQuantBlock);
   const int64_t per_cta = int64_t(kRowsPerBlock) * kActItems;
   const int ctas = int(std::min<int64_t>(int64_t(kActCtasPerSm) * gemm_detail::num_sms(), (items + per_cta - 1) / per_cta));

@@ -34,14 +34,15 @@ class ActivationTable {
 // SwiGLU; a GpuActivation without a table is refused).
 // gate_up [E_loc, M_max, 2 inter] bf16; out [E_loc, M_max, inter] fp8, out_scales
 // [E_loc, inter/128, M_max]; rows >= masked_m[e] (clamped to [0, M_max]) neither read nor written.
+// With act.token_scales one scale per row, in each of its slots (each row to a team of 1-8 warps
+// of one CTA, as few rows as a decode step has spread over the grid).
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
                                   const LaunchOptions& opt, const GpuActivation& act);
 
 // The same, contiguous layout: gate_up [M_total, 2 inter]; out [M_total, inter], out_scales
 // [inter/128, M_total]; rows with row_expert == -1 untouched. With act.token_scales one scale per
-// row (reference.h activation_quant_contiguous per token), in each of its slots; the masked
-// kernel refuses it.
+// row (reference.h activation_quant_contiguous per token), in each of its slots.
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
                                       uint8_t* out, float* out_scales, cudaStream_t stream,
                                       const LaunchOptions& opt, const GpuActivation& act);

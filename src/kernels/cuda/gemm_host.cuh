@@ -175,10 +175,12 @@ void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_
 // One compiled MXFP4 kernel instance (swap-AB, 128 · kSlabs weight rows per tile): widening in the
 // math threads' registers (kWidenWGs 0, gemm_mxfp4.cuh; kSlabs 2 there only) or by kWidenWGs
 // warpgroups of its own into shared memory (gemm_mxfp4_widen.cuh; GemmConfig::mxfp4_widen_wgs);
-// kRowScales: the register kernel with one activation scale per row (ContiguousGemmProblem::a_row_scales).
+// kRowScales: the register kernel with one activation scale per row (ContiguousGemmProblem::a_row_scales,
+// MaskedGemmProblem::a_row_scales).
 template <bool kMasked, int kBlockT, int kWidenWGs, int kSlabs = 1, bool kRowScales = false>
 struct Mxfp4Instance {
-  static_assert(!kRowScales || (!kMasked && kWidenWGs == 0), "row scales: contiguous plans, register kernel");
+  static_assert(!kRowScales || (kWidenWGs == 0 && (kMasked || kSlabs == 1)),
+                "row scales: the register kernel, one slab in contiguous plans");
   static constexpr bool kWiden = kWidenWGs > 0;
   static_assert(kSlabs == 1 || !kWiden, "256-row MXFP4 tiles widen in registers");
   using Layout = std::conditional_t<kWiden, Mxfp4WidenSmemLayout<kBlockT>, Mxfp4SmemLayout<kBlockT, kSlabs>>;
@@ -197,8 +199,9 @@ struct Mxfp4Instance {
 
 // The MXFP4 parts of a plan (gemm_mxfp4.cu), on buffers check_weight_buffers passed: picks the
 // instance, builds the weight and scale TMA maps (tma_a and tma_sa are the FP8 plan's).
-// row_scales: a contiguous plan's ContiguousGemmProblem::a_row_scales (the plan sets
-// args.a_row_scales).
+// row_scales: the problem's a_row_scales (a contiguous plan sets args.a_row_scales; a masked one's
+// stages carry the scales as before). A masked plan whose config widens in warpgroups of their own
+// reads the same values as 1x128 scales.
 void bind_mxfp4_weights(PlanCore& plan, bool masked, int num_experts, int n, int k, const uint8_t* w,
                         const uint32_t* w_mx_scales, const float* bias, bool row_scales = false);
 

@@ -86,7 +86,7 @@ std::string describe(const MaskedGemmProblem& p) {
          " M_max=" + std::to_string(p.max_m) + " expected_m=" + std::to_string(p.expected_m) +
          (p.last_expert_m > 0 ? " last_expert_m=" + std::to_string(p.last_expert_m) : "") +
          (p.epilogue == GemmEpilogue::kSiluMulFp8 ? " epilogue=silu-mul-fp8" : "") +
-         (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "");
+         (p.weights == WeightFormat::kMxfp4 ? " weights=mxfp4" : "") + (p.a_row_scales ? " a_row_scales" : "");
 }
 
 }  // namespace
@@ -107,6 +107,8 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
   const bool gated = p.epilogue == GemmEpilogue::kSiluMulFp8;
   const bool mxfp4 = p.weights == WeightFormat::kMxfp4;
   check_weight_buffers(mxfp4, b.w, b.w_scales, b.w_mx_scales, b.bias);
+  MOEKIT_CHECK(mxfp4 || !p.a_row_scales,
+               "masked GEMM " + describe(p) + ": a_row_scales (one activation scale per row) needs MXFP4 weights");
   MOEKIT_CHECK(!(mxfp4 && gated), "masked GEMM: the SiLU·up epilogue needs FP8 weights; with MXFP4 weights use "
                                   "the BF16 output (gemm.h)");
   if (gated) {
@@ -136,7 +138,7 @@ MaskedGemm::MaskedGemm(const MaskedGemmProblem& p, const MaskedGemmBuffers& b, c
                "masked GEMM: num_splits = " + std::to_string(im.cfg.num_splits) + "; expected 1..K/128 = " +
                    std::to_string(k_blocks));
   if (mxfp4) {
-    bind_mxfp4_weights(im, true, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias);
+    bind_mxfp4_weights(im, true, p.num_experts, p.n, p.k, b.w, b.w_mx_scales, b.bias, p.a_row_scales);
   } else {
     with_masked_instance(im.cfg, p.epilogue,
                          [&](auto inst) { im.launch = decltype(inst)::launch(im.cfg, p.num_experts); });

@@ -15,16 +15,14 @@ namespace {
 // The kernel of a config: widening in registers (gemm_mxfp4.cuh) or by one or two warpgroups of
 // its own (gemm_mxfp4_widen.cuh; two only beside one math warpgroup, up to 64 tokens), with the
 // same tile sizes.
+// With row scales: the register kernel's row-scale instance; a masked plan widening in warpgroups
+// of their own reads the row's scale in every 1x128 slot instead (the same values).
 template <bool kMasked, int kBlockT>
 Launch mxfp4_instance(GemmConfig& cfg, int num_experts, bool row_scales) {
-  if constexpr (!kMasked) {
-    if (row_scales) {
-      MOEKIT_CHECK(cfg.mxfp4_widen_wgs == 0, "contiguous MXFP4 GEMM config " + cfg.to_string() +
-                                                 ": a_row_scales (one activation scale per row) is compiled for "
-                                                 "the register kernel only; expected mxfp4_widen_wgs 0");
-      return Mxfp4Instance<false, kBlockT, 0, 1, true>::launch(cfg, num_experts);
-    }
-  }
+  if (row_scales && cfg.mxfp4_widen_wgs == 0) return Mxfp4Instance<kMasked, kBlockT, 0, 1, true>::launch(cfg, num_experts);
+  MOEKIT_CHECK(kMasked || !row_scales, "contiguous MXFP4 GEMM config " + cfg.to_string() +
+                                           ": a_row_scales (one activation scale per row) is compiled for the "
+                                           "register kernel only; expected mxfp4_widen_wgs 0");
   switch (cfg.mxfp4_widen_wgs) {
     case 0: return Mxfp4Instance<kMasked, kBlockT, 0>::launch(cfg, num_experts);
     case 1: return Mxfp4Instance<kMasked, kBlockT, 1>::launch(cfg, num_experts);
@@ -44,6 +42,11 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts, bool row_scal
   if (masked && cfg.swap_ab && cfg.block_n == 256) {  // two 128-row slabs a stage (gemm_mxfp4.cuh)
     MOEKIT_CHECK((cfg.block_m == 16 || cfg.block_m == 32 || cfg.block_m == 48) && cfg.mxfp4_widen_wgs == 0,
                  bad + "block_m = 16, 32 or 48 and mxfp4_widen_wgs = 0 with block_n = 256");
+    if (row_scales) {
+      if (cfg.block_m == 48) return Mxfp4Instance<true, 48, 0, 2, true>::launch(cfg, num_experts);
+      if (cfg.block_m == 32) return Mxfp4Instance<true, 32, 0, 2, true>::launch(cfg, num_experts);
+      return Mxfp4Instance<true, 16, 0, 2, true>::launch(cfg, num_experts);
+    }
     if (cfg.block_m == 48) return Mxfp4Instance<true, 48, 0, 2>::launch(cfg, num_experts);
     if (cfg.block_m == 32) return Mxfp4Instance<true, 32, 0, 2>::launch(cfg, num_experts);
     return Mxfp4Instance<true, 16, 0, 2>::launch(cfg, num_experts);
@@ -58,11 +61,11 @@ Launch mxfp4_launch(GemmConfig& cfg, bool masked, int num_experts, bool row_scal
     MOEKIT_CHECK(false, bad + "block_m in {64, 128}");
   }
   switch (cfg.block_m) {
-    case 16: return mxfp4_instance<true, 16>(cfg, num_experts, false);
-    case 32: return mxfp4_instance<true, 32>(cfg, num_experts, false);
-    case 48: return mxfp4_instance<true, 48>(cfg, num_experts, false);
-    case 64: return mxfp4_instance<true, 64>(cfg, num_experts, false);
-    case 128: return mxfp4_instance<true, 128>(cfg, num_experts, false);
+    case 16: return mxfp4_instance<true, 16>(cfg, num_experts, row_scales);
+    case 32: return mxfp4_instance<true, 32>(cfg, num_experts, row_scales);
+    case 48: return mxfp4_instance<true, 48>(cfg, num_experts, row_scales);
+    case 64: return mxfp4_instance<true, 64>(cfg, num_experts, row_scales);
+    case 128: return mxfp4_instance<true, 128>(cfg, num_experts, row_scales);
   }
   MOEKIT_CHECK(false, bad + "block_m in {16, 32, 48, 64, 128}");
   return {};

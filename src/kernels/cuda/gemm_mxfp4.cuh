@@ -23,8 +23,8 @@
 // and prefill alike. Promotion of a block partial: acc += part · a_scale(token); the row factor
 // 2^(base - 127) (mxfp4_convert.cuh), one per row for the whole K, multiplies the sum once after
 // the K loop, before split-K's reduction and the bias.
-// With one activation scale per row (kRowScales: contiguous plans with
-// ContiguousGemmProblem::a_row_scales) there is no block partial at all: the K loop accumulates in
+// With one activation scale per row (kRowScales: ContiguousGemmProblem::a_row_scales,
+// MaskedGemmProblem::a_row_scales) there is no block partial at all: the K loop accumulates in
 // acc, and the token's scale multiplies once, before the row factor.
 #pragma once
 
@@ -120,7 +120,8 @@ struct Mxfp4Registers {
 // a stage faster than ~700 SM cycles, which bounded the decode kernel (docs/gemm-mxfp4.md, run 18).
 // Stage s's tiles: codes + s·kWTile, scale words + s·kWsTile, activations + s·kATile, their
 // scales + s·kSaFloats (Layout: either kernel's shared-memory layout). kBlockScales false (the
-// register kernel with ContiguousGemmProblem::a_row_scales): the stages carry no activation scales.
+// contiguous register kernel with ContiguousGemmProblem::a_row_scales): the stages carry no
+// activation scales.
 // A stage's weights are Layout::kWRows / 128 slabs: 128-row blocks t.w0 / 128 and + 1 (for two),
 // their runs of codes and of words k_blocks runs apart, each kind taken by one 3D copy (the maps of
 // bind_mxfp4_weights for block_n 256): the producer's issue, not the bytes, is what a copy costs
@@ -209,9 +210,9 @@ __device__ __forceinline__ void store_mxfp4_tile(const KernelArgs& args, const T
 // of 128 (an odd one computes the last tile's second slab on the next rows, and does not store
 // it); tiles of up to 32 tokens in the two-partial loop, 48 in the one-partial loop (two partials
 // of two 48-token slabs spill 516 bytes at ptxas's 168 registers; one does not).
-// kRowScales (contiguous, ContiguousGemmProblem::a_row_scales; one slab): one activation scale per
-// row for all of K, so the whole K accumulates in the tensor core and the scale multiplies once at
-// the end.
+// kRowScales (ContiguousGemmProblem::a_row_scales with one slab, MaskedGemmProblem::a_row_scales
+// with either): one activation scale per row for all of K, so the whole K accumulates in the
+// tensor core and the scale multiplies once at the end.
 template <bool kMasked, int kBlockT, int kSlabs = 1, bool kRowScales = false>
 __global__ void __launch_bounds__(384, 1)
     grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_w,
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(384, 1)
   // turn, measured no faster: docs/gemm-mxfp4.md, runs 6 and 8.)
   constexpr int kMathWGs = 2, kBlockW = 128 * kSlabs, kMathThreads = 256;
   static_assert(kSlabs == 1 || (kSlabs == 2 && kBlockT <= 48), "256-row tiles: up to 48 tokens");
-  static_assert(!kRowScales || (!kMasked && kSlabs == 1), "row scales: contiguous plans of one slab");
+  static_assert(!kRowScales || kMasked || kSlabs == 1, "row scales: contiguous plans of one slab");
   // Stage pipelining needs a second partial in registers: up to 64 tokens per tile, 32 with two slabs.
   constexpr bool kPipelined = kBlockT <= (kSlabs == 1 ? 64 : 32);
   // Stages issued in pairs (two pairs in flight: four partials in registers): up to 32 tokens, one
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(384, 1)
     auto decode = [&](int tile) {
       return decode_tile<kMasked, kBlockT, kBlockW>(tile, args, num_w_blocks, prefix, m_of, lane);
     };
-    produce_mxfp4<kMasked, kBlockT, Layout, !kRowScales>(
+    produce_mxfp4<kMasked, kBlockT, Layout, !kRowScales || kMasked>(
         args, num_tiles, early_weights, decode, full, empty, w_tiles, ws_tiles, a_tiles, sa_tiles, &tma_a, &tma_w,
         &tma_sa, &tma_ws);
     return;
@@ -342,18 +343,19 @@ __global__ void __launch_bounds__(384, 1)
     ++committed;
     fence_part(part);
   };
-  // One stage: wait for it, widen its weights into A fragments, issue its wgmmas into `part`;
-  // the ring moves on.
-  auto issue = [&](float* part) {
+  // One stage: wait for it, widen its weights into A fragments, issue its wgmmas into `part` (or
+  // onto it: accumulate); the ring moves on.
+  auto issue = [&](float* part, bool accumulate = false) {
     Frags a;
     widen(a);
-    mma_commit(part, a, s);
+    mma_commit(part, a, s, accumulate);
     advance();
   };
   // Two stages as one round (stage ids to sa, sb): both widened, then their eight wgmmas behind
   // one fence and one commit, so the warpgroup meets once per two stages, and the widening of
-  // the two has twice the independent work to interleave.
-  auto issue_pair = [&](float* pa, float* pb, int& sa, int& sb) {
+  // the two has twice the independent work to interleave. The row-scale loop passes one
+  // accumulator as both: `more` then says whether it already holds earlier stages.
+  auto issue_pair = [&](float* pa, float* pb, int& sa, int& sb, bool more = false) {
     Frags a0, a1;
     sa = s;
     widen(a0);
@@ -364,8 +366,8 @@ __global__ void __launch_bounds__(384, 1)
     fence_part(pa);
     fence_part(pb);
     ptx::wgmma_fence();
-    mma_stage(pa, a0, sa);
-    mma_stage(pb, a1, sb);
+    mma_stage(pa, a0, sa, more);
+    mma_stage(pb, a1, sb, more || pa == pb);
     ptx::wgmma_commit();
     trace_at(tracer, committed, kStageTraceMmaIssued);
     trace_at(tracer, committed + 1, kStageTraceMmaIssued);
@@ -409,30 +411,70 @@ __global__ void __launch_bounds__(384, 1)
       // widened while kb's wgmmas run, and a stage goes back to the producer once its wgmmas are
       // done; nothing else stands between them. The tokens' scales are loaded first, so that their
       // latency hides under the K loop, and multiply once at the end.
+      // Masked: the scales keep their [E, K/128, M_max] layout, each slot of a row holding its one
+      // scale (quant.h), and the stages carry them as for block scales; the tile's last stage's
+      // serve, read before it goes back (not held through the loop: the two-slab 48-token tile
+      // spilled). Not from global memory: with PDL's early weights only the activations'
+      // producer warp waits for the kernel that writes them.
       TokenScales<kBlockT> row_scale;
-      row_scale.load(args.a_row_scales + t.t0, frag_col);
-      Frags a0, a1;
-      int prev = s;
-      widen(a0);
-      advance();
-      mma_commit(acc, a0, prev);
-      auto step = [&](Frags& fb) {  // the other fragments' stage (prev) in flight
-        const int cur = s;
-        widen(fb);
-        advance();
-        mma_commit(acc, fb, cur, true);
-        ptx::wgmma_wait<1>();
-        release(prev);
-        prev = cur;
+      if constexpr (!kMasked) row_scale.load(args.a_row_scales + t.t0, frag_col);
+      auto take_scales = [&](int st) {
+        if constexpr (kMasked) row_scale.load(sa_tiles + st * Layout::kSaFloats, frag_col);
       };
-      int kb = t.kb_begin + 1;
-      for (; kb + 1 < t.kb_end; kb += 2) {
-        step(a1);
-        step(a0);
+      if (kPaired && stages >= 4 && num_kb >= 2) {
+        // Pairs of stages into the one accumulator: pair j + 1 is widened and issued behind pair
+        // j's wgmmas, then pair j's stages go back (four stages held, as in the paired loop below).
+        int pa, pb;
+        issue_pair(acc, acc, pa, pb);
+        int left = num_kb - 2;
+        for (; left >= 2; left -= 2) {
+          int ca, cb;
+          issue_pair(acc, acc, ca, cb, true);
+          ptx::wgmma_wait<1>();
+          release(pa);
+          release(pb);
+          pa = ca, pb = cb;
+        }
+        if (left == 1) {
+          const int last = s;
+          issue(acc, true);
+          ptx::wgmma_wait<1>();
+          release(pa);
+          release(pb);
+          ptx::wgmma_wait<0>();
+          take_scales(last);
+          release(last);
+        } else {
+          ptx::wgmma_wait<0>();
+          take_scales(pb);
+          release(pa);
+          release(pb);
+        }
+      } else {
+        Frags a0, a1;
+        int prev = s;
+        widen(a0);
+        advance();
+        mma_commit(acc, a0, prev);
+        auto step = [&](Frags& fb) {  // the other fragments' stage (prev) in flight
+          const int cur = s;
+          widen(fb);
+          advance();
+          mma_commit(acc, fb, cur, true);
+          ptx::wgmma_wait<1>();
+          release(prev);
+          prev = cur;
+        };
+        int kb = t.kb_begin + 1;
+        for (; kb + 1 < t.kb_end; kb += 2) {
+          step(a1);
+          step(a0);
+        }
+        if (kb < t.kb_end) step(a1);
+        ptx::wgmma_wait<0>();
+        take_scales(prev);
+        release(prev);
       }
-      if (kb < t.kb_end) step(a1);
-      ptx::wgmma_wait<0>();
-      release(prev);
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) acc[i] *= row_scale.of(i % kRegs);
     } else if (kPaired && stages >= 4 && num_kb >= 2) {

@@ -52,7 +52,7 @@ struct GpuMoeLayer::Impl {
   // model's hidden size; where they differ, the kernels read x and write out as [T, model_d] rows,
   // or (a shared expert, a row length not a multiple of 16) through x_pad and out_pad.
   bool mxfp4 = false;
-  bool token_scales = false;  // FP8 activations scaled per token (layer_fp8_scaling: MXFP4 prefill)
+  bool token_scales = false;  // FP8 activations scaled per token (layer_fp8_scaling: an MXFP4 layer)
   int rank = 0, d = 0, model_d = 0, inter = 0, shared_inter = 0, num_experts = 0, k = 0, e_loc = 0, t_max = 0,
       m_max = 0;
   std::shared_ptr<const ActivationTable> activation_table;  // the owner's when sharing weights

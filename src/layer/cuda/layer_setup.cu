@@ -22,9 +22,6 @@ namespace {
 
 int round_up(int v, int unit) { return (v + unit - 1) / unit * unit; }
 
-// The CPU layer's name for an EP buffer's mode (layer_fp8_scaling takes it).
-EpProtocol ep_protocol(EpMode mode) { return mode == EpMode::kNormal ? EpProtocol::kNormal : EpProtocol::kLowLatency; }
-
 }  // namespace
 
 bool shared_expert_in_slab(const ModelSpec& model) {
@@ -51,7 +48,7 @@ EpConfig layer_ep_config(const ModelSpec& model, int num_slots, int num_ranks, i
   c.self_slab = mode == EpMode::kLowLatency && pipeline == GpuPipeline::kFused && merge_shared &&
                 shared_expert_in_slab(model) && c.max_tokens <= fused_max_tokens;
   c.mxfp4_k_order = model.expert_format == "mxfp4";
-  c.x_scaling = layer_fp8_scaling(model, ep_protocol(mode));
+  c.x_scaling = layer_fp8_scaling(model);
   c.validate();
   return c;
 }
@@ -96,7 +93,7 @@ void GpuMoeLayer::Impl::take_shapes(const ModelSpec& model, const MoeLayerWeight
                fmtr("EP buffer's mxfp4_k_order = {} for model '{}' with expert_format {}: an MXFP4 layer's experts read "
                     "their rows in the MXFP4 GEMM's K order, an FP8 layer's in the natural one (layer_ep_config sets it)",
                     s.ec.mxfp4_k_order, model.name, model.expert_format));
-  const Fp8Scaling scaling = layer_fp8_scaling(model, ep_protocol(s.ec.mode));
+  const Fp8Scaling scaling = layer_fp8_scaling(model);
   MOEKIT_CHECK(s.ec.x_scaling == scaling,
                fmtr("EP buffer's x_scaling = {} for model '{}' ({}) in {} mode: the layer's FP8 activations are {} "
                     "(layer_fp8_scaling; layer_ep_config sets it)",
@@ -353,8 +350,11 @@ void GpuMoeLayer::Impl::plan_gemms() {
   // Merged: slab E_loc holds every token of the rank, which the heuristic weighs on its own.
   const int shared_rows = s.merged ? s.t_max : 0;
   const int m_plan = s.planned_m();
-  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, m_plan, epilogue1, format, shared_rows};
-  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, m_plan, GemmEpilogue::kBf16, format, shared_rows};
+  // Per-token activations (an MXFP4 layer): the register kernel keeps the whole K in one
+  // accumulator (a_row_scales, docs/gemm-mxfp4.md run 44).
+  const MaskedGemmProblem p1{slabs, 2 * s.inter, s.d, s.m_max, m_plan, epilogue1, format, shared_rows, s.token_scales};
+  const MaskedGemmProblem p2{slabs, s.d, s.inter, s.m_max, m_plan, GemmEpilogue::kBf16, format, shared_rows,
+                             s.token_scales};
   const EpBuffer& ep = *s.ep;
   const MaskedGemmBuffers b1{ep.recv_x(), ep.recv_scales(), s.w1, s.w1s, ep.recv_count(), s.gate_up, s.act,
                              s.act_scales, s.w1_mx, s.b1, s.expert_ready, s.recv_ready};
