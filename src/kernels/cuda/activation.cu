@@ -1,9 +1,9 @@
-// FP8 quantisation kernels: the MoE layer's (activation.cuh) and the public ones of quant_gpu.h.
-// One warp per row; each lane holds 4 consecutive values of a 128-column group, so a group's amax
-// is one warp reduction (weight blocks: one CTA per 128x128 block).
-// The operations are the reference's, in its order: v = g / (1 + exp(-g)) * u in fp32 (the gate
-// half g / (1 + exp(-g)) looked up: gate_table.h), scale = max(amax, kMinAmax) / 448,
-// q = e4m3(v / scale) (fp8.h's rounding, IEEE division).
+// The MoE layer's activation kernels: act(gate, up) fused with FP8 quantisation, masked and
+// contiguous, 1x128 groups or one scale per token (activation.cuh). One warp per row or per
+// (row, group) item; the quantisation is quant_warp.cuh's. The operations are the reference's, in
+// its order: v = g / (1 + exp(-g)) * u in fp32 (the gate half g / (1 + exp(-g)) looked up:
+// gate_table.h), scale = max(amax, kMinAmax) / 448, q = e4m3(v / scale) (fp8.h's rounding, IEEE
+// division).
 #include <algorithm>
 #include <cmath>
 
@@ -12,6 +12,7 @@
 #include "kernels/cuda/gate_table.h"
 #include "kernels/cuda/gemm_host.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/quant_warp.cuh"
 #include "kernels/cuda/silu_fp8.cuh"
 #include "kernels/cuda/warp_prefix.cuh"
 #include "moekit/bf16.h"
@@ -21,45 +22,14 @@
 #include "moekit/layout.h"
 #include "moekit/mxfp4.h"
 #include "moekit/quant.h"
-#include "moekit/quant_gpu.h"
 
 namespace moekit::gpu {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr int kRowsPerBlock = 8;  // one warp per row
-
-// The e4m3 codes of a lane's 4 values divided by one scale (fp8_quantize_by's bits), packed: two
-// paired hardware conversions when every quotient of the warp is finite (always, for finite
-// inputs), else fp8.h's conversion per value, whose NaN code is the reference's. One vote per
-// group instead of a test and a branch per value. Called by whole warps.
-__device__ __forceinline__ uint32_t fp8x4_by(const float (&v)[4], double inv) {
-  float q[4];
-  bool finite = true;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    q[i] = div_by(v[i], inv);
-    finite = finite && isfinite(q[i]);
-  }
-  if (__all_sync(0xffffffffu, finite)) return fp8x4_e4m3_finite(q[0], q[1], q[2], q[3]);
-  uint32_t packed = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) packed |= uint32_t(fp8_quantize_by(v[i], inv)) << (8 * i);
-  return packed;
-}
-
-// Quantises the warp's 4 values per lane of one 128-column group: returns the packed fp8 bytes
-// and, through `scale`, the group's scale. Called by whole warps.
-__device__ uint32_t quantize_group(const float (&v)[4], float& scale) {
-  const float lane_amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  // The warp's largest: one integer max over the bits (ordered as the non-negative floats are),
-  // where a chain of five shuffles and fmaxf was. fmaxf drops a NaN unless every operand is one;
-  // a lane whose four are all NaN enters as 0 instead, which fp8_group_scale's floor makes the
-  // same scale as the NaN the shuffles would give when every lane is NaN.
-  const unsigned bits = __reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax));
-  scale = fp8_group_scale(__uint_as_float(bits));
-  return fp8x4_by(v, reciprocal_rn(scale));  // one reciprocal for the lane's 4 divisions
-}
+using warp_quant::fp8x4_by;
+using warp_quant::kRowsPerBlock;
+using warp_quant::kWarp;
+using warp_quant::quantize_group;
 
 // The CTA's window of the gate table (gate_table.h): two runs of the global table, 16 bytes per
 // copy. Called before the grid dependency wait: the table is written once, at set-up.
@@ -317,120 +287,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
   end_kernel(stamp);
 }
 
-// The shared expert's input: x [T, d] bf16 -> FP8 1x128 as one masked expert. One warp per
-// (row, group) item over as many CTAs as the items need: each warp's work is one load and one
-// store, so the kernel takes one memory round trip whatever T is (dealing the items of 8 rows
-// over one CTA's warps took T/8 dependent rounds: 50-90 us at 8 tokens, measured on the stage
-// clock, 2026-11-30).
-__global__ void quantize_tokens_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int max_m,
-                                       uint8_t* __restrict__ out, float* __restrict__ out_scales, int32_t* masked_m,
-                                       unsigned long long* stamp) {
-  begin_kernel(stamp);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *masked_m = num_tokens;
-  const int groups = hidden / kQuantBlock;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t item = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
-  if (item < int64_t(num_tokens) * groups) {
-    const int m = int(item / groups), g = int(item % groups);
-    const int c = g * kQuantBlock + lane * 4;
-    const uint2 xv = *reinterpret_cast<const uint2*>(x + size_t(m) * hidden + c);
-    const float v[4] = {bf16_to_float(uint16_t(xv.x)), bf16_to_float(uint16_t(xv.x >> 16)),
-                        bf16_to_float(uint16_t(xv.y)), bf16_to_float(uint16_t(xv.y >> 16))};
-    float scale;
-    const uint32_t q = quantize_group(v, scale);
-    *reinterpret_cast<uint32_t*>(out + size_t(m) * hidden + c) = q;  // masked, one expert
-    if (lane == 0) out_scales[size_t(g) * max_m + m] = scale;
-  }
-  end_kernel(stamp);
-}
-
-// Four consecutive inputs as fp32: bf16 widened exactly, fp32 as it is.
-__device__ void load4(const uint16_t* p, float (&v)[4]) {
-  const uint2 b = *reinterpret_cast<const uint2*>(p);
-  v[0] = bf16_to_float(uint16_t(b.x));
-  v[1] = bf16_to_float(uint16_t(b.x >> 16));
-  v[2] = bf16_to_float(uint16_t(b.y));
-  v[3] = bf16_to_float(uint16_t(b.y >> 16));
-}
-__device__ void load4(const float* p, float (&v)[4]) {
-  const float4 f = *reinterpret_cast<const float4*>(p);
-  v[0] = f.x;
-  v[1] = f.y;
-  v[2] = f.z;
-  v[3] = f.w;
-}
-
-// quant_gpu.h's report of a non-finite input: the smallest flattened index wins.
-__device__ void note_non_finite(const float (&v)[4], unsigned long long index, unsigned long long* first_bad) {
-  if (first_bad == nullptr) return;
-  for (int i = 0; i < 4; ++i)
-    if (!isfinite(v[i])) {
-      atomicMin(first_bad, index + i);
-      return;
-    }
-}
-
-// quant_gpu.h tokens: row `row` of x [batches * rows, k]; its scales at [b, g, m] of
-// [batches, k/128, rows].
-template <class T>
-__global__ void quantize_token_rows_kernel(const T* __restrict__ x, int64_t total_rows, int64_t rows, int k,
-                                           uint8_t* __restrict__ q, float* __restrict__ scales,
-                                           unsigned long long* first_bad) {
-  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= total_rows) return;
-  const int lane = threadIdx.x % kWarp;
-  const int groups = k / kQuantBlock;
-  float* s = scales + (row / rows) * groups * rows + row % rows;
-  for (int g = 0; g < groups; ++g) {
-    const int64_t i = row * k + g * kQuantBlock + lane * 4;
-    float v[4];
-    load4(x + i, v);
-    note_non_finite(v, uint64_t(i), first_bad);
-    float scale;
-    const uint32_t packed = quantize_group(v, scale);
-    *reinterpret_cast<uint32_t*>(q + i) = packed;
-    if (lane == 0) s[int64_t(g) * rows] = scale;
-  }
-}
-
-// quant_gpu.h blocks: CTA (cb, rb, b) quantises the 128x128 block; thread t covers row t / 2,
-// columns (t % 2) * 64 .. + 64, read twice (amax, then values: the second read hits L1/L2).
-constexpr int kBlockThreads = 256;
-template <class T>
-__global__ void __launch_bounds__(kBlockThreads) quantize_blocks_kernel(const T* __restrict__ w, int n, int k,
-                                                                        uint8_t* __restrict__ q,
-                                                                        float* __restrict__ scales,
-                                                                        unsigned long long* first_bad) {
-  __shared__ float warp_amax[kBlockThreads / kWarp];
-  const int cb = blockIdx.x, rb = blockIdx.y;
-  const int64_t b = blockIdx.z;
-  const int64_t base = b * n * k + int64_t(rb * kQuantBlock + threadIdx.x / 2) * k + cb * kQuantBlock +
-                       (threadIdx.x % 2) * (kQuantBlock / 2);
-  float amax = 0.0f;
-  for (int i = 0; i < kQuantBlock / 2; i += 4) {
-    float v[4];
-    load4(w + base + i, v);
-    note_non_finite(v, uint64_t(base + i), first_bad);
-    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-  }
-  for (int o = kWarp / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (threadIdx.x % kWarp == 0) warp_amax[threadIdx.x / kWarp] = amax;
-  __syncthreads();
-  amax = warp_amax[0];
-  for (int i = 1; i < kBlockThreads / kWarp; ++i) amax = fmaxf(amax, warp_amax[i]);
-  const float scale = fp8_group_scale(amax);
-  const double inv = reciprocal_rn(scale);
-  for (int i = 0; i < kQuantBlock / 2; i += 4) {
-    float v[4];
-    load4(w + base + i, v);
-    uint32_t packed = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) packed |= uint32_t(fp8_quantize_by(v[j], inv)) << (8 * j);
-    *reinterpret_cast<uint32_t*>(q + base + i) = packed;
-  }
-  if (threadIdx.x == 0) scales[(b * (n / kQuantBlock) + rb) * (k / kQuantBlock) + cb] = scale;
-}
-
 // The activation launches' shared checks: a table, and rows of whole 1x128 groups.
 void check_activation_args(const char* what, const GpuActivation& act, int inter) {
   MOEKIT_CHECK(inter > 0 && inter % kQuantBlock == 0,
@@ -438,43 +294,6 @@ void check_activation_args(const char* what, const GpuActivation& act, int inter
   MOEKIT_CHECK(act.gate_table != nullptr && reinterpret_cast<uintptr_t>(act.gate_table) % 16 == 0,
                fmtr("{}: GpuActivation::gate_table = {}, expected a 16-byte aligned device table (ActivationTable)",
                     what, static_cast<const void*>(act.gate_table)));
-}
-
-// Host checks shared by the public launches: the vector loads need aligned rows.
-void check_quant_args(const char* what, const void* x, size_t x_align, const uint8_t* q, const float* scales,
-                      int64_t batches, int64_t rows, int k) {
-  MOEKIT_CHECK(k > 0 && k % kQuantBlock == 0, fmtr("{}: k = {} must be a positive multiple of 128", what, k));
-  MOEKIT_CHECK(batches >= 0 && rows >= 0, fmtr("{}: batches = {}, rows = {} must be >= 0", what, batches, rows));
-  MOEKIT_CHECK(reinterpret_cast<uintptr_t>(x) % x_align == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
-                   reinterpret_cast<uintptr_t>(scales) % 4 == 0,
-               fmtr("{}: x must be {}-byte aligned and q 4-byte aligned (x = {}, q = {})", what, x_align, x,
-                    static_cast<const void*>(q)));
-}
-
-template <class T>
-void launch_quantize_tokens_fp8(const T* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
-                                unsigned long long* first_bad, cudaStream_t stream) {
-  check_quant_args("quantize_tokens_fp8", x, 4 * sizeof(T), q, scales, batches, rows, k);
-  const int64_t total = batches * rows;
-  if (total == 0) return;
-  const int64_t blocks = (total + kRowsPerBlock - 1) / kRowsPerBlock;
-  MOEKIT_CHECK(blocks < (int64_t(1) << 31), fmtr("quantize_tokens_fp8: {} rows are too many for one launch", total));
-  quantize_token_rows_kernel<<<unsigned(blocks), kRowsPerBlock * kWarp, 0, stream>>>(x, total, rows, k, q, scales,
-                                                                                      first_bad);
-  MOEKIT_CUDA_CHECK_LAUNCH();
-}
-
-template <class T>
-void launch_quantize_blocks_fp8(const T* w, int64_t batches, int n, int k, uint8_t* q, float* scales,
-                                unsigned long long* first_bad, cudaStream_t stream) {
-  check_quant_args("quantize_blocks_fp8", w, 4 * sizeof(T), q, scales, batches, n, k);
-  MOEKIT_CHECK(n % kQuantBlock == 0, fmtr("quantize_blocks_fp8: n = {} must be a multiple of 128", n));
-  MOEKIT_CHECK(batches < 65536 && n / kQuantBlock < 65536,
-               fmtr("quantize_blocks_fp8: batches = {} and n/128 = {} must be < 65536", batches, n / kQuantBlock));
-  if (batches == 0 || n == 0) return;
-  const dim3 grid(k / kQuantBlock, n / kQuantBlock, unsigned(batches));
-  quantize_blocks_kernel<<<grid, kBlockThreads, 0, stream>>>(w, n, k, q, scales, first_bad);
-  MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
 // ActivationTable's entries: the gate half of every bf16 gate, by the functions the gated GEMM
@@ -485,23 +304,6 @@ __global__ void fill_gate_table_kernel(GpuActivation act, float* table) {
 }
 
 }  // namespace
-
-void quantize_tokens_fp8(const uint16_t* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
-                         unsigned long long* first_bad, cudaStream_t stream) {
-  launch_quantize_tokens_fp8(x, batches, rows, k, q, scales, first_bad, stream);
-}
-void quantize_tokens_fp8(const float* x, int64_t batches, int64_t rows, int k, uint8_t* q, float* scales,
-                         unsigned long long* first_bad, cudaStream_t stream) {
-  launch_quantize_tokens_fp8(x, batches, rows, k, q, scales, first_bad, stream);
-}
-void quantize_blocks_fp8(const uint16_t* w, int64_t batches, int n, int k, uint8_t* q, float* scales,
-                         unsigned long long* first_bad, cudaStream_t stream) {
-  launch_quantize_blocks_fp8(w, batches, n, k, q, scales, first_bad, stream);
-}
-void quantize_blocks_fp8(const float* w, int64_t batches, int n, int k, uint8_t* q, float* scales,
-                         unsigned long long* first_bad, cudaStream_t stream) {
-  launch_quantize_blocks_fp8(w, batches, n, k, q, scales, first_bad, stream);
-}
 
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
@@ -543,14 +345,6 @@ void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int 
   if (smem > 0) gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // past the 48 KB default
   launch_kernel_ex(kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), smem, stream, opt.pdl, gate_up, total_m, inter,
                    row_expert, out, out_scales, act, opt.stamp);
-}
-
-void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int max_m, uint8_t* out, float* out_scales,
-                            int32_t* masked_m, cudaStream_t stream, const LaunchOptions& opt) {
-  const int64_t items = int64_t(num_tokens) * (hidden / kQuantBlock);
-  const int blocks = int(std::max<int64_t>(1, (items + kRowsPerBlock - 1) / kRowsPerBlock));
-  launch_kernel_ex(quantize_tokens_kernel, dim3(blocks), dim3(kRowsPerBlock * kWarp), 0, stream, opt.pdl, x,
-                   num_tokens, hidden, max_m, out, out_scales, masked_m, opt.stamp);
 }
 
 ActivationTable::ActivationTable(const ref::Activation& act)

@@ -1,4 +1,4 @@
-// Internal to moekit_cuda: the layer's FP8 quantisation kernels (activation.cu), bit for bit
+// Internal to moekit_cuda: the layer's activation kernels, act(gate, up) + FP8 (activation.cu), bit for bit
 // reference.h's activation_quant_* and quant.h's quantize_row_fp8 (docs/layer-gpu.md gives the one
 // place where a bit can differ: expf). The activation's gate half is looked up (gate_table.h).
 #pragma once
@@ -45,10 +45,5 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
 void launch_silu_mul_quant_contiguous(const uint16_t* gate_up, int total_m, int inter, const int32_t* row_expert,
                                       uint8_t* out, float* out_scales, cudaStream_t stream,
                                       const LaunchOptions& opt, const GpuActivation& act);
-
-// x [T, d] bf16 -> one masked "expert" for the shared expert's GEMM: out [max_m, d] fp8, out_scales
-// [d/128, max_m]; also writes masked_m[0] = T (so a captured graph needs no host write).
-void launch_quantize_tokens(const uint16_t* x, int num_tokens, int hidden, int max_m, uint8_t* out, float* out_scales,
-                            int32_t* masked_m, cudaStream_t stream, const LaunchOptions& opt = {});
 
 }  // namespace moekit::gpu
