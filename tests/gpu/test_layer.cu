@@ -755,9 +755,9 @@ TEST(GpuLayerKernels, GateMatchesReference) {
 }
 
 // Both router kernels on shapes that end inside a tile (tokens, experts and columns), a padded
-// row (x_cols < d) and a logit bias: the tiled kernel sums in gating.h's order, so its logits are
-// the reference's bits; the warp kernel's within fp64 rounding. Poisoned outputs: every logit is
-// written.
+// row (x_cols < d) and a logit bias: the tiled kernel in one split sums in gating.h's order, so
+// its logits are the reference's bits; the warp kernel's and the split tiles' (2, 4, 8 CTAs of a
+// cluster) within fp64 rounding. Poisoned outputs: every logit is written.
 TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   struct Shape {
     int T, E, d, x_cols;
@@ -783,28 +783,40 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
     dx.upload(x.data(), x.size());
     dw.upload(rw.data(), rw.size());
     dlb.upload(lb.data(), lb.size());
-    for (gpu::RouterKernel kernel : {gpu::RouterKernel::kWarps, gpu::RouterKernel::kTiles}) {
-      const bool tiles = kernel == gpu::RouterKernel::kTiles;
+    for (const gpu::RouterConfig cfg : {gpu::RouterConfig{gpu::RouterKernel::kWarps, 1},
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 1},
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 2},
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 4},
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 8}}) {
+      if (cfg.splits > (sh.x_cols + 15) / 16) continue;  // a split needs a 16-column slice
+      const bool exact = cfg.kernel == gpu::RouterKernel::kTiles && cfg.splits == 1;
       MOEKIT_CUDA_CHECK(cudaMemset(dl.ptr, 0xff, want.size() * sizeof(float)));  // NaN everywhere
       gpu::launch_router_logits(dx.ptr, sh.T, sh.d, dw.ptr, sh.E, dl.ptr, nullptr, {}, sh.bias ? dlb.ptr : nullptr,
-                                sh.x_cols, kernel);
+                                sh.x_cols, cfg);
       MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
       const auto got = dl.download(want.size());
       size_t same = 0;
       for (size_t i = 0; i < got.size(); ++i) {
         same += got[i] == want[i];
-        if (tiles) ASSERT_EQ(got[i], want[i]) << "T " << sh.T << " E " << sh.E << " d " << sh.d << " at " << i;
-        else ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i]))) << "T " << sh.T << " E " << sh.E << " at " << i;
+        if (exact) ASSERT_EQ(got[i], want[i]) << "T " << sh.T << " E " << sh.E << " d " << sh.d << " at " << i;
+        else ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i])))
+            << cfg.to_string() << " T " << sh.T << " E " << sh.E << " at " << i;
       }
-      std::printf("[layer] router %s T %d E %d d %d x_cols %d: %zu/%zu logits the same bits\n", tiles ? "tiles" : "warps",
+      std::printf("[layer] router %s T %d E %d d %d x_cols %d: %zu/%zu logits the same bits\n", cfg.to_string().c_str(),
                   sh.T, sh.E, sh.d, sh.x_cols, same, got.size());
     }
   }
-  // The rule: tiles once they fill the SMs.
-  EXPECT_EQ(gpu::choose_router_kernel(8192, 128, 132), gpu::RouterKernel::kTiles);
-  EXPECT_EQ(gpu::choose_router_kernel(4224, 128, 132), gpu::RouterKernel::kTiles);
-  EXPECT_EQ(gpu::choose_router_kernel(4160, 128, 132), gpu::RouterKernel::kWarps);
-  EXPECT_EQ(gpu::choose_router_kernel(64, 256, 132), gpu::RouterKernel::kWarps);
+  // The rule, by the two rates (gating.cuh): whole tiles at prefill sizes, K split over a cluster
+  // where the tiles are few, the warp kernel only for a handful of tokens.
+  auto rule = [](int T, int E, int d) { return gpu::choose_router_config(T, E, d, 132).to_string(); };
+  EXPECT_EQ(rule(8192, 128, 2944), "tiles:1");  // gpt-oss-120b's prefill
+  EXPECT_EQ(rule(4160, 128, 2944), "tiles:1");
+  EXPECT_EQ(rule(1024, 128, 2944), "tiles:4");  // its decode at B = 1024 on one rank
+  EXPECT_EQ(rule(128, 256, 7168), "tiles:8");   // DeepSeek-V3's 128 tokens per rank (B = 1024, EP8)
+  EXPECT_EQ(rule(64, 128, 2944), "warps");
+  expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 0,
+                                              gpu::RouterConfig{gpu::RouterKernel::kTiles, 9}); },
+               {"tiles:9", "expected 1..8 splits"});
   // Rows the kernels' 4-column loads cannot take, refused with the values (before any launch).
   expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 6); },
                {"x_cols = 6", "multiples of 4"});

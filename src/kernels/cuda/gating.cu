@@ -9,6 +9,7 @@
 #include "kernels/cuda/gating.cuh"
 #include "kernels/cuda/gemm_host.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/ptx.cuh"
 #include "moekit/bf16.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
@@ -88,17 +89,28 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 // 16 sums starts at the bias and adds its products in column order, as gating.h's loop does; the
 // products are exact, so fma rounds as its add does and the logits are gating.h's bits. Columns
 // past x_cols are read as zero and add exact zeros.
-constexpr int kTileT = 64, kTileE = 64, kTileK = 16, kTileThreads = 256;
+// Split K (splits > 1, decode's few tiles): the `splits` CTAs of a cluster take one tile's column
+// ranges in turn, CTA s from column tile s k_tiles / splits on, only the first starting at the
+// bias; each leaves its 64 x 64 partial sums in its shared memory, and CTA s adds rows s · 64 /
+// splits .. of all the partials in cluster order (p0 + p1 + ...), reading its peers' shared
+// memory. Deterministic, but no longer gating.h's order: a logit can differ from the reference's
+// in the last bit where the fp64 sums round to fp32 differently
+// (docs/layer-gpu.md §Numerics: what is the same bits).
+constexpr int kTileT = 64, kTileE = 64, kTileK = 16, kTileThreads = 256, kMaxRouterSplits = 8;
 
 __global__ void __launch_bounds__(kTileThreads)
     router_logits_tiled_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int x_cols,
                                const float* __restrict__ w, int num_experts, float* __restrict__ logits,
-                               const float* __restrict__ logit_bias, unsigned long long* stamp) {
+                               const float* __restrict__ logit_bias, int splits, unsigned long long* stamp) {
   begin_kernel(stamp);
-  __shared__ double xs[2][kTileK][kTileT];  // [buffer][column][token]
-  __shared__ double ws[2][kTileK][kTileE];  // [buffer][column][expert]
+  // The two buffers of x's and w's slices; after the K loop, a split's partial tile [token][expert].
+  static_assert(2 * kTileK * (kTileT + kTileE) == kTileT * kTileE, "the partial tile fits the slices' memory");
+  __shared__ double tile_smem[2 * kTileK * (kTileT + kTileE)];
+  auto xs = reinterpret_cast<double(*)[kTileK][kTileT]>(tile_smem);                    // [buffer][column][token]
+  auto ws = reinterpret_cast<double(*)[kTileK][kTileE]>(tile_smem + 2 * kTileK * kTileT);  // [buffer][column][expert]
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const int t0 = blockIdx.y * kTileT, e0 = blockIdx.x * kTileE;
+  const int split = splits > 1 ? int(ptx::cluster_ctarank()) : 0;  // the cluster runs along x
+  const int t0 = blockIdx.y * kTileT, e0 = blockIdx.x / splits * kTileE;
   // The loader: thread tid brings row tid / 4 (a token of x, an expert of w), columns c .. c + 3.
   const int lrow = tid / 4, lcol = (tid % 4) * 4;
   const bool t_ok = t0 + lrow < num_tokens, e_ok = e0 + lrow < num_experts;
@@ -125,17 +137,18 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int e = e0 + tx + 16 * j;
-    const double b = logit_bias && e < num_experts ? double(logit_bias[e]) : 0.0;
+    const double b = split == 0 && logit_bias && e < num_experts ? double(logit_bias[e]) : 0.0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i][j] = b;
   }
   const int k_tiles = (x_cols + kTileK - 1) / kTileK;
-  load(0);
+  const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
+  load(kt_begin * kTileK);
   store(0);
   __syncthreads();
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int buf = kt & 1;
-    if (kt + 1 < k_tiles) load((kt + 1) * kTileK);  // in flight while this slice is multiplied
+  for (int kt = kt_begin; kt < kt_end; ++kt) {
+    const int buf = (kt - kt_begin) & 1;
+    if (kt + 1 < kt_end) load((kt + 1) * kTileK);  // in flight while this slice is multiplied
 #pragma unroll
     for (int kk = 0; kk < kTileK; ++kk) {
       double a[4], b[4];
@@ -149,8 +162,26 @@ __global__ void __launch_bounds__(kTileThreads)
         for (int j = 0; j < 4; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
     }
     // The other buffer was last read in iteration kt - 1, which every thread has left.
-    if (kt + 1 < k_tiles) store(buf ^ 1);
+    if (kt + 1 < kt_end) store(buf ^ 1);
     __syncthreads();
+  }
+  if (splits > 1) {
+    double* part = tile_smem;  // the slices are read (the loop's last barrier)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) part[(ty + 16 * i) * kTileE + tx + 16 * j] = acc[i][j];
+    ptx::cluster_sync();  // every split's partials written
+    const int r0 = split * kTileT / splits, r1 = (split + 1) * kTileT / splits;
+    for (int idx = tid; idx < (r1 - r0) * kTileE; idx += kTileThreads) {
+      const int r = r0 + idx / kTileE, c = idx % kTileE, t = t0 + r, e = e0 + c;
+      double sum = ptx::ld_shared_cluster_f64(part + r * kTileE + c, 0);  // split 0's: it holds the bias
+      for (int q = 1; q < splits; ++q) sum += ptx::ld_shared_cluster_f64(part + r * kTileE + c, uint32_t(q));
+      if (t < num_tokens && e < num_experts) logits[size_t(t) * num_experts + e] = float(sum);
+    }
+    ptx::cluster_sync();  // no CTA leaves while a peer still reads its partials
+    end_kernel(stamp);
+    return;
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -339,42 +370,77 @@ __global__ void map_replicas_kernel(ReplicaMap map, int num_tokens, int k, const
 
 }  // namespace
 
-RouterKernel choose_router_kernel(int num_tokens, int num_experts, int num_sms) {
-  // Tiles once they make a full wave: below that the warp kernel keeps more SMs busy.
+std::string RouterConfig::to_string() const {
+  return kernel == RouterKernel::kWarps   ? std::string("warps")
+         : kernel == RouterKernel::kTiles ? "tiles:" + std::to_string(splits)
+                                          : std::string("auto");
+}
+
+RouterConfig choose_router_config(int num_tokens, int num_experts, int hidden, int num_sms) {
+  // SM cycles of each, from the rate that bounds it: the warp kernel widens 36 values to fp64 per
+  // 32 products (Hopper: 16 per SM and clock), spread over every SM; the tiles make 64 fp64 FMAs
+  // per SM and clock, one CTA of 64 x 64 products per column at a time per SM, in rounds of SMs.
+  // Ties go to fewer splits (one split is gating.h's bits).
+  const double products = double(num_tokens) * num_experts * hidden;
+  const double warps = products * 36.0 / 32.0 / (16.0 * num_sms);
   const long tiles = long((num_tokens + kTileT - 1) / kTileT) * ((num_experts + kTileE - 1) / kTileE);
-  return tiles >= num_sms ? RouterKernel::kTiles : RouterKernel::kWarps;
+  const int k_tiles = (hidden + kTileK - 1) / kTileK;
+  RouterConfig best{RouterKernel::kWarps, 1};
+  double best_cycles = warps;
+  for (int s = 1; s <= kMaxRouterSplits && s <= k_tiles; s *= 2) {
+    const double rounds = double((tiles * s + num_sms - 1) / num_sms);
+    const double cycles = rounds * double(kTileT) * kTileE * (double(hidden) / s) / 64.0;
+    if (cycles < best_cycles) best = {RouterKernel::kTiles, s}, best_cycles = cycles;
+  }
+  return best;
 }
 
 namespace {
 
-RouterKernel router_kernel_override() {
-  static const RouterKernel k = [] {
+// MOEKIT_ROUTER: warps, tiles (the heuristic's splits for tiles, else 1) or tiles:S.
+RouterConfig router_config_override() {
+  static const RouterConfig c = [] {
     const char* env = std::getenv("MOEKIT_ROUTER");
-    if (!env || !*env) return RouterKernel::kAuto;
+    if (!env || !*env) return RouterConfig{};
     const std::string v(env);
-    MOEKIT_CHECK(v == "warps" || v == "tiles", "MOEKIT_ROUTER = '" + v + "', expected 'warps' or 'tiles'");
-    return v == "warps" ? RouterKernel::kWarps : RouterKernel::kTiles;
+    if (v == "warps") return RouterConfig{RouterKernel::kWarps, 1};
+    if (v == "tiles") return RouterConfig{RouterKernel::kTiles, 0};
+    int s = 0;
+    if (v.rfind("tiles:", 0) == 0) s = std::atoi(v.c_str() + 6);
+    MOEKIT_CHECK(s == 1 || s == 2 || s == 4 || s == 8,
+                 "MOEKIT_ROUTER = '" + v + "', expected 'warps', 'tiles' or 'tiles:S' with S in {1, 2, 4, 8}");
+    return RouterConfig{RouterKernel::kTiles, s};
   }();
-  return k;
+  return c;
 }
 
 }  // namespace
 
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
                           float* logits, cudaStream_t stream, const LaunchOptions& opt, const float* logit_bias,
-                          int x_cols, RouterKernel kernel) {
+                          int x_cols, RouterConfig config) {
   if (num_tokens == 0) return;
   if (x_cols <= 0) x_cols = hidden;
   // Both kernels load 4 columns at once (x as uint2, w as float4) from rows that start aligned.
   MOEKIT_CHECK(hidden % 4 == 0 && x_cols % 4 == 0 && x_cols <= hidden,
                "launch_router_logits: hidden = " + std::to_string(hidden) + ", x_cols = " + std::to_string(x_cols) +
                    "; expected multiples of 4 with x_cols <= hidden");
-  if (kernel == RouterKernel::kAuto) kernel = router_kernel_override();
-  if (kernel == RouterKernel::kAuto) kernel = choose_router_kernel(num_tokens, num_experts, gemm_detail::num_sms());
-  if (kernel == RouterKernel::kTiles) {
-    const dim3 grid((num_experts + kTileE - 1) / kTileE, (num_tokens + kTileT - 1) / kTileT);
-    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), 0, stream, opt.pdl, x, num_tokens, hidden,
-                     x_cols, router_weight, num_experts, logits, logit_bias, opt.stamp);
+  if (config.kernel == RouterKernel::kAuto) config = router_config_override();
+  const RouterConfig chosen = choose_router_config(num_tokens, num_experts, x_cols, gemm_detail::num_sms());
+  if (config.kernel == RouterKernel::kAuto) config = chosen;
+  if (config.kernel == RouterKernel::kTiles && config.splits == 0)  // "tiles": the heuristic's splits where it takes tiles
+    config.splits = chosen.kernel == RouterKernel::kTiles ? chosen.splits : 1;
+  if (config.kernel == RouterKernel::kTiles) {
+    const int k_tiles = (x_cols + kTileK - 1) / kTileK;
+    MOEKIT_CHECK(config.splits >= 1 && config.splits <= kMaxRouterSplits && config.splits <= k_tiles,
+                 "launch_router_logits: " + config.to_string() + ", expected 1.." +
+                     std::to_string(std::min(kMaxRouterSplits, k_tiles)) + " splits for " + std::to_string(x_cols) +
+                     " columns");
+    const dim3 grid(unsigned((num_experts + kTileE - 1) / kTileE * config.splits),
+                    unsigned((num_tokens + kTileT - 1) / kTileT));
+    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), 0, stream, LaunchShape(opt.pdl, config.splits),
+                     x, num_tokens, hidden, x_cols, router_weight, num_experts, logits, logit_bias, config.splits,
+                     opt.stamp);
     return;
   }
   const dim3 grid((num_experts + kLogitWarps - 1) / kLogitWarps, (num_tokens + kLogitTokens - 1) / kLogitTokens);

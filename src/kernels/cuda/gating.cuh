@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/cuda/launch.cuh"
 
@@ -35,18 +36,26 @@ struct RouterParams {
 // [T, x_cols] (a multiple of 4, at most d), the rest of each row zero (a padded hidden size).
 //
 // Two kernels, one result within fp64 rounding: kWarps (each warp one expert for 8 tokens, a
-// lane every 128th column, the lanes' sums added in a tree) for few tokens, where it spreads the
-// columns over many warps; kTiles (a CTA 64 tokens x 64 experts through shared memory, each
-// thread 16 dot products summed in column order from the bias, gating.h's order: its logits are
-// gating.h's bits) once the tiles fill the SMs, where kWarps's widening of both operands of every
-// product to fp64 costs more than the tiles' idle SMs. Why the bits can differ:
-// docs/layer-gpu.md §Numerics: what is the same bits. kAuto picks; MOEKIT_ROUTER=warps|tiles
-// overrides it for a study.
+// lane every 128th column, the lanes' sums added in a tree), and kTiles (a CTA 64 tokens x 64
+// experts through shared memory, each thread 16 dot products summed in column order from the
+// bias, gating.h's order: with one split its logits are gating.h's bits), whose K may be split
+// over the 2, 4 or 8 CTAs of a cluster that add their partial sums in a fixed order (decode's few
+// tiles). kWarps widens both operands of every product to fp64, at a quarter of the tiles' fp64
+// rate; it pays only where the tiles, even split, leave most SMs idle (a handful of tokens).
+// choose_router_config weighs the two by those rates. Why the bits can differ:
+// docs/layer-gpu.md §Numerics: what is the same bits. MOEKIT_ROUTER=warps, tiles or tiles:S sets
+// the kernel over the heuristic for a study. Throws moekit::Error naming the value for hidden or
+// x_cols not a multiple of 4, x_cols > hidden, or splits outside 1..8 (at most d/16).
 enum class RouterKernel { kAuto, kWarps, kTiles };
-RouterKernel choose_router_kernel(int num_tokens, int num_experts, int num_sms);
+struct RouterConfig {
+  RouterKernel kernel = RouterKernel::kAuto;  // kAuto: MOEKIT_ROUTER, else choose_router_config
+  int splits = 1;                             // kTiles: CTAs splitting K, 1..8 (0: the heuristic's)
+  std::string to_string() const;              // "warps", "tiles:S"
+};
+RouterConfig choose_router_config(int num_tokens, int num_experts, int hidden, int num_sms);
 void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const float* router_weight, int num_experts,
                           float* logits, cudaStream_t stream, const LaunchOptions& opt = {},
-                          const float* logit_bias = nullptr, int x_cols = 0, RouterKernel kernel = RouterKernel::kAuto);
+                          const float* logit_bias = nullptr, int x_cols = 0, RouterConfig config = {});
 
 // The replica map of eplb.h choose_replicas_for_rank, per (token, entry): logical expert ->
 // physical slot, and counts[e] += 1 for every valid entry (EPLB statistics).

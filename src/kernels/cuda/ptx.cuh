@@ -82,6 +82,19 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The double at the same shared-memory offset as `local` in CTA `cta` of this cluster.
+__device__ __forceinline__ double ld_shared_cluster_f64(const double* local, uint32_t cta) {
+  double v;
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %1, %2;\n"
+      "ld.shared::cluster.f64 %0, [remote];\n}"
+      : "=d"(v)
+      : "r"(smem_addr(local)), "r"(cta)
+      : "memory");
+  return v;
+}
+
 // ---- programmatic dependent launch ----------------------------------------------------------
 // Lets the next grid on the stream be scheduled before this one ends (no-op without the launch
 // attribute).
