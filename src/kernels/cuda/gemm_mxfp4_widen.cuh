@@ -33,7 +33,7 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/gemm_mxfp4.cuh"
+#include "kernels/cuda/gemm_mxfp4_parts.cuh"
 #include "kernels/cuda/mxfp4_convert.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/stamp.cuh"
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(512, 1)
   };
 
   if (warp < 4) {
-    // ---------------- producer (gemm_mxfp4.cuh's) ----------------
+    // ---------------- producer (gemm_mxfp4_parts.cuh) ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs::kProducer));
     produce_mxfp4<kMasked, kBlockT, Layout>(args, num_tiles, early_weights, decode, full, empty, code_tiles, ws_tiles,
                                             a_tiles, sa_tiles, &tma_a, &tma_w, &tma_sa, &tma_ws);
