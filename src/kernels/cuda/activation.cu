@@ -227,14 +227,23 @@ constexpr int kHeldGroups = 24;
 constexpr int kTokenCtasPerSm = 2;  // 96 KB of held values and the 16 KB gate window each
 constexpr int kPrefetchGroups = 4;
 constexpr size_t kTokenHeldBytes = size_t(kRowsPerBlock) * kHeldGroups * kQuantBlock * sizeof(float);
+// The masked (decode) form gives every row a team of at least kMaskedMinTeam warps, each holding
+// kMaskedHeldGroups groups (gpt-oss-120b's 23 groups over 4 warps: 6 each), so that its CTAs hold
+// 24 KB of values and 4 fit an SM, 32 warps: with one warp a row and 96 KB a CTA, at B = 1024
+// (4096 rows) the kernel ran at 25% occupancy and 41% of its issue slots, 38.5 us under ncu against
+// the 1 x 128 kernel's 34.0 at 41% occupancy (one H100, 2026-12-07).
+constexpr int kMaskedMinTeam = 4;
+constexpr int kMaskedHeldGroups = 6;
+constexpr int kMaskedTokenCtasPerSm = 4;
+constexpr size_t kMaskedHeldBytes = size_t(kRowsPerBlock) * kMaskedHeldGroups * kQuantBlock * sizeof(float);
 
 // Groups g_first, g_first + g_step, ... of one row by one warp: gate_up_row [2 inter] -> out_row
 // [inter] fp8 under the row's one scale, which goes into slots scale_slot + g scale_stride.
 // row_amax(warp's amax bits) gives the row's amax bits: the warp's own when it takes the whole row,
 // else its team's (called by every warp of the CTA, also one with no groups: g_first >= groups).
-// held: the warp's [kHeldGroups][kWarp] float4s of shared memory, offset by the lane; its slot j
-// holds the warp's j-th group.
-template <bool kClamped, class RowAmax>
+// held: the warp's [kHeld][kWarp] float4s of shared memory, offset by the lane; its slot j holds
+// the warp's j-th group (its groups past kHeld are activated again for the codes).
+template <bool kClamped, int kHeld, class RowAmax>
 __device__ __forceinline__ void quant_token_groups(const GpuActivation& act, const float* window, float4* held,
                                                    const uint16_t* __restrict__ gate_up_row, int inter, int g_first,
                                                    int g_step, uint8_t* __restrict__ out_row,
@@ -265,7 +274,7 @@ __device__ __forceinline__ void quant_token_groups(const GpuActivation& act, con
         float v[4];
         activate4<kClamped>(act, window, gate[i], up[i], v);
         lane_amax = fmaxf(lane_amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-        if (j0 + i < kHeldGroups) held[(j0 + i) * kWarp] = make_float4(v[0], v[1], v[2], v[3]);
+        if (j0 + i < kHeld) held[(j0 + i) * kWarp] = make_float4(v[0], v[1], v[2], v[3]);
       }
   }
   const unsigned bits = row_amax(__reduce_max_sync(0xffffffffu, isnan(lane_amax) ? 0u : __float_as_uint(lane_amax)));
@@ -273,7 +282,7 @@ __device__ __forceinline__ void quant_token_groups(const GpuActivation& act, con
   const double inv = reciprocal_rn(scale);
   for (int j = 0, g = g_first; g < groups; ++j, g += g_step) {
     float v[4];
-    if (j < kHeldGroups) {
+    if (j < kHeld) {
       const float4 h = held[j * kWarp];
       v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
     } else {
@@ -299,36 +308,37 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
   for (int m = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp; m < total_m; m += gridDim.x * kRowsPerBlock) {
     if (row_expert[m] < 0) continue;  // warp-uniform: one warp per row
     // layout.h: scale (m, g) at g M_total + m.
-    quant_token_groups<kClamped>(act, window, held, gate_up + size_t(m) * 2 * inter, inter, 0, 1,
+    quant_token_groups<kClamped, kHeldGroups>(act, window, held, gate_up + size_t(m) * 2 * inter, inter, 0, 1,
                                  out + size_t(m) * inter, out_scales + m, size_t(total_m), [](unsigned b) { return b; });
   }
   end_kernel(stamp);
 }
 
 // The masked layout per token: each expert's valid rows (row_start after the held values: the
-// valid rows of experts < e, one warp's prefix) dealt over the grid, each to a team of 1, 2, 4 or
-// 8 warps of one CTA, the most that still gives every warp a row's share: a decode step has few
-// rows (256 at gpt-oss-120b's B = 64 on one rank), and one warp walking a row's 23 groups twice
-// took 17 us where the 1 x 128 kernel, which deals single groups, took 10 (one H100, 2026-12-07).
+// valid rows of experts < e, one warp's prefix) dealt over the grid, each to a team of 4 or 8
+// warps of one CTA: 8 where that still gives every warp a row's share (a decode step has few rows,
+// 256 at gpt-oss-120b's B = 64 on one rank; one warp walking a row's 23 groups twice took 17 us
+// where the 1 x 128 kernel, which deals single groups, took 10; one H100, 2026-12-07), and never
+// fewer than 4, whose shares fit kMaskedHeldGroups (above).
 // Warp w of a team takes groups w, w + team, ...; the team's amax meets in shared memory.
 template <bool kClamped>
-__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
+__global__ void __launch_bounds__(kRowsPerBlock * kWarp, kMaskedTokenCtasPerSm)
     silu_mul_quant_masked_token_kernel(const uint16_t* __restrict__ gate_up, int num_experts, int max_m, int inter,
                                        const int32_t* __restrict__ masked_m, uint8_t* __restrict__ out,
                                        float* __restrict__ out_scales, GpuActivation act, unsigned long long* stamp) {
   __shared__ __align__(16) float window[kGateWindow];
   __shared__ unsigned warp_amax[kRowsPerBlock];
   extern __shared__ float4 held_values[];  // as the contiguous kernel's, then row_start [E + 1]
-  int* row_start = reinterpret_cast<int*>(held_values + kRowsPerBlock * kHeldGroups * kWarp);
+  int* row_start = reinterpret_cast<int*>(held_values + kRowsPerBlock * kMaskedHeldGroups * kWarp);
   load_gate_window(act.gate_table, window);
   begin_kernel(stamp);
   if (threadIdx.x < kWarp) warp_prefix(row_start, num_experts, [&](int e) { return min(max(masked_m[e], 0), max_m); });
   __syncthreads();  // the window and the prefix
   const int groups = inter / kQuantBlock, rows = row_start[num_experts], warp = threadIdx.x / kWarp;
-  int team = 1;  // CTA-uniform: every warp of a CTA meets the same barriers
+  int team = kMaskedMinTeam;  // CTA-uniform: every warp of a CTA meets the same barriers
   while (team < kRowsPerBlock && int64_t(rows) * team * 2 <= int64_t(gridDim.x) * kRowsPerBlock) team *= 2;
   const int teams = kRowsPerBlock / team, first = warp - warp % team;
-  float4* held = held_values + size_t(warp) * kHeldGroups * kWarp + threadIdx.x % kWarp;
+  float4* held = held_values + size_t(warp) * kMaskedHeldGroups * kWarp + threadIdx.x % kWarp;
   auto team_amax = [&](unsigned bits) {
     if (team == 1) return bits;
     if (threadIdx.x % kWarp == 0) warp_amax[warp] = bits;
@@ -343,7 +353,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kTokenCtasPerSm)
     if (r < rows) e = segment_of(row_start, num_experts, r), m = r - row_start[e], g_first = warp % team;
     const size_t row = size_t(e) * max_m + m;
     // layout.h: scale (e, m, g) at (e inter/128 + g) M_max + m.
-    quant_token_groups<kClamped>(act, window, held, gate_up + row * 2 * inter, inter, g_first, team,
+    quant_token_groups<kClamped, kMaskedHeldGroups>(act, window, held, gate_up + row * 2 * inter, inter, g_first, team,
                                  out + row * inter, out_scales + size_t(e) * groups * max_m + m, size_t(max_m),
                                  team_amax);
   }
@@ -382,9 +392,9 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
                fmtr("silu_mul_quant_masked: {} experts, expected at most {}", num_experts, kActMaxExperts));
   if (act.token_scales) {  // a team of warps per row; a grid that fits the GPU at once
     auto kernel = act.clamped_swiglu ? silu_mul_quant_masked_token_kernel<true> : silu_mul_quant_masked_token_kernel<false>;
-    const size_t smem = kTokenHeldBytes + sizeof(int) * (num_experts + 1);
+    const size_t smem = kMaskedHeldBytes + sizeof(int) * (num_experts + 1);
     gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // past the 48 KB default
-    const int ctas = int(std::min<int64_t>(int64_t(kTokenCtasPerSm) * gemm_detail::num_sms(),
+    const int ctas = int(std::min<int64_t>(int64_t(kMaskedTokenCtasPerSm) * gemm_detail::num_sms(),
                                            (int64_t(num_experts) * max_m + kRowsPerBlock - 1) / kRowsPerBlock));
     launch_kernel_ex(kernel, dim3(ctas), dim3(kRowsPerBlock * kWarp), smem, stream, opt.pdl, gate_up, num_experts,
                      max_m, inter, masked_m, out, out_scales, act, opt.stamp);
