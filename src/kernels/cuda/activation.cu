@@ -231,7 +231,8 @@ constexpr size_t kTokenHeldBytes = size_t(kRowsPerBlock) * kHeldGroups * kQuantB
 // kMaskedHeldGroups groups (gpt-oss-120b's 23 groups over 4 warps: 6 each), so that its CTAs hold
 // 24 KB of values and 4 fit an SM, 32 warps: with one warp a row and 96 KB a CTA, at B = 1024
 // (4096 rows) the kernel ran at 25% occupancy and 41% of its issue slots, 38.5 us under ncu against
-// the 1 x 128 kernel's 34.0 at 41% occupancy (one H100, 2026-12-07).
+// the 1 x 128 kernel's 34.0 at 41% occupancy (one H100, 2026-12-07). In the step: 39.5 us against
+// 42.4 at B = 1024, level at 64 and 256 (the 1 x 128 kernel: 35.1).
 constexpr int kMaskedMinTeam = 4;
 constexpr int kMaskedHeldGroups = 6;
 constexpr int kMaskedTokenCtasPerSm = 4;
