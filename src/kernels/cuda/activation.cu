@@ -340,8 +340,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp, kMaskedTokenCtasPerSm)
   while (team < kRowsPerBlock && int64_t(rows) * team * 2 <= int64_t(gridDim.x) * kRowsPerBlock) team *= 2;
   const int teams = kRowsPerBlock / team, first = warp - warp % team;
   float4* held = held_values + size_t(warp) * kMaskedHeldGroups * kWarp + threadIdx.x % kWarp;
-  auto team_amax = [&](unsigned bits) {
-    if (team == 1) return bits;
+  auto team_amax = [&](unsigned bits) {  // a team has at least kMaskedMinTeam warps
     if (threadIdx.x % kWarp == 0) warp_amax[warp] = bits;
     __syncthreads();
     for (int w = first; w < first + team; ++w) bits = max(bits, warp_amax[w]);
@@ -394,7 +393,7 @@ void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int 
   if (act.token_scales) {  // a team of warps per row; a grid that fits the GPU at once
     auto kernel = act.clamped_swiglu ? silu_mul_quant_masked_token_kernel<true> : silu_mul_quant_masked_token_kernel<false>;
     const size_t smem = kMaskedHeldBytes + sizeof(int) * (num_experts + 1);
-    gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // past the 48 KB default
+    gemm_detail::allow_smem(reinterpret_cast<const void*>(kernel), int(smem));  // checked against the device
     const int ctas = int(std::min<int64_t>(int64_t(kMaskedTokenCtasPerSm) * gemm_detail::num_sms(),
                                            (int64_t(num_experts) * max_m + kRowsPerBlock - 1) / kRowsPerBlock));
     launch_kernel_ex(kernel, dim3(ctas), dim3(kRowsPerBlock * kWarp), smem, stream, opt.pdl, gate_up, num_experts,
