@@ -811,7 +811,9 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   auto rule = [](int T, int E, int d) { return gpu::choose_router_config(T, E, d, 132).to_string(); };
   EXPECT_EQ(rule(8192, 128, 2944), "tiles:1");  // gpt-oss-120b's prefill
   EXPECT_EQ(rule(4160, 128, 2944), "tiles:1");
+  EXPECT_EQ(rule(4096, 128, 2944), "tiles:1");  // the picks timed against the warp kernel (docs/layer-gpu.md)
   EXPECT_EQ(rule(1024, 128, 2944), "tiles:4");  // its decode at B = 1024 on one rank
+  EXPECT_EQ(rule(256, 128, 2944), "tiles:8");
   EXPECT_EQ(rule(128, 256, 7168), "tiles:8");   // DeepSeek-V3's 128 tokens per rank (B = 1024, EP8)
   EXPECT_EQ(rule(64, 128, 2944), "warps");
   expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 0,
