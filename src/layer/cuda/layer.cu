@@ -5,8 +5,8 @@
 
 #include "ep/cuda/ep_format.h"
 #include "kernels/cuda/activation.cuh"
-#include "kernels/cuda/quantize.cuh"
 #include "kernels/cuda/gating.cuh"
+#include "kernels/cuda/quantize.cuh"
 #include "layer/cuda/expert_mover.h"
 #include "layer/cuda/layer_impl.cuh"
 #include "moekit/check.h"
