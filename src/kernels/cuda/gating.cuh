@@ -32,17 +32,18 @@ struct RouterParams {
 
 // logits [T, E] fp32 = x [T, d] bf16 . w [E, d] fp32 ^T (+ logit_bias [E] when not null: gpt-oss),
 // each dot product and its bias summed in fp64 and rounded once to fp32 (the products are exact in
-// fp64; only kWarps's summation order differs from gating.h's, see docs/layer-gpu.md). x_cols > 0: x is
-// [T, x_cols] (a multiple of 4, at most d), the rest of each row zero (a padded hidden size).
+// fp64; the summation order is gating.h's up to the fp64 roundings the kernels cannot pin, see
+// docs/layer-gpu.md). x_cols > 0: x is [T, x_cols] (a multiple of 4, at most d), the rest of each
+// row zero (a padded hidden size).
 //
 // Two kernels, one result within fp64 rounding: kWarps (each warp one expert for 8 tokens, a
 // lane every 128th column, the lanes' sums added in a tree), and kTiles (a CTA 64 tokens x 64
-// experts through shared memory, each thread 16 dot products summed in column order from the
-// bias, gating.h's order: with one split its logits are gating.h's bits), whose K may be split
-// over the 2, 4 or 8 CTAs of a cluster that add their partial sums in a fixed order (decode's few
-// tiles). kWarps widens both operands of every product to fp64, at a quarter of the tiles' fp64
-// rate; it pays only where the tiles, even split, leave most SMs idle (a handful of tokens).
-// choose_router_config weighs the two by those rates. Why the bits can differ:
+// experts through shared memory on the fp64 tensor cores, each logit summed from the bias 4
+// columns at a time in column order: with one split its logits were gating.h's bits on every test
+// case), whose K may be split over the 2, 4 or 8 CTAs of a cluster that add their partial sums in
+// a fixed order (decode's few tiles). kWarps widens both operands of every product to fp64; it
+// pays only for a handful of tokens, where the tiles, even split, leave most SMs idle.
+// choose_router_config weighs the two by their measured costs. Why the bits can differ:
 // docs/layer-gpu.md §Numerics: what is the same bits. MOEKIT_ROUTER=warps, tiles or tiles:S sets
 // the kernel over the heuristic for a study. Throws moekit::Error naming the value for hidden or
 // x_cols not a multiple of 4, x_cols > hidden, or splits outside 1..8 (at most d/16).
