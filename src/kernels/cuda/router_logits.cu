@@ -72,7 +72,7 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 // (16 tokens each) and 4 B fragments (8 experts each). The slices are stored [column][row] with
 // rows padded to kSliceStride = 68 values: lane l loads column l % 4, row l / 4, at
 // (4 (l % 4) + l / 4) mod 16 of the 16 8-byte bank pairs, each pair at most twice: two wavefronts,
-// the least 256 bytes take (unpadded, a fragment took four).
+// the least 256 bytes take (unpadded, a fragment would take four).
 // Each logit starts at its bias and takes its columns 4 at a time in order. The products are
 // exact in fp64; how a DMMA rounds the sum of its 4 products and the accumulator is not documented
 // as four fmas in order, so the logits are gating.h's bits when the two fp64 sums round to the
