@@ -34,7 +34,7 @@ class ActivationTable {
 // SwiGLU; a GpuActivation without a table is refused).
 // gate_up [E_loc, M_max, 2 inter] bf16; out [E_loc, M_max, inter] fp8, out_scales
 // [E_loc, inter/128, M_max]; rows >= masked_m[e] (clamped to [0, M_max]) neither read nor written.
-// With act.token_scales one scale per row, in each of its slots (each row to a team of 1-8 warps
+// With act.token_scales one scale per row, in each of its slots (each row to a team of 4 or 8 warps
 // of one CTA, as few rows as a decode step has spread over the grid).
 void launch_silu_mul_quant_masked(const uint16_t* gate_up, int num_experts, int max_m, int inter,
                                   const int32_t* masked_m, uint8_t* out, float* out_scales, cudaStream_t stream,
