@@ -757,7 +757,7 @@ TEST(GpuLayerKernels, GateMatchesReference) {
 // Both router kernels on shapes that end inside a tile (tokens, experts and columns), a padded
 // row (x_cols < d) and a logit bias: the tiled kernel in one split sums in gating.h's column
 // order, 4 columns a DMMA, and its logits are held to the reference's bits (which they met on
-// every case measured); the warp kernel's and the split tiles' (2, 4, 8 CTAs of a cluster) within
+// every case measured); the warp kernel's and the split tiles' (2, 4, 8 or 16 CTAs of a cluster) within
 // fp64 rounding, and their count of equal bits printed. Poisoned outputs: every logit is written.
 TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   struct Shape {
@@ -765,7 +765,7 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
     bool bias;
   };
   for (const Shape sh : {Shape{1, 128, 512, 512, false}, Shape{200, 60, 512, 480, true}, Shape{130, 256, 2944, 2880, true},
-                         Shape{64, 64, 16, 4, false}}) {
+                         Shape{64, 64, 16, 4, false}, Shape{16, 256, 7168, 7168, true}}) {
     std::mt19937 rng(uint32_t(sh.T * 7 + sh.E));
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<uint16_t> x(size_t(sh.T) * sh.x_cols);
@@ -788,8 +788,9 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
                                         gpu::RouterConfig{gpu::RouterKernel::kTiles, 1},
                                         gpu::RouterConfig{gpu::RouterKernel::kTiles, 2},
                                         gpu::RouterConfig{gpu::RouterKernel::kTiles, 4},
-                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 8}}) {
-      if (cfg.splits > (sh.x_cols + 15) / 16) continue;  // a split needs a 16-column slice
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 8},
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 16}}) {
+      if (cfg.splits > (sh.x_cols + 31) / 32) continue;  // a split needs a 32-column stage
       const bool exact = cfg.kernel == gpu::RouterKernel::kTiles && cfg.splits == 1;
       MOEKIT_CUDA_CHECK(cudaMemset(dl.ptr, 0xff, want.size() * sizeof(float)));  // NaN everywhere
       gpu::launch_router_logits(dx.ptr, sh.T, sh.d, dw.ptr, sh.E, dl.ptr, nullptr, {}, sh.bias ? dlb.ptr : nullptr,
@@ -824,8 +825,8 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   EXPECT_EQ(rule(32, 256, 7168), "tiles:8");   // DeepSeek-V3 at B = 256, EP8
   EXPECT_EQ(rule(2, 256, 7168), "warps");
   expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 0,
-                                              gpu::RouterConfig{gpu::RouterKernel::kTiles, 9}); },
-               {"tiles:9", "expected 1..8 splits"});
+                                              gpu::RouterConfig{gpu::RouterKernel::kTiles, 17}); },
+               {"tiles:17", "expected 1..16 splits"});
   // Rows the kernels' 4-column loads cannot take, refused with the values (before any launch).
   expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 6); },
                {"x_cols = 6", "multiples of 4"});
