@@ -238,27 +238,39 @@ std::string RouterConfig::to_string() const {
 }
 
 RouterConfig choose_router_config(int num_tokens, int num_experts, int hidden, int num_sms) {
-  // SM cycles of each, from their times on one H100 under ncu (docs/layer-gpu.md, 2026-12-07).
-  // Both are latency-bound at decode sizes. The warp kernel's blocks (8 experts x 8 tokens) take
-  // ~530 + 760 n cycles per 128-column pass for n tokens (14.7 us at 1 token, 69-73 us at 8-96 for
-  // gpt-oss-120b), and past a wave of blocks ~2.7x what its fp64 widenings give (36 per 32
-  // products and lane, 16 per SM and clock). A tile's CTA spends ~2300 cycles per 16-column slice
-  // (the DMMA pipe is 28-50% busy), and a split's CTAs run at once while two fit every SM. Ties go
-  // to fewer splits (one split is gating.h's order).
+  // SM cycles of each (µs at 1.755 GHz), from their times on one H100 (docs/layer-gpu.md,
+  // 2026-12-07). The warp kernel's blocks (8 experts x 8 tokens) take ~530 + 760 n cycles per
+  // 128-column pass for n tokens (14.7 us at 1 token, 69-73 us at 8-96 for gpt-oss-120b, under
+  // ncu), and past a wave of blocks ~2.7x what its fp64 widenings give (36 per 32 products and
+  // lane, 16 per SM and clock). The tiles, fitted to bench_router's 105 times (3 router shapes,
+  // 1-8192 tokens, 1-16 splits): ~8 us fixed, then per round of CTAs (two an SM) ~3 us and, per
+  // 32-column stage, the larger of the ring's latency (~0.9 us a stage, whatever the CTA count)
+  // and the DMMAs (~0.7 us a stage of 64 live tokens for each CTA on the SM). Ties go to fewer
+  // splits (one split is gating.h's order).
   constexpr double kWarpPassCycles = 530.0, kWarpTokenPassCycles = 760.0, kWarpRateFactor = 2.7;
-  constexpr double kTileStageCycles = 1200.0;  // PROVISIONAL
-  constexpr int kTileCtasPerSm = 3;
+  constexpr double kTileFixedCycles = 14000.0, kTileRoundCycles = 5270.0;
+  constexpr double kStageLatencyCycles = 1580.0, kStageDmmaCycles = 1230.0;
+  constexpr int kTileCtasPerSm = 2;
   const double products = double(num_tokens) * num_experts * hidden;
   const double passes = std::ceil(hidden / double(kWarp * 4));
   const double warps = std::max(passes * (kWarpPassCycles + kWarpTokenPassCycles * std::min(num_tokens, kLogitTokens)),
                                 kWarpRateFactor * products * 36.0 / 32.0 / (16.0 * num_sms));
-  const long tiles = long((num_tokens + kTileT - 1) / kTileT) * ((num_experts + kTileE - 1) / kTileE);
+  const int token_tiles = (num_tokens + kTileT - 1) / kTileT;
+  const long tiles = long(token_tiles) * ((num_experts + kTileE - 1) / kTileE);
+  // The share of the tiles' 16-token quarters that hold a token (a warp skips the empty ones):
+  // only the last token tile has empty ones.
+  const int last_quarters = ((num_tokens - (token_tiles - 1) * kTileT) + 15) / 16;
+  const double live = (4.0 * (token_tiles - 1) + last_quarters) / (4.0 * token_tiles);
   const int k_stages = (hidden + kStageK - 1) / kStageK;
   RouterConfig best{RouterKernel::kWarps, 1};
   double best_cycles = warps;
   for (int s = 1; s <= kMaxRouterSplits && s <= k_stages; s *= 2) {
-    const double rounds = double((tiles * s + kTileCtasPerSm * num_sms - 1) / (kTileCtasPerSm * num_sms));
-    const double cycles = rounds * std::ceil(double(k_stages) / s) * kTileStageCycles;
+    const long ctas = tiles * s;
+    const long per_round = long(kTileCtasPerSm) * num_sms;
+    const double rounds = double((ctas + per_round - 1) / per_round);
+    const double on_sm = double(std::min<long>(kTileCtasPerSm, (ctas + num_sms - 1) / num_sms));
+    const double stage = std::max(kStageLatencyCycles, on_sm * kStageDmmaCycles * live);
+    const double cycles = kTileFixedCycles + rounds * (kTileRoundCycles + std::ceil(double(k_stages) / s) * stage);
     if (cycles < best_cycles) best = {RouterKernel::kTiles, s}, best_cycles = cycles;
   }
   return best;
