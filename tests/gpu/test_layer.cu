@@ -757,7 +757,7 @@ TEST(GpuLayerKernels, GateMatchesReference) {
 // Both router kernels on shapes that end inside a tile (tokens, experts and columns), a padded
 // row (x_cols < d) and a logit bias: the tiled kernel in one split sums in gating.h's column
 // order, 4 columns a DMMA, and its logits are held to the reference's bits (which they met on
-// every case measured); the warp kernel's and the split tiles' (2, 4, 8 CTAs of a cluster) within
+// every case measured); the warp kernel's and the split tiles' (2, 4, 8 or 16 CTAs of a cluster) within
 // fp64 rounding, and their count of equal bits printed. Poisoned outputs: every logit is written.
 TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   struct Shape {
@@ -765,7 +765,7 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
     bool bias;
   };
   for (const Shape sh : {Shape{1, 128, 512, 512, false}, Shape{200, 60, 512, 480, true}, Shape{130, 256, 2944, 2880, true},
-                         Shape{64, 64, 16, 4, false}}) {
+                         Shape{64, 64, 16, 4, false}, Shape{16, 256, 7168, 7168, true}}) {
     std::mt19937 rng(uint32_t(sh.T * 7 + sh.E));
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<uint16_t> x(size_t(sh.T) * sh.x_cols);
@@ -788,8 +788,9 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
                                         gpu::RouterConfig{gpu::RouterKernel::kTiles, 1},
                                         gpu::RouterConfig{gpu::RouterKernel::kTiles, 2},
                                         gpu::RouterConfig{gpu::RouterKernel::kTiles, 4},
-                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 8}}) {
-      if (cfg.splits > (sh.x_cols + 15) / 16) continue;  // a split needs a 16-column slice
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 8},
+                                        gpu::RouterConfig{gpu::RouterKernel::kTiles, 16}}) {
+      if (cfg.splits > (sh.x_cols + 31) / 32) continue;  // a split needs a 32-column stage
       const bool exact = cfg.kernel == gpu::RouterKernel::kTiles && cfg.splits == 1;
       MOEKIT_CUDA_CHECK(cudaMemset(dl.ptr, 0xff, want.size() * sizeof(float)));  // NaN everywhere
       gpu::launch_router_logits(dx.ptr, sh.T, sh.d, dw.ptr, sh.E, dl.ptr, nullptr, {}, sh.bias ? dlb.ptr : nullptr,
@@ -807,25 +808,28 @@ TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
       if (exact) ASSERT_EQ(same, got.size()) << cfg.to_string() << " T " << sh.T << " E " << sh.E << " d " << sh.d;
     }
   }
-  // The rule, by the two kernels' measured costs (router_logits.cu): whole tiles at prefill sizes,
-  // K split over a cluster while two of its CTAs still fit every SM, the warp kernel for 1 or 2
-  // tokens.
+  // The rule, by the two kernels' measured costs (router_logits.cu; bench_router on one H100, whose
+  // fastest configuration is named where the rule's differs): whole tiles at prefill sizes, K split
+  // over a cluster of up to 16 while the CTAs are few, the warp kernel for a token or two of a
+  // small router.
   auto rule = [](int T, int E, int d) { return gpu::choose_router_config(T, E, d, 132).to_string(); };
-  EXPECT_EQ(rule(8192, 128, 2944), "tiles:1");  // gpt-oss-120b's prefill
-  EXPECT_EQ(rule(4160, 128, 2944), "tiles:2");  // 130 tiles: two splits still fit two CTAs an SM
-  EXPECT_EQ(rule(4096, 128, 2944), "tiles:2");
-  EXPECT_EQ(rule(1024, 128, 2944), "tiles:8");  // its decode at B = 1024 on one rank (timed against 2 and 4)
-  EXPECT_EQ(rule(256, 128, 2944), "tiles:8");
-  EXPECT_EQ(rule(96, 128, 2944), "tiles:8");
-  EXPECT_EQ(rule(128, 256, 7168), "tiles:8");   // DeepSeek-V3's 128 tokens per rank (B = 1024, EP8)
-  EXPECT_EQ(rule(64, 128, 2944), "tiles:8");   // timed against the warp kernel at 1, 8, 64 and 96 tokens
-  EXPECT_EQ(rule(8, 128, 2944), "tiles:8");
-  EXPECT_EQ(rule(1, 128, 2944), "warps");
-  EXPECT_EQ(rule(32, 256, 7168), "tiles:8");   // DeepSeek-V3 at B = 256, EP8
-  EXPECT_EQ(rule(2, 256, 7168), "warps");
+  EXPECT_EQ(rule(8192, 128, 2944), "tiles:1");  // gpt-oss-120b's prefill: 131.1 us (2 splits 132.9)
+  EXPECT_EQ(rule(4160, 128, 2944), "tiles:2");
+  EXPECT_EQ(rule(4096, 128, 2944), "tiles:2");  // 73.6 us (1 split 92.7, 4 splits 89.8)
+  EXPECT_EQ(rule(1024, 128, 2944), "tiles:8");  // its decode at B = 1024 on one rank: 35.0 us (16: 34.8)
+  EXPECT_EQ(rule(256, 128, 2944), "tiles:16");  // 18.0 us (8 splits 19.7)
+  EXPECT_EQ(rule(64, 128, 2944), "tiles:16");   // 13.8 us; the warp kernel 74.2
+  EXPECT_EQ(rule(1, 128, 2944), "tiles:16");    // 13.3 us; the warp kernel 15.6
+  EXPECT_EQ(rule(128, 256, 7168), "tiles:16");  // DeepSeek-V3's 128 tokens per rank (B = 1024, EP8): 29.3 us
+  EXPECT_EQ(rule(2, 256, 7168), "tiles:16");
+  EXPECT_EQ(rule(1024, 256, 7168), "tiles:4");  // 123.4 us; 8 splits were faster (106.1): the fit's worst pick
+  EXPECT_EQ(rule(8192, 256, 7168), "tiles:1");  // 592.8 us (2 splits 582.2)
+  EXPECT_EQ(rule(256, 512, 4096), "tiles:8");   // Qwen3.5: 43.0 us (16 splits 40.7)
+  EXPECT_EQ(rule(1, 64, 1024), "warps");        // a small router's single token: 8 passes of 128 columns
+  EXPECT_EQ(rule(8, 64, 1024), "tiles:16");
   expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 0,
-                                              gpu::RouterConfig{gpu::RouterKernel::kTiles, 9}); },
-               {"tiles:9", "expected 1..8 splits"});
+                                              gpu::RouterConfig{gpu::RouterKernel::kTiles, 17}); },
+               {"tiles:17", "expected 1..16 splits"});
   // Rows the kernels' 4-column loads cannot take, refused with the values (before any launch).
   expect_error([] { gpu::launch_router_logits(nullptr, 1, 512, nullptr, 8, nullptr, nullptr, {}, nullptr, 6); },
                {"x_cols = 6", "multiples of 4"});

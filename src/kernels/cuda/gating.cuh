@@ -38,15 +38,17 @@ struct RouterParams {
 //
 // Two kernels, one result within fp64 rounding: kWarps (each warp one expert for 8 tokens, a
 // lane every 128th column, the lanes' sums added in a tree), and kTiles (a CTA 64 tokens x 64
-// experts through shared memory on the fp64 tensor cores, each logit summed from the bias 4
-// columns at a time in column order: with one split its logits were gating.h's bits on every test
-// case), whose K may be split over the 2, 4 or 8 CTAs of a cluster that add their partial sums in
-// a fixed order (decode's few tiles). kWarps widens both operands of every product to fp64; it
-// pays only for a handful of tokens, where the tiles, even split, leave most SMs idle.
+// experts through a ring of shared-memory stages on the fp64 tensor cores, each logit summed from
+// the bias 4 columns at a time in column order: with one split its logits were gating.h's bits on
+// every test case), whose K may be split over the 2, 4, 8 or 16 CTAs of a cluster that add their
+// partial sums in a fixed order (decode's few tiles). kWarps widens both operands of every product
+// to fp64; it pays only for a token or two of a small router, where even 16 splits of the tiles
+// make a couple of stages behind their fixed start.
 // choose_router_config weighs the two by their measured costs. Why the bits can differ:
 // docs/layer-gpu.md §Numerics: what is the same bits. MOEKIT_ROUTER=warps, tiles or tiles:S sets
 // the kernel over the heuristic for a study. Throws moekit::Error naming the value for hidden or
-// x_cols not a multiple of 4, x_cols > hidden, or splits outside 1..8 (at most d/16).
+// x_cols not a multiple of 4, x_cols > hidden, or splits outside 1..16 (and at most x_cols / 32,
+// rounded up: a split takes whole 32-column stages).
 enum class RouterKernel { kAuto, kWarps, kTiles };
 struct RouterConfig {
   RouterKernel kernel = RouterKernel::kAuto;  // kAuto: MOEKIT_ROUTER, else choose_router_config

@@ -95,6 +95,26 @@ __device__ __forceinline__ double ld_shared_cluster_f64(const double* local, uin
   return v;
 }
 
+// ---- cp.async (Ampere's per-thread asynchronous copies) ----------------------------------------
+// Copies N (8 or 16) bytes from global to shared memory without passing through registers;
+// src_bytes < N fills the rest with zeros (0: nothing is read, `src` need only be a valid
+// address). The copies a thread issued since its last commit form one group; wait<G> returns
+// once at most G of the thread's groups are still pending. Other threads see the data after
+// their own wait and a barrier. `.ca` for 8 bytes (`.cg` takes only 16; it bypasses the L1).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_8(void* dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPendingGroups>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPendingGroups) : "memory");
+}
+
 // ---- programmatic dependent launch ----------------------------------------------------------
 // Lets the next grid on the stream be scheduled before this one ends (no-op without the launch
 // attribute).

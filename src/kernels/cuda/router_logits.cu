@@ -61,31 +61,41 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 
 // The router GEMM in tiles on the fp64 tensor cores, for many tokens. The warp kernel above converts
 // an operand to fp64 for every product (36 conversions per 32 products and lane, at 16 per SM and
-// clock); here a CTA widens a 64-token x 16-column slice of x and a 64-expert slice of w once into
-// shared memory, and each value serves 64 products, made by DMMAs (mma.m16n8k4.f64, Hopper's own
-// shape: the Ampere-era m8n8k4 compiles to a DMMA.8x8x4 and measured 1.3x slower at 1024 tokens).
-// Hopper's fp64 tensor rate is twice its FMA pipe's, and a fragment load feeds a DMMA of 512
-// products where an fp64 FMA kernel's feeds 2: that kernel (64 x 64 tiles, 256 threads of 4 x 4
-// fmas) spent half its loop on shared loads and ran at 19% of the fp64 peak, 1.7-2.5x this one's
-// time (docs/layer-gpu.md).
+// clock); here a CTA multiplies a 64-token x 64-expert tile on DMMAs (mma.m16n8k4.f64, Hopper's own
+// shape: the Ampere-era m8n8k4 compiles to a DMMA.8x8x4 and measured 1.3x slower at 1024 tokens),
+// and each converted value feeds 8 products (4 per DMMA row or column, 2 warps share it). Hopper's
+// fp64 tensor rate is twice its FMA pipe's: an fp64 FMA tile kernel spent half its loop on shared
+// loads and ran at 19% of the fp64 peak (docs/layer-gpu.md).
+// The columns come in stages of 32 through a ring of kStages buffers filled by cp.async, x as
+// bf16 and w as fp32 the way they lie in memory, so that kStages - 1 stages are in flight while one
+// is multiplied: a ring of one slice converted to fp64 by the loader before its barrier measured
+// ~2300 SM cycles a 16-column slice, latency-bound (the DMMA pipe 28-50% busy). The values become
+// fp64 as a warp loads its fragments. The router's weights are not the previous kernel's output,
+// so their first stages are asked for before the grid-dependency wait.
 // 4 warps, each 32 tokens x 32 experts of the tile: 2 x 4 DMMAs per 4 columns, from 2 A fragments
-// (16 tokens each) and 4 B fragments (8 experts each). The slices are stored [column][row] with
-// rows padded to kSliceStride = 68 values: lane l loads column l % 4, row l / 4, at
-// (4 (l % 4) + l / 4) mod 16 of the 16 8-byte bank pairs, each pair at most twice: two wavefronts,
-// the least 256 bytes take (unpadded, a fragment would take four).
+// (16 tokens each) and 4 B fragments (8 experts each). Rows are padded (w to 36 floats, x to 40
+// bf16), so lane l = 4 g + q reads bank 4 g + q of w's row g, and words 20 g + q / 2 of x's: every
+// fragment load is one wavefront. A warp skips the DMMAs of its 16-token halves that hold no token
+// (decode fills one or two of a tile's four).
 // Each logit starts at its bias and takes its columns 4 at a time in order. The products are
 // exact in fp64; how a DMMA rounds the sum of its 4 products and the accumulator is not documented
 // as four fmas in order, so the logits are gating.h's bits when the two fp64 sums round to the
 // same fp32, which they did on every logit the test compares (one split, 4 shapes).
-// Split K (splits > 1, decode's few tiles): the `splits` CTAs of a cluster take one tile's column
-// ranges in turn, CTA s from column tile s k_tiles / splits on, only the first starting at the
-// bias; each leaves its 64 x 64 partial sums in its shared memory, and CTA s adds rows s · 64 /
-// splits .. of all the partials in cluster order (p0 + p1 + ...), reading its peers' shared
-// memory. Deterministic, but no longer gating.h's order either
+// Split K (splits > 1, decode's few tiles): the `splits` CTAs of a cluster take one tile's stages
+// in turn, CTA s from stage s k_stages / splits on, only the first starting at the bias; each
+// leaves its 64 x 64 partial sums in its shared memory, and CTA s adds rows s · 64 / splits .. of
+// all the partials in cluster order (p0 + p1 + ...), reading its peers' shared memory. Deterministic,
+// but no longer gating.h's order either
 // (docs/layer-gpu.md §Numerics: what is the same bits).
-constexpr int kTileT = 64, kTileE = 64, kTileK = 16, kTileThreads = 128, kMaxRouterSplits = 8;
-constexpr int kSliceStride = kTileT + 4;
-static_assert(kTileT == kTileE, "one padded stride for both operands' slices");
+constexpr int kTileT = 64, kTileE = 64, kTileThreads = 128;
+constexpr int kMaxRouterSplits = 16;  // past 8, a non-portable cluster size (Hopper takes 16)
+constexpr int kStageK = 32, kStages = 4;
+constexpr int kWStride = kStageK + 4, kXStride = kStageK + 8;  // a stage row's floats of w, bf16 of x
+constexpr int kStageWBytes = kTileE * kWStride * 4, kStageXBytes = kTileT * kXStride * 2;
+constexpr int kStageBytes = kStageWBytes + kStageXBytes;
+constexpr int kTileSmemBytes = kStages * kStageBytes;
+static_assert(kTileSmemBytes >= kTileT * kTileE * 8, "the partial tile fits the ring's memory");
+static_assert(kStageWBytes % 16 == 0 && kWStride * 4 % 16 == 0 && kXStride * 2 % 8 == 0, "cp.async alignment");
 
 // Split K's end: every CTA of the cluster has left its [kTileT][kTileE] partial sums in `part`
 // (its shared memory); CTA `split` adds rows split · kTileT / splits .. of all of them in cluster
@@ -115,46 +125,43 @@ __global__ void __launch_bounds__(kTileThreads)
     router_logits_tiled_kernel(const uint16_t* __restrict__ x, int num_tokens, int hidden, int x_cols,
                                const float* __restrict__ w, int num_experts, float* __restrict__ logits,
                                const float* __restrict__ logit_bias, int splits, unsigned long long* stamp) {
-  begin_kernel(stamp);
-  constexpr int kSlice = kTileK * kSliceStride;  // one operand's slice: [column][row (padded)]
-  static_assert(4 * kSlice >= kTileT * kTileE, "the partial tile fits the slices' memory");
-  __shared__ double tile_smem[4 * kSlice];  // [buffer][x, w] slices; after the K loop, the partials
-  auto slice = [&](int buf, int op) { return tile_smem + (2 * buf + op) * kSlice; };
+  extern __shared__ __align__(16) uint8_t tile_smem[];  // the ring; after the K loop, the partials
+  auto stage_w = [&](int buf) { return reinterpret_cast<float*>(tile_smem + buf * kStageBytes); };
+  auto stage_x = [&](int buf) { return reinterpret_cast<uint16_t*>(tile_smem + buf * kStageBytes + kStageWBytes); };
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp, g = lane / 4, q = lane % 4;
   const int split = splits > 1 ? int(ptx::cluster_ctarank()) : 0;  // the cluster runs along x
   const int t0 = blockIdx.y * kTileT, e0 = blockIdx.x / splits * kTileE;
   const int wt = warp % 2 * 32, we = warp / 2 * 32;  // the warp's tokens and experts in the tile
-  // The loader: thread tid brings row tid % 64 (a token of x, an expert of w), columns c .. c + 7 of
-  // the slice, c = tid / 64 · 8: a warp's stores of one column are 32 consecutive rows.
-  const int lrow = tid % kTileT, lcol = tid / kTileT * 8;
-  const bool t_ok = t0 + lrow < num_tokens, e_ok = e0 + lrow < num_experts;
-  const uint16_t* xrow = x + size_t(t_ok ? t0 + lrow : 0) * x_cols;
-  const float* wrow = w + size_t(e_ok ? e0 + lrow : 0) * hidden;
-  uint2 xv[2] = {};
-  float4 wv[2] = {};
-  auto load = [&](int k0) {
+  const int k_stages = (x_cols + kStageK - 1) / kStageK;
+  const int ks_begin = split * k_stages / splits, n = (split + 1) * k_stages / splits - ks_begin;
+  // A stage's loads: 64 rows x 8 chunks (16 B of w, 8 B of x), chunk i = tid + 128 h of row i / 8:
+  // a warp's 32 chunks are 4 whole rows. Columns past x_cols (a group of 4 is in or out whole) and
+  // rows past the tile's tokens or experts are filled with zeros without a read.
+  auto load_w = [&](int ks, int buf) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // x_cols is a multiple of 4: a group of 4 is in or out whole
-      const int c = k0 + lcol + 4 * h;
-      xv[h] = t_ok && c < x_cols ? *reinterpret_cast<const uint2*>(xrow + c) : uint2{};
-      wv[h] = e_ok && c < x_cols ? *reinterpret_cast<const float4*>(wrow + c) : float4{};
+    for (int h = 0; h < 4; ++h) {
+      const int i = tid + kTileThreads * h, r = i / 8, c = ks * kStageK + i % 8 * 4;
+      const bool ok = e0 + r < num_experts && c < x_cols;
+      ptx::cp_async_16(stage_w(buf) + r * kWStride + i % 8 * 4, ok ? w + size_t(e0 + r) * hidden + c : w, ok ? 16 : 0);
     }
   };
-  auto store = [&](int buf) {
-    double* xs = slice(buf, 0) + lcol * kSliceStride + lrow;
-    double* ws = slice(buf, 1) + lcol * kSliceStride + lrow;
+  auto load_x = [&](int ks, int buf) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      xs[(4 * h + 0) * kSliceStride] = double(bf16_to_float(uint16_t(xv[h].x & 0xffff)));
-      xs[(4 * h + 1) * kSliceStride] = double(bf16_to_float(uint16_t(xv[h].x >> 16)));
-      xs[(4 * h + 2) * kSliceStride] = double(bf16_to_float(uint16_t(xv[h].y & 0xffff)));
-      xs[(4 * h + 3) * kSliceStride] = double(bf16_to_float(uint16_t(xv[h].y >> 16)));
-      ws[(4 * h + 0) * kSliceStride] = double(wv[h].x);
-      ws[(4 * h + 1) * kSliceStride] = double(wv[h].y);
-      ws[(4 * h + 2) * kSliceStride] = double(wv[h].z);
-      ws[(4 * h + 3) * kSliceStride] = double(wv[h].w);
+    for (int h = 0; h < 4; ++h) {
+      const int i = tid + kTileThreads * h, r = i / 8, c = ks * kStageK + i % 8 * 4;
+      const bool ok = t0 + r < num_tokens && c < x_cols;
+      ptx::cp_async_8(stage_x(buf) + r * kXStride + i % 8 * 4, ok ? x + size_t(t0 + r) * x_cols + c : x, ok ? 8 : 0);
     }
   };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    if (s < n) load_w(ks_begin + s, s);
+  begin_kernel(stamp);  // x is the previous kernel's output
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n) load_x(ks_begin + s, s);
+    ptx::cp_async_commit();  // group s: stage s's x (group 0 also holds every early w)
+  }
   // acc[i][j][r]: token tile_t(i, r), expert tile_e(j, r) of the tile (the DMMA's d layout).
   auto tile_t = [&](int i, int r) { return wt + 16 * i + g + 8 * (r / 2); };
   auto tile_e = [&](int j, int r) { return we + 8 * j + 2 * q + r % 2; };
@@ -168,35 +175,38 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
       for (int i = 0; i < 2; ++i) acc[i][j][r] = b;
     }
-  const int k_tiles = (x_cols + kTileK - 1) / kTileK;
-  const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
-  load(kt_begin * kTileK);
-  store(0);
-  __syncthreads();
-  for (int kt = kt_begin; kt < kt_end; ++kt) {
-    const int buf = (kt - kt_begin) & 1;
-    if (kt + 1 < kt_end) load((kt + 1) * kTileK);  // in flight while this slice is multiplied
-    const double* xs = slice(buf, 0) + q * kSliceStride + wt + g;
-    const double* ws = slice(buf, 1) + q * kSliceStride + we + g;
+  const bool live[2] = {t0 + wt < num_tokens, t0 + wt + 16 < num_tokens};  // warp-uniform
+  for (int i = 0; i < n; ++i) {
+    ptx::cp_async_wait<kStages - 2>();  // this thread's copies of stage i have landed
+    __syncthreads();                    // everyone's; and stage i - 1's buffer is read by all
+    if (i + kStages - 1 < n) {
+      load_w(ks_begin + i + kStages - 1, (i + kStages - 1) % kStages);
+      load_x(ks_begin + i + kStages - 1, (i + kStages - 1) % kStages);
+    }
+    ptx::cp_async_commit();  // one group per iteration, empty at the end, so the wait's count holds
+    if (!live[0]) continue;
+    const uint16_t* xs = stage_x(i % kStages) + (wt + g) * kXStride + q;
+    const float* ws = stage_w(i % kStages) + (we + g) * kWStride + q;
 #pragma unroll
-    for (int k4 = 0; k4 < kTileK; k4 += 4) {
+    for (int k4 = 0; k4 < kStageK; k4 += 4) {
       double a[2][2], b[4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int ii = 0; ii < 2; ++ii)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) a[i][h] = xs[k4 * kSliceStride + 16 * i + 8 * h];
+        for (int h = 0; h < 2; ++h) a[ii][h] = double(bf16_to_float(xs[(16 * ii + 8 * h) * kXStride + k4]));
 #pragma unroll
-      for (int j = 0; j < 4; ++j) b[j] = ws[k4 * kSliceStride + 8 * j];
+      for (int j = 0; j < 4; ++j) b[j] = double(ws[8 * j * kWStride + k4]);
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 4; ++j) dmma_16x8x4(acc[0][j], a[0], b[j]);
+      if (live[1])
 #pragma unroll
-        for (int j = 0; j < 4; ++j) dmma_16x8x4(acc[i][j], a[i], b[j]);
+        for (int j = 0; j < 4; ++j) dmma_16x8x4(acc[1][j], a[1], b[j]);
     }
-    if (kt + 1 < kt_end) store(buf ^ 1);  // the other buffer was last read in iteration kt - 1
-    __syncthreads();
   }
+  ptx::cp_async_wait<0>();
+  __syncthreads();  // the ring is read and no copy is in flight: its memory takes the partials
   if (splits > 1) {
-    double* part = tile_smem;  // the slices are read (the loop's last barrier)
+    double* part = reinterpret_cast<double*>(tile_smem);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -228,26 +238,39 @@ std::string RouterConfig::to_string() const {
 }
 
 RouterConfig choose_router_config(int num_tokens, int num_experts, int hidden, int num_sms) {
-  // SM cycles of each, from their times on one H100 under ncu (docs/layer-gpu.md, 2026-12-07).
-  // Both are latency-bound at decode sizes. The warp kernel's blocks (8 experts x 8 tokens) take
-  // ~530 + 760 n cycles per 128-column pass for n tokens (14.7 us at 1 token, 69-73 us at 8-96 for
-  // gpt-oss-120b), and past a wave of blocks ~2.7x what its fp64 widenings give (36 per 32
-  // products and lane, 16 per SM and clock). A tile's CTA spends ~2300 cycles per 16-column slice
-  // (the DMMA pipe is 28-50% busy), and a split's CTAs run at once while two fit every SM. Ties go
-  // to fewer splits (one split is gating.h's order).
+  // SM cycles of each (µs at 1.755 GHz), from their times on one H100 (docs/layer-gpu.md,
+  // 2026-12-07). The warp kernel's blocks (8 experts x 8 tokens) take ~530 + 760 n cycles per
+  // 128-column pass for n tokens (14.7 us at 1 token, 69-73 us at 8-96 for gpt-oss-120b, under
+  // ncu), and past a wave of blocks ~2.7x what its fp64 widenings give (36 per 32 products and
+  // lane, 16 per SM and clock). The tiles, fitted to bench_router's 105 times (3 router shapes,
+  // 1-8192 tokens, 1-16 splits): ~8 us fixed, then per round of CTAs (two an SM) ~3 us and, per
+  // 32-column stage, the larger of the ring's latency (~0.9 us a stage, whatever the CTA count)
+  // and the DMMAs (~0.7 us a stage of 64 live tokens for each CTA on the SM). Ties go to fewer
+  // splits (one split is gating.h's order).
   constexpr double kWarpPassCycles = 530.0, kWarpTokenPassCycles = 760.0, kWarpRateFactor = 2.7;
-  constexpr double kTileSliceCycles = 2300.0;
+  constexpr double kTileFixedCycles = 14000.0, kTileRoundCycles = 5270.0;
+  constexpr double kStageLatencyCycles = 1580.0, kStageDmmaCycles = 1230.0;
+  constexpr int kTileCtasPerSm = 2;
   const double products = double(num_tokens) * num_experts * hidden;
   const double passes = std::ceil(hidden / double(kWarp * 4));
   const double warps = std::max(passes * (kWarpPassCycles + kWarpTokenPassCycles * std::min(num_tokens, kLogitTokens)),
                                 kWarpRateFactor * products * 36.0 / 32.0 / (16.0 * num_sms));
-  const long tiles = long((num_tokens + kTileT - 1) / kTileT) * ((num_experts + kTileE - 1) / kTileE);
-  const int k_tiles = (hidden + kTileK - 1) / kTileK;
+  const int token_tiles = (num_tokens + kTileT - 1) / kTileT;
+  const long tiles = long(token_tiles) * ((num_experts + kTileE - 1) / kTileE);
+  // The share of the tiles' 16-token quarters that hold a token (a warp skips the empty ones):
+  // only the last token tile has empty ones.
+  const int last_quarters = ((num_tokens - (token_tiles - 1) * kTileT) + 15) / 16;
+  const double live = (4.0 * (token_tiles - 1) + last_quarters) / (4.0 * token_tiles);
+  const int k_stages = (hidden + kStageK - 1) / kStageK;
   RouterConfig best{RouterKernel::kWarps, 1};
   double best_cycles = warps;
-  for (int s = 1; s <= kMaxRouterSplits && s <= k_tiles; s *= 2) {
-    const double rounds = double((tiles * s + 2 * num_sms - 1) / (2 * num_sms));
-    const double cycles = rounds * std::ceil(double(k_tiles) / s) * kTileSliceCycles;
+  for (int s = 1; s <= kMaxRouterSplits && s <= k_stages; s *= 2) {
+    const long ctas = tiles * s;
+    const long per_round = long(kTileCtasPerSm) * num_sms;
+    const double rounds = double((ctas + per_round - 1) / per_round);
+    const double on_sm = double(std::min<long>(kTileCtasPerSm, (ctas + num_sms - 1) / num_sms));
+    const double stage = std::max(kStageLatencyCycles, on_sm * kStageDmmaCycles * live);
+    const double cycles = kTileFixedCycles + rounds * (kTileRoundCycles + std::ceil(double(k_stages) / s) * stage);
     if (cycles < best_cycles) best = {RouterKernel::kTiles, s}, best_cycles = cycles;
   }
   return best;
@@ -265,8 +288,8 @@ RouterConfig router_config_override() {
     if (v == "tiles") return RouterConfig{RouterKernel::kTiles, 0};
     int s = 0;
     if (v.rfind("tiles:", 0) == 0) s = std::atoi(v.c_str() + 6);
-    MOEKIT_CHECK(s == 1 || s == 2 || s == 4 || s == 8,
-                 "MOEKIT_ROUTER = '" + v + "', expected 'warps', 'tiles' or 'tiles:S' with S in {1, 2, 4, 8}");
+    MOEKIT_CHECK(s == 1 || s == 2 || s == 4 || s == 8 || s == 16,
+                 "MOEKIT_ROUTER = '" + v + "', expected 'warps', 'tiles' or 'tiles:S' with S in {1, 2, 4, 8, 16}");
     return RouterConfig{RouterKernel::kTiles, s};
   }();
   return c;
@@ -289,14 +312,17 @@ void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const f
   if (config.kernel == RouterKernel::kTiles && config.splits == 0)  // "tiles": the heuristic's splits where it takes tiles
     config.splits = chosen.kernel == RouterKernel::kTiles ? chosen.splits : 1;
   if (config.kernel == RouterKernel::kTiles) {
-    const int k_tiles = (x_cols + kTileK - 1) / kTileK;
-    MOEKIT_CHECK(config.splits >= 1 && config.splits <= kMaxRouterSplits && config.splits <= k_tiles,
+    const int k_stages = (x_cols + kStageK - 1) / kStageK;  // a split takes whole stages
+    MOEKIT_CHECK(config.splits >= 1 && config.splits <= kMaxRouterSplits && config.splits <= k_stages,
                  "launch_router_logits: " + config.to_string() + ", expected 1.." +
-                     std::to_string(std::min(kMaxRouterSplits, k_tiles)) + " splits for " + std::to_string(x_cols) +
+                     std::to_string(std::min(kMaxRouterSplits, k_stages)) + " splits for " + std::to_string(x_cols) +
                      " columns");
+    gemm_detail::allow_smem(reinterpret_cast<const void*>(router_logits_tiled_kernel), kTileSmemBytes);
+    if (config.splits > 8)
+      MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(router_logits_tiled_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     const dim3 grid(unsigned((num_experts + kTileE - 1) / kTileE * config.splits),
                     unsigned((num_tokens + kTileT - 1) / kTileT));
-    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), 0, stream, LaunchShape(opt.pdl, config.splits),
+    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), kTileSmemBytes, stream, LaunchShape(opt.pdl, config.splits),
                      x, num_tokens, hidden, x_cols, router_weight, num_experts, logits, logit_bias, config.splits,
                      opt.stamp);
     return;
