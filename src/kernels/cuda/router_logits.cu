@@ -63,9 +63,9 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 // an operand to fp64 for every product (36 conversions per 32 products and lane, at 16 per SM and
 // clock); here a CTA multiplies a 64-token x 64-expert tile on DMMAs (mma.m16n8k4.f64, Hopper's own
 // shape: the Ampere-era m8n8k4 compiles to a DMMA.8x8x4 and measured 1.3x slower at 1024 tokens),
-// and each converted value feeds 8 products (4 per DMMA row or column, 2 warps share it). Hopper's
-// fp64 tensor rate is twice its FMA pipe's: an fp64 FMA tile kernel spent half its loop on shared
-// loads and ran at 19% of the fp64 peak (docs/layer-gpu.md).
+// and each value a warp widens feeds 32 products (an A value 8 in each of its 4 DMMAs, a B value 16
+// in each of its 2). Hopper's fp64 tensor rate is twice its FMA pipe's: an fp64 FMA tile kernel
+// spent half its loop on shared loads and ran at 19% of the fp64 peak (docs/layer-gpu.md).
 // The columns come in stages of 32 through a ring of kStages buffers filled by cp.async, x as
 // bf16 and w as fp32 the way they lie in memory, so that kStages - 1 stages are in flight while one
 // is multiplied: a ring of one slice converted to fp64 by the loader before its barrier measured
