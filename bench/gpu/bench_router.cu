@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "kernels/cuda/gating.cuh"
 #include "kernels/cuda/gemm_host.cuh"
 #include "moekit/bf16.h"
@@ -71,8 +72,9 @@ int main(int argc, char** argv) {
     MOEKIT_CHECK(i + 1 < argc, "bench_router: " + a + " needs a value");
     const std::string v = argv[++i];
     if (a == "--tokens") {
-      tokens.clear();
-      for (const auto& t : split_list(v)) tokens.push_back(parse_int(a, t, 1));
+      tokens = bench::parse_list(v);
+      for (const int t : tokens)
+        MOEKIT_CHECK(t <= (1 << 20), "bench_router: --tokens item " + std::to_string(t) + ", expected at most 1048576");
     } else if (a == "--models") {
       models = split_list(v);
     } else if (a == "--configs") {
@@ -133,7 +135,7 @@ int main(int argc, char** argv) {
           std::printf(" %9s", "-");
           continue;
         }
-        std::vector<float> ms;
+        std::vector<double> ms;
         for (int i = 0; i < iters; ++i) {
           MOEKIT_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
           MOEKIT_CUDA_CHECK(cudaEventRecord(e0));
@@ -144,8 +146,7 @@ int main(int argc, char** argv) {
           MOEKIT_CUDA_CHECK(cudaEventElapsedTime(&v, e0, e1));
           ms.push_back(v);
         }
-        std::sort(ms.begin(), ms.end());
-        std::printf(" %9.1f", 1000.0 * ms[ms.size() / 2]);
+        std::printf(" %9.1f", 1000.0 * bench::median(ms));
       }
       std::printf("\n");
     }
