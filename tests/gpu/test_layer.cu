@@ -757,8 +757,9 @@ TEST(GpuLayerKernels, GateMatchesReference) {
 // Both router kernels on shapes that end inside a tile (tokens, experts and columns), a padded
 // row (x_cols < d) and a logit bias: the tiled kernel in one split sums in gating.h's column
 // order, 4 columns a DMMA, and its logits are held to the reference's bits (which they met on
-// every case measured); the warp kernel's and the split tiles' (2, 4, 8 or 16 CTAs of a cluster) within
-// fp64 rounding, and their count of equal bits printed. Poisoned outputs: every logit is written.
+// every case measured); the warp kernel's and the split tiles' (2, 4, 8 or 16 CTAs of a cluster)
+// within fp64 rounding, and their count of equal bits printed. Poisoned outputs: every logit is
+// written.
 TEST(GpuLayerKernels, RouterKernelsMatchTheReference) {
   struct Shape {
     int T, E, d, x_cols;

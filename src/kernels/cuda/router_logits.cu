@@ -80,7 +80,7 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 // Each logit starts at its bias and takes its columns 4 at a time in order. The products are
 // exact in fp64; how a DMMA rounds the sum of its 4 products and the accumulator is not documented
 // as four fmas in order, so the logits are gating.h's bits when the two fp64 sums round to the
-// same fp32, which they did on every logit the test compares (one split, 4 shapes).
+// same fp32, which they did on every logit the test compares (one split, 5 shapes).
 // Split K (splits > 1, decode's few tiles): the `splits` CTAs of a cluster take one tile's stages
 // in turn, CTA s from stage s k_stages / splits on, only the first starting at the bias; each
 // leaves its 64 x 64 partial sums in its shared memory, and CTA s adds rows s · 64 / splits .. of
@@ -88,7 +88,7 @@ __global__ void router_logits_kernel(const uint16_t* __restrict__ x, int num_tok
 // but no longer gating.h's order either
 // (docs/layer-gpu.md §Numerics: what is the same bits).
 constexpr int kTileT = 64, kTileE = 64, kTileThreads = 128;
-constexpr int kMaxRouterSplits = 16;  // past 8, a non-portable cluster size (Hopper takes 16)
+constexpr int kMaxRouterSplits = 16, kPortableClusterSize = 8;  // Hopper takes 16 as a non-portable size
 constexpr int kStageK = 32, kStages = 4;
 constexpr int kWStride = kStageK + 4, kXStride = kStageK + 8;  // a stage row's floats of w, bf16 of x
 constexpr int kStageWBytes = kTileE * kWStride * 4, kStageXBytes = kTileT * kXStride * 2;
@@ -302,7 +302,7 @@ void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const f
                           int x_cols, RouterConfig config) {
   if (num_tokens == 0) return;
   if (x_cols <= 0) x_cols = hidden;
-  // Both kernels load 4 columns at once (x as uint2, w as float4) from rows that start aligned.
+  // Both kernels load 4 columns at once (x 8 bytes, w 16) from rows that start aligned.
   MOEKIT_CHECK(hidden % 4 == 0 && x_cols % 4 == 0 && x_cols <= hidden,
                "launch_router_logits: hidden = " + std::to_string(hidden) + ", x_cols = " + std::to_string(x_cols) +
                    "; expected multiples of 4 with x_cols <= hidden");
@@ -318,7 +318,7 @@ void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const f
                      std::to_string(std::min(kMaxRouterSplits, k_stages)) + " splits for " + std::to_string(x_cols) +
                      " columns");
     gemm_detail::allow_smem(reinterpret_cast<const void*>(router_logits_tiled_kernel), kTileSmemBytes);
-    if (config.splits > 8)
+    if (config.splits > kPortableClusterSize)
       MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(router_logits_tiled_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     const dim3 grid(unsigned((num_experts + kTileE - 1) / kTileE * config.splits),
                     unsigned((num_tokens + kTileT - 1) / kTileT));
