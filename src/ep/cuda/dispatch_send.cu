@@ -218,15 +218,27 @@ __device__ __forceinline__ void store_chunk(uint8_t* row, int c, uint4 v, bool m
 // recorded fault spoils only its own values, as it does under 1x128 scales.
 __device__ float token_amax(const EpArgs& a, const uint16_t* x, int t, Team team, int team_id, float* warp_amax) {
   const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.x_cols);
-  float amax = 0.0f;
+  // The bf16 pairs' magnitudes folded as pairs (NaNs pass over, one instruction per two values);
+  // an infinity among them (a recorded fault, rare) sends this thread through the value loop that
+  // leaves it out.
+  uint32_t m = 0;
   for (int c = team.tt; c < a.x_cols / 16; c += team.threads) {
     const uint4 u[2] = {__ldg(xr + 2 * c), __ldg(xr + 2 * c + 1)};
-    const uint32_t w[8] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w};
+    m = bf16x2_absmax<false>(m, bf16x2_absmax<false>(bf16x2_absmax<false>(u[0].x, u[0].y), bf16x2_absmax<false>(u[0].z, u[0].w)));
+    m = bf16x2_absmax<false>(m, bf16x2_absmax<false>(bf16x2_absmax<false>(u[1].x, u[1].y), bf16x2_absmax<false>(u[1].z, u[1].w)));
+  }
+  float amax = bf16x2_fold_max(m);
+  if (isinf(amax)) {
+    amax = 0.0f;
+    for (int c = team.tt; c < a.x_cols / 16; c += team.threads) {
+      const uint4 u[2] = {__ldg(xr + 2 * c), __ldg(xr + 2 * c + 1)};
+      const uint32_t w[8] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w};
 #pragma unroll
-    for (int h = 0; h < 8; ++h) {
-      const float lo = bf16_lo(w[h]), hi = bf16_hi(w[h]);
-      if (isfinite(lo)) amax = fmaxf(amax, fabsf(lo));
-      if (isfinite(hi)) amax = fmaxf(amax, fabsf(hi));
+      for (int h = 0; h < 8; ++h) {
+        const float lo = bf16_lo(w[h]), hi = bf16_hi(w[h]);
+        if (isfinite(lo)) amax = fmaxf(amax, fabsf(lo));
+        if (isfinite(hi)) amax = fmaxf(amax, fabsf(hi));
+      }
     }
   }
 #pragma unroll
@@ -271,12 +283,17 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
       v[2 * h] = bf16_lo(w[h]);
       v[2 * h + 1] = bf16_hi(w[h]);
     }
-    float amax = 0.0f;
-    bool finite = true;
+    // The chunk's pairs folded with NaNs kept: an all-ones exponent iff a value is not finite.
+    // Finite, its magnitude is the chunk's amax; else (a recorded fault) the value loop gives
+    // fmaxf's amax, which passes over NaNs and keeps infinities.
+    uint32_t m = bf16x2_absmax<true>(bf16x2_absmax<true>(bf16x2_absmax<true>(w[0], w[1]), bf16x2_absmax<true>(w[2], w[3])),
+                                     bf16x2_absmax<true>(bf16x2_absmax<true>(w[4], w[5]), bf16x2_absmax<true>(w[6], w[7])));
+    const bool finite = bf16x2_finite(m);
+    float amax = bf16x2_fold_max(m);
+    if (!finite) {
+      amax = 0.0f;
 #pragma unroll
-    for (int h = 0; h < 16; ++h) {
-      amax = fmaxf(amax, fabsf(v[h]));
-      finite = finite && isfinite(v[h]);
+      for (int h = 0; h < 16; ++h) amax = fmaxf(amax, fabsf(v[h]));
     }
     if (!a.token_scales) {
 #pragma unroll
