@@ -752,6 +752,7 @@ const Shape kShapes[] = {
     {8, 32, 512, 64, 8},
     {8, 128, 7168, 256, 8},  // DeepSeek-V3 decode: 256 experts, top-8, d = 7168, 128 tokens per rank
     {8, 2, 7168, 256, 8},    // ... at 2 tokens per rank: combine_recv cuts each token over 4 CTAs
+    {2, 600, 2944, 128, 4},  // more tokens per rank than CTAs: the combine receive's warp path
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, EpLocal, ::testing::ValuesIn(kShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
@@ -888,6 +889,8 @@ TEST_P(EpNormal, ContiguousLayoutAndCombineMatchBothReferences) {
 const Shape kNormalShapes[] = {
     {2, 48, 256, 8, 4},
     {4, 64, 512, 32, 8},
+    {1, 1200, 2944, 128, 4},  // gpt-oss-120b's prefill on one rank: more tokens than CTAs
+    {4, 300, 512, 32, 8},
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, EpNormal, ::testing::ValuesIn(kNormalShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
