@@ -431,7 +431,8 @@ TEST(EpTokenScales, OneScalePerTokenForEveryTeamSize) {
     }
     for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], 3, stream);
     for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
-    expect_error([&] { group.rank(0).check(stream); }, {"non-finite x value", "token 0"});
+    // The first fault recorded wins, and the three tokens' CTAs race for it.
+    expect_error([&] { group.rank(0).check(stream); }, {"non-finite x value"});
     for (int t = 0; t < 3; ++t) {
       float amax = 0.0f;
       for (int i = 0; i < c.hidden; ++i) {
@@ -445,8 +446,9 @@ TEST(EpTokenScales, OneScalePerTokenForEveryTeamSize) {
       const std::vector<int32_t> src = to_host(owner.recv_src(), size_t(lay.num_experts) * lay.max_m);
       const std::vector<float> scales = to_host(owner.recv_scales(), lay.scale_elems());
       const int e = slot % c.slots_per_rank();
+      const std::vector<int32_t> count = to_host(owner.recv_count(), size_t(lay.num_experts));
       int found = 0;
-      for (int m = 0; m < lay.max_m; ++m)
+      for (int m = 0; m < count[e]; ++m)  // rows past the count hold earlier steps' tokens
         if (src[size_t(e) * lay.max_m + m] == t) {  // rank 0's token t
           ++found;
           for (int b = 0; b < c.k_blocks(); ++b)
