@@ -215,13 +215,18 @@ constexpr int kRecvRanks = 8;
 // to kWarpRanks ranks' chunks are loaded before any is added. The adds are the CTA path's, in the
 // same order (add, then the partials in ascending rank order): the same bits.
 constexpr int kWarpRanks = 4;
+// The warps per token when a step's tokens are dealt to warps as (token, pass) items, the item
+// index walking over the CTAs first: a token's `passes` go to that many warps while the grid has
+// warps to spare, else one warp walks them all (combine_recv_warps and combine_local_kernel).
+__device__ __forceinline__ int token_team(int passes, int num_tokens) {
+  return max(1, min(passes, int(gridDim.x * (blockDim.x >> 5)) / max(num_tokens, 1)));
+}
 __device__ __forceinline__ void combine_recv_warps(const EpArgs& a, const uint16_t* add, uint16_t* out, int parity,
                                                    int num_tokens) {
   const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int num_chunks = a.hidden / 8, out_chunks = a.out_cols / 8;
   constexpr int kPass = 32 * kRecvChunks;
-  const int passes = (num_chunks + kPass - 1) / kPass, all_warps = gridDim.x * warps;
-  const int team = max(1, min(passes, all_warps / max(num_tokens, 1)));
+  const int team = token_team((num_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
   for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
     const int t = item / team, first_pass = item - t * team;
     const int r = lane < k ? __ldcg(a.route_ranks + size_t(t) * k + lane) : -1;
@@ -365,8 +370,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_local_kernel(EpArgs a, con
   const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int num_tokens = __ldcg(&a.ctr->num_tokens), out_chunks = a.out_cols / 8;
   constexpr int kPass = 32 * kSendChunks;
-  const int passes = (out_chunks + kPass - 1) / kPass, all_warps = gridDim.x * warps;
-  const int team = max(1, min(passes, all_warps / max(num_tokens, 1)));
+  const int team = token_team((out_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
   for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
     const int t = item / team, first_pass = item - t * team;
     const int my_row = lane < k ? __ldcg(a.map_rows + size_t(t) * k + lane) : -1;
