@@ -266,11 +266,10 @@ __device__ __forceinline__ void store_chunk(uint8_t* row, int c, uint4 v, bool m
 // recorded fault spoils only its own values, as it does under 1x128 scales.
 __device__ float token_amax(const EpArgs& a, const uint16_t* x, int t, Team team, int team_id, float* warp_amax) {
   const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.x_cols);
-  // The bf16 pairs' magnitudes folded as pairs (NaNs pass over, one instruction per two values);
-  // an infinity among them (a recorded fault, rare) sends this thread through the value loop that
-  // leaves it out.
-  // kAmaxBatch chunks a thread are loaded before any is folded, so that a 32-lane team reads a
-  // gpt-oss-120b token (184 chunks) in two round trips instead of six (zeros past the row).
+  // The bf16 pairs' magnitudes folded as pairs (NaNs pass over, one instruction per two values),
+  // kAmaxBatch chunks a thread loaded before any is folded (zeros past the row), so that a 32-lane
+  // team reads a gpt-oss-120b token (184 chunks) in two round trips instead of six. An infinity
+  // among them (a recorded fault, rare) sends this thread through the value loop that leaves it out.
   constexpr int kAmaxBatch = 4;
   const int num_chunks = a.x_cols / 16;
   uint32_t m = 0;
