@@ -417,33 +417,45 @@ TEST(EpTokenScales, OneScalePerTokenForEveryTeamSize) {
       for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
       for (int r = 0; r < P; ++r) group.rank(r).check(stream);
     }
-    // An infinity in group 1 of token 0: reported, and the token's other groups keep the scale of
-    // its finite values (the amax leaves the infinity out).
+    // Non-finite values in rank 0's tokens: an infinity in group 1 of token 0, a NaN in token 1, a
+    // negative infinity beside a NaN in token 2. Reported, and each token's groups keep the scale
+    // of its finite values (the amax leaves infinities and NaNs out).
     std::vector<RankInput> in;
+    const std::vector<std::pair<int, float>> faults = {
+        {200, INFINITY}, {c.hidden + 300, NAN}, {2 * c.hidden + 7, -INFINITY}, {2 * c.hidden + 8, NAN}};
     for (int r = 0; r < P; ++r) {
       in.push_back(random_input(c, 3, rng));
-      if (r == 0) in[0].x[200] = float_to_bf16(INFINITY);
+      if (r == 0)
+        for (const auto& [i, v] : faults) in[0].x[i] = float_to_bf16(v);
       dev.upload(r, in[r]);
     }
     for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], 3, stream);
     for (int r = 0; r < P; ++r) group.rank(r).dispatch_recv(stream);
-    expect_error([&] { group.rank(0).check(stream); }, {"non-finite x value", "token 0"});
-    float amax = 0.0f;
-    for (int i = 0; i < c.hidden; ++i)
-      if (i != 200) amax = std::max(amax, std::fabs(bf16_to_float(in[0].x[i])));
-    const int slot = in[0].topk_idx[0] >= 0 ? in[0].topk_idx[0] : in[0].topk_idx[1];
-    EpBuffer& owner = group.rank(slot / c.slots_per_rank());
-    const moekit::MaskedLayout lay = owner.masked_layout();
-    const std::vector<int32_t> src = to_host(owner.recv_src(), size_t(lay.num_experts) * lay.max_m);
-    const std::vector<float> scales = to_host(owner.recv_scales(), lay.scale_elems());
-    const int e = slot % c.slots_per_rank();
-    int found = 0;
-    for (int m = 0; m < lay.max_m; ++m)
-      if (src[size_t(e) * lay.max_m + m] == 0) {  // rank 0's token 0
-        ++found;
-        for (int b = 0; b < c.k_blocks(); ++b) EXPECT_EQ(scales[lay.scale_offset(e, m, b)], std::max(amax, moekit::kMinAmax) / 448.0f);
+    // The first fault recorded wins, and the three tokens' CTAs race for it.
+    expect_error([&] { group.rank(0).check(stream); }, {"non-finite x value"});
+    for (int t = 0; t < 3; ++t) {
+      float amax = 0.0f;
+      for (int i = 0; i < c.hidden; ++i) {
+        const float v = bf16_to_float(in[0].x[size_t(t) * c.hidden + i]);
+        if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
       }
-    EXPECT_EQ(found, 1);
+      const int32_t* idx = in[0].topk_idx.data() + size_t(t) * c.topk;
+      const int slot = *std::find_if(idx, idx + c.topk, [](int32_t s) { return s >= 0; });
+      EpBuffer& owner = group.rank(slot / c.slots_per_rank());
+      const moekit::MaskedLayout lay = owner.masked_layout();
+      const std::vector<int32_t> src = to_host(owner.recv_src(), size_t(lay.num_experts) * lay.max_m);
+      const std::vector<float> scales = to_host(owner.recv_scales(), lay.scale_elems());
+      const int e = slot % c.slots_per_rank();
+      const std::vector<int32_t> count = to_host(owner.recv_count(), size_t(lay.num_experts));
+      int found = 0;
+      for (int m = 0; m < count[e]; ++m)  // rows past the count hold earlier steps' tokens
+        if (src[size_t(e) * lay.max_m + m] == t) {  // rank 0's token t
+          ++found;
+          for (int b = 0; b < c.k_blocks(); ++b)
+            EXPECT_EQ(scales[lay.scale_offset(e, m, b)], std::max(amax, moekit::kMinAmax) / 448.0f) << "token " << t;
+        }
+      EXPECT_EQ(found, 1) << "token " << t;
+    }
     for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
     for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
     for (int r = 0; r < P; ++r) group.rank(r).check(stream);
@@ -742,6 +754,7 @@ const Shape kShapes[] = {
     {8, 32, 512, 64, 8},
     {8, 128, 7168, 256, 8},  // DeepSeek-V3 decode: 256 experts, top-8, d = 7168, 128 tokens per rank
     {8, 2, 7168, 256, 8},    // ... at 2 tokens per rank: combine_recv cuts each token over 4 CTAs
+    {2, 600, 2944, 128, 4},  // more tokens per rank than CTAs: the combine receive's warp path
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, EpLocal, ::testing::ValuesIn(kShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
@@ -878,6 +891,8 @@ TEST_P(EpNormal, ContiguousLayoutAndCombineMatchBothReferences) {
 const Shape kNormalShapes[] = {
     {2, 48, 256, 8, 4},
     {4, 64, 512, 32, 8},
+    {1, 1200, 2944, 128, 4},  // gpt-oss-120b's prefill on one rank: more tokens than CTAs
+    {4, 300, 512, 32, 8},
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, EpNormal, ::testing::ValuesIn(kNormalShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });

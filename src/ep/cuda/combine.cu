@@ -207,6 +207,70 @@ __global__ void __launch_bounds__(kEpThreads) combine_send_kernel(EpArgs a, cons
 constexpr int kRecvChunks = 4;
 constexpr int kRecvRanks = 8;
 
+// combine_recv with more tokens than CTAs (prefill sizes): a CTA per token would walk its tokens
+// one after another, each a chain of two round trips and two barriers (gpt-oss-120b's 8192 tokens
+// on 132 CTAs: 62 in a row). Instead every warp takes (token, pass) items on its own, as
+// combine_local_kernel does: `team` warps share a token's passes of 32 x kRecvChunks chunks when
+// there are warps to spare, the token's target ranks come from its lanes < k by shuffles, and up
+// to kWarpRanks ranks' chunks are loaded before any is added. The adds are the CTA path's, in the
+// same order (add, then the partials in ascending rank order): the same bits.
+constexpr int kWarpRanks = 4;
+// The warps per token when a step's tokens are dealt to warps as (token, pass) items, the item
+// index walking over the CTAs first: a token's `passes` go to that many warps while the grid has
+// warps to spare, else one warp walks them all (combine_recv_warps and combine_local_kernel).
+__device__ __forceinline__ int token_team(int passes, int num_tokens) {
+  return max(1, min(passes, int(gridDim.x * (blockDim.x >> 5)) / max(num_tokens, 1)));
+}
+__device__ __forceinline__ void combine_recv_warps(const EpArgs& a, const uint16_t* add, uint16_t* out, int parity,
+                                                   int num_tokens) {
+  const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int num_chunks = a.hidden / 8, out_chunks = a.out_cols / 8;
+  constexpr int kPass = 32 * kRecvChunks;
+  const int team = token_team((num_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
+  for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
+    const int t = item / team, first_pass = item - t * team;
+    const int r = lane < k ? __ldcg(a.route_ranks + size_t(t) * k + lane) : -1;
+    const unsigned have = __ballot_sync(0xFFFFFFFFu, r >= 0);
+    const int n = ~have == 0 ? 32 : __ffs(~have) - 1;  // the ranks before the first -1
+    for (int pass0 = first_pass * kPass; pass0 < num_chunks; pass0 += team * kPass) {
+      const int c0 = pass0 + lane;
+      float acc[kRecvChunks][8] = {};
+      if (add) {
+#pragma unroll
+        for (int u = 0; u < kRecvChunks; ++u) {
+          const int c = c0 + 32 * u;
+          if (c < num_chunks) unpack8(reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c], acc[u]);
+        }
+      }
+      for (int i = 0; i < n; i += kWarpRanks) {  // warp-uniform (the shuffles need every lane)
+        uint4 part[kWarpRanks][kRecvChunks];
+#pragma unroll
+        for (int q = 0; q < kWarpRanks; ++q) {
+          const int rank = __shfl_sync(0xFFFFFFFFu, r, (i + q) & 31);
+          if (i + q >= n) continue;
+          const uint4* src = reinterpret_cast<const uint4*>(a.combine_inbox(parity, rank) + kEpFlagBytes +
+                                                            size_t(t) * a.hidden * 2);
+#pragma unroll
+          for (int u = 0; u < kRecvChunks; ++u)
+            if (c0 + 32 * u < num_chunks) part[q][u] = __ldcg(src + c0 + 32 * u);
+        }
+#pragma unroll
+        for (int q = 0; q < kWarpRanks; ++q) {
+          if (i + q >= n) continue;
+#pragma unroll
+          for (int u = 0; u < kRecvChunks; ++u)
+            if (c0 + 32 * u < num_chunks) add8(acc[u], part[q][u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRecvChunks; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < num_chunks && c < out_chunks) reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
                                                                   int slices) {
   __shared__ int ok;
@@ -228,8 +292,12 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
       ok = 0;
   __syncthreads();
   const int num_tokens = ok ? sent_tokens : 0, num_chunks = a.hidden / 8;
+  // More tokens than CTAs: the warps' path; else (decode sizes) a CTA per (token, slice). Every CTA
+  // read the same count, so they all choose alike (a CTA whose flag wait timed out has no tokens).
+  const bool by_warps = num_tokens > int(gridDim.x);
+  if (by_warps) combine_recv_warps(a, add, out, parity, num_tokens);
   const int slice_chunks = (num_chunks + slices - 1) / slices;
-  for (int item = blockIdx.x; item < num_tokens * slices; item += gridDim.x) {
+  for (int item = blockIdx.x; item < (by_warps ? 0 : num_tokens) * slices; item += gridDim.x) {
     const int t = item / slices, first = item % slices * slice_chunks;
     const int last = min(first + slice_chunks, num_chunks);
     if (threadIdx.x < 32) {
@@ -302,8 +370,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_local_kernel(EpArgs a, con
   const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int num_tokens = __ldcg(&a.ctr->num_tokens), out_chunks = a.out_cols / 8;
   constexpr int kPass = 32 * kSendChunks;
-  const int passes = (out_chunks + kPass - 1) / kPass, all_warps = gridDim.x * warps;
-  const int team = max(1, min(passes, all_warps / max(num_tokens, 1)));
+  const int team = token_team((out_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
   for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
     const int t = item / team, first_pass = item - t * team;
     const int my_row = lane < k ? __ldcg(a.map_rows + size_t(t) * k + lane) : -1;

@@ -67,6 +67,54 @@ __device__ void count_tokens(const EpArgs& a, const int32_t* topk_idx, int t0, i
   __syncthreads();
 }
 
+// The counts over tokens [0, t_begin), before the CTA plans its own. Counted directly while that
+// is cheap; past that (prefill sizes: the last of 132 CTAs would count 8,130 of 8,192 tokens,
+// one warp round of ~60 instructions and two match_any per 32 entries), each CTA counts its own
+// tokens, publishes them (cta_counts, then its flag = step, a release), waits for the flags of
+// the CTAs before it and sums their counts: O(T / G + G * (num_slots + P)) instead of O(T) a CTA.
+// The waits assume what a decoupled look-back does: a CTA is resident once any CTA after it is
+// (the grid fits the GPU at once; grids are dispatched in order). The choice depends only on the
+// step's token count and the grid, so every CTA makes the same one, and either way the counts are
+// the same (count_tokens' validity rule).
+__device__ void count_before(const EpArgs& a, const int32_t* topk_idx, int num_tokens, int t_begin, int t_end,
+                             unsigned step, int* cnt_slot, int* cnt_rank) {
+  const int S = a.num_slots, n = S + a.num_ranks;
+  // The direct count's last CTA classifies T * k entries, 256 a round; the look-back's reads
+  // G * n counters, 2048 a round trip (8 loads a thread): the look-back from 4x fewer rounds.
+  const bool look_back = int(gridDim.x) <= a.count_ctas && int64_t(num_tokens) * a.topk >= int64_t(gridDim.x) * n / 4;
+  if (!look_back) {
+    count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
+    return;
+  }
+  count_tokens(a, topk_idx, t_begin, t_end, cnt_slot, cnt_rank);
+  int32_t* mine = a.cta_counts + size_t(blockIdx.x) * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) mine[i] = i < S ? cnt_slot[i] : cnt_rank[i - S];
+  __syncthreads();  // the CTA's stores, then thread 0's release (the barrier passes them on)
+  if (threadIdx.x == 0) ptx::st_release_gpu(a.cta_flags + blockIdx.x, int(step));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) *(i < S ? cnt_slot + i : cnt_rank + (i - S)) = 0;
+  for (int c = threadIdx.x; c < int(blockIdx.x); c += blockDim.x)
+    timed_wait(a, kPhaseDispatchSend, a.rank, step, c, 0, 32, 256,
+               [&] { return ptx::ld_acquire_gpu(a.cta_flags + c) == int(step); });
+  __syncthreads();  // every earlier CTA's counts acquired (a timeout leaves them short, and is reported)
+  // The earlier CTAs' counters, (CTA, counter) pairs dealt over the threads, consecutive threads on
+  // consecutive counters; kLoads loads in flight before their adds.
+  constexpr int kLoads = 8;
+  const int pairs = int(blockIdx.x) * n;  // < count_ctas * n, which the buffer allocated
+  for (int p0 = 0; p0 < pairs; p0 += kLoads * int(blockDim.x)) {
+    int v[kLoads], at[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int p = p0 + u * int(blockDim.x) + int(threadIdx.x);
+      at[u] = p < pairs ? p % n : 0;
+      v[u] = p < pairs ? __ldcg(a.cta_counts + p) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if (v[u]) atomicAdd(at[u] < S ? cnt_slot + at[u] : cnt_rank + (at[u] - S), v[u]);
+  }
+  __syncthreads();
+}
+
 // What the copy of one token needs: its messages' places and each top-k entry's code and weight.
 struct TokenPlan {
   int num_targets;
@@ -218,15 +266,41 @@ __device__ __forceinline__ void store_chunk(uint8_t* row, int c, uint4 v, bool m
 // recorded fault spoils only its own values, as it does under 1x128 scales.
 __device__ float token_amax(const EpArgs& a, const uint16_t* x, int t, Team team, int team_id, float* warp_amax) {
   const uint4* xr = reinterpret_cast<const uint4*>(x + size_t(t) * a.x_cols);
-  float amax = 0.0f;
-  for (int c = team.tt; c < a.x_cols / 16; c += team.threads) {
-    const uint4 u[2] = {__ldg(xr + 2 * c), __ldg(xr + 2 * c + 1)};
-    const uint32_t w[8] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w};
+  // The bf16 pairs' magnitudes folded as pairs (NaNs pass over, one instruction per two values),
+  // kAmaxBatch chunks a thread loaded before any is folded (zeros past the row), so that a 32-lane
+  // team reads a gpt-oss-120b token (184 chunks) in two round trips instead of six. An infinity
+  // among them (a recorded fault, rare) sends this thread through the value loop that leaves it out.
+  constexpr int kAmaxBatch = 4;
+  const int num_chunks = a.x_cols / 16;
+  uint32_t m = 0;
+  for (int c0 = team.tt; c0 < num_chunks; c0 += kAmaxBatch * team.threads) {
+    uint4 u[kAmaxBatch][2];
 #pragma unroll
-    for (int h = 0; h < 8; ++h) {
-      const float lo = bf16_lo(w[h]), hi = bf16_hi(w[h]);
-      if (isfinite(lo)) amax = fmaxf(amax, fabsf(lo));
-      if (isfinite(hi)) amax = fmaxf(amax, fabsf(hi));
+    for (int b = 0; b < kAmaxBatch; ++b) {
+      const int c = c0 + b * team.threads;
+      u[b][0] = u[b][1] = make_uint4(0, 0, 0, 0);
+      if (c < num_chunks) u[b][0] = __ldg(xr + 2 * c), u[b][1] = __ldg(xr + 2 * c + 1);
+    }
+#pragma unroll
+    for (int b = 0; b < kAmaxBatch; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4& v = u[b][h];
+        m = bf16x2_absmax<false>(m, bf16x2_absmax<false>(bf16x2_absmax<false>(v.x, v.y), bf16x2_absmax<false>(v.z, v.w)));
+      }
+  }
+  float amax = bf16x2_fold_max(m);
+  if (isinf(amax)) {
+    amax = 0.0f;
+    for (int c = team.tt; c < a.x_cols / 16; c += team.threads) {
+      const uint4 u[2] = {__ldg(xr + 2 * c), __ldg(xr + 2 * c + 1)};
+      const uint32_t w[8] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w};
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const float lo = bf16_lo(w[h]), hi = bf16_hi(w[h]);
+        if (isfinite(lo)) amax = fmaxf(amax, fabsf(lo));
+        if (isfinite(hi)) amax = fmaxf(amax, fabsf(hi));
+      }
     }
   }
 #pragma unroll
@@ -271,12 +345,17 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
       v[2 * h] = bf16_lo(w[h]);
       v[2 * h + 1] = bf16_hi(w[h]);
     }
-    float amax = 0.0f;
-    bool finite = true;
+    // The chunk's pairs folded with NaNs kept: an all-ones exponent iff a value is not finite.
+    // Finite, its magnitude is the chunk's amax; else (a recorded fault) the value loop gives
+    // fmaxf's amax, which passes over NaNs and keeps infinities.
+    uint32_t m = bf16x2_absmax<true>(bf16x2_absmax<true>(bf16x2_absmax<true>(w[0], w[1]), bf16x2_absmax<true>(w[2], w[3])),
+                                     bf16x2_absmax<true>(bf16x2_absmax<true>(w[4], w[5]), bf16x2_absmax<true>(w[6], w[7])));
+    const bool finite = bf16x2_finite(m);
+    float amax = bf16x2_fold_max(m);
+    if (!finite) {
+      amax = 0.0f;
 #pragma unroll
-    for (int h = 0; h < 16; ++h) {
-      amax = fmaxf(amax, fabsf(v[h]));
-      finite = finite && isfinite(v[h]);
+      for (int h = 0; h < 16; ++h) amax = fmaxf(amax, fabsf(v[h]));
     }
     if (!a.token_scales) {
 #pragma unroll
@@ -359,7 +438,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
     float token_scale = 0.0f;  // per token: the scale of token b0 + i, made when its first block is sent
     if (i < n) load_x(a, x, b0 + i, 0, team, cur);
     const BatchEntry entry = load_batch_entry(a, topk_idx, topk_weights, b0, n);
-    if (b0 == t_begin) count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
+    if (b0 == t_begin) count_before(a, topk_idx, num_tokens, t_begin, t_end, step, cnt_slot, cnt_rank);
     plan_batch(a, entry, b0, n, parity, step, cnt_slot, cnt_rank, plans);
     __syncthreads();
     while (i < n) {
@@ -401,7 +480,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
     }
     __syncthreads();  // the next batch rewrites the plans
   }
-  if (t_begin == t_end) count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
+  if (t_begin == t_end) count_before(a, topk_idx, num_tokens, t_begin, t_end, step, cnt_slot, cnt_rank);
 
   // The CTA with the last tokens now holds the whole batch's counts: it writes each peer's
   // per-expert counts into that peer's inbox header (covered by its system fence in finish_cta,

@@ -109,6 +109,9 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.map_token = reinterpret_cast<int32_t*>(base + l.map_token);
   a.map_rows = reinterpret_cast<int32_t*>(base + l.map_rows);
   a.map_w = reinterpret_cast<float*>(base + l.map_w);
+  a.count_ctas = l.count_ctas;
+  a.cta_counts = reinterpret_cast<int32_t*>(base + l.cta_counts);
+  a.cta_flags = reinterpret_cast<int32_t*>(base + l.cta_flags);
   a.recv_x = base + l.recv_x;
   a.recv_scales = reinterpret_cast<float*>(base + l.recv_scales);
   a.recv_count = reinterpret_cast<int32_t*>(base + l.recv_count);
@@ -317,6 +320,10 @@ void EpBuffer::check(cudaStream_t stream) {
                    fmtr("EP rank {}: {} timed out after {} s at step {} waiting for the GEMM beside it to store the "
                         "rows of local expert {} (y_ready[{}] below {}: a GEMM not signalling into y_ready)", s.rank,
                         phase, m.config.timeout_s, s.step, s.index, s.index, s.value));
+      MOEKIT_CHECK(s.phase != kPhaseDispatchSend || s.peer != s.rank,
+                   fmtr("EP rank {}: {} timed out after {} s at step {} waiting for its CTA {} to publish its token "
+                        "counts (a grid larger than the GPU holds at once)", s.rank, phase, m.config.timeout_s, s.step,
+                        s.index));
       MOEKIT_CHECK(false, fmtr("EP rank {}: {} timed out after {} s waiting for rank {} at step {}", s.rank, phase,
                                       m.config.timeout_s, s.peer, s.step));
     case EpErrorKind::kBadSlot:

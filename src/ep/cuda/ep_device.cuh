@@ -179,4 +179,23 @@ __device__ __forceinline__ int entry_pos(int code) { return code & 0xFFFF; }
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
+// The larger magnitude of two bf16 pairs, pair by pair, in one instruction (max.xorsign.abs: the
+// result's magnitude is max(|a|, |b|), its sign bit a XOR the caller drops). kKeepNan: a NaN wins
+// (so a pair folded over a chunk has an all-ones exponent iff the chunk holds a NaN or an
+// infinity); else a NaN loses to the other operand, as fmaxf's does.
+template <bool kKeepNan>
+__device__ __forceinline__ uint32_t bf16x2_absmax(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (kKeepNan) asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// The magnitude of a folded pair as one float (the larger of its halves), and whether both are finite.
+__device__ __forceinline__ float bf16x2_fold_max(uint32_t m) {
+  return fmaxf(bf16_lo(m & 0x7FFF7FFFu), bf16_hi(m & 0x7FFF7FFFu));
+}
+__device__ __forceinline__ bool bf16x2_finite(uint32_t m) {
+  return (m & 0x7F80u) != 0x7F80u && (m & 0x7F800000u) != 0x7F800000u;
+}
+
 }  // namespace moekit::gpu

@@ -16,6 +16,8 @@
 //   map_token   [P][T_max] int32: source token of inbox message (s, j)
 //   map_rows    [P][T_max][k] int32: output row of each entry of message (s, j), -1 none
 //   map_w       [P][T_max][k] fp32: its top-k weight
+//   cta_counts  [count_ctas][num_slots + P] int32: the send's counts of each CTA's own tokens
+//   cta_flags   [count_ctas] int32: the step whose counts a CTA has published (dispatch_send.cu)
 #pragma once
 
 #include <cstddef>
@@ -82,6 +84,9 @@ struct EpArgs {
   int32_t* map_token;
   int32_t* map_rows;
   float* map_w;
+  int count_ctas;       // the send grids the two below have room for
+  int32_t* cta_counts;  // [count_ctas][num_slots + P]
+  int32_t* cta_flags;   // [count_ctas]
 
   uint8_t* recv_x;
   float* recv_scales;
@@ -115,7 +120,8 @@ struct EpSizes {
 
 // The private allocation, region by region (offsets are 256-byte aligned; host side, ep_config.cu).
 struct PrivateLayout {
-  size_t counters, status, route_ranks, send_msgs, recv_msgs, map_token, map_rows, map_w;
+  size_t counters, status, route_ranks, send_msgs, recv_msgs, map_token, map_rows, map_w, cta_counts, cta_flags;
+  int count_ctas;
   size_t recv_x, recv_scales, recv_count, recv_src, row_expert, total_rows;
   size_t state_bytes, output_bytes, total;
 };
