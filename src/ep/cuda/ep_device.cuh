@@ -190,6 +190,11 @@ __device__ __forceinline__ uint32_t bf16x2_absmax(uint32_t a, uint32_t b) {
   else asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
+// The four pairs of a 16-byte chunk folded into one pair.
+template <bool kKeepNan>
+__device__ __forceinline__ uint32_t bf16x8_absmax(uint4 v) {
+  return bf16x2_absmax<kKeepNan>(bf16x2_absmax<kKeepNan>(v.x, v.y), bf16x2_absmax<kKeepNan>(v.z, v.w));
+}
 // The magnitude of a folded pair as one float (the larger of its halves), and whether both are finite.
 __device__ __forceinline__ float bf16x2_fold_max(uint32_t m) {
   return fmaxf(bf16_lo(m & 0x7FFF7FFFu), bf16_hi(m & 0x7FFF7FFFu));
