@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
   std::printf("\n");
   for (const auto& m : models) {
     const auto it = std::find_if(kShapes.begin(), kShapes.end(), [&](const RouterShape& s) { return s.model == m; });
-    MOEKIT_CHECK(it != kShapes.end(), "bench_router: --models entry '" + m + "', expected gpt-oss-120b, deepseek-v3 or qwen3.5");
+    MOEKIT_CHECK(it != kShapes.end(),
+                 "bench_router: --models entry '" + m + "', expected gpt-oss-120b, deepseek-v3 or qwen3.5");
     for (const int t : tokens) {
       const auto pick = gpu::choose_router_config(t, it->num_experts, it->x_cols, prop.multiProcessorCount);
       std::printf("%-14s %6d %-8s", m.c_str(), t, pick.to_string().c_str());

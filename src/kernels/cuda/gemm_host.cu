@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -208,15 +209,28 @@ void check_register_split(const void* kernel, const GemmConfig& cfg, int launch_
 }
 
 void allow_smem(const void* kernel, int smem_bytes) {
-  int device = 0, optin = 0;
+  // The limit each kernel was raised to on each device, so that the launchers that call this on
+  // every launch (the router's tiles, the activation's held values) pay a lookup after the first.
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> raised;
+  int device = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
-  MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes attr{};
-  MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const int limit = optin - int(attr.sharedSizeBytes);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = raised.find({device, kernel});
+  int limit = it != raised.end() ? it->second : 0;
+  if (it == raised.end()) {
+    int optin = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cudaFuncAttributes attr{};
+    MOEKIT_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    limit = optin - int(attr.sharedSizeBytes);
+  }
   MOEKIT_CHECK(smem_bytes <= limit, "kernel needs " + std::to_string(smem_bytes) +
                                         " B of dynamic shared memory, the device allows " + std::to_string(limit));
-  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+  if (it == raised.end()) {
+    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+    raised.emplace(std::make_pair(device, kernel), limit);
+  }
 }
 
 void launch_kernel(const Launch& launch, const GemmConfig& cfg, const CUtensorMap& tma_a, const CUtensorMap& tma_w,

@@ -84,7 +84,8 @@ void finish_config(GemmConfig& cfg, int num_experts, int extra_static) {
 // Raises a kernel's dynamic shared-memory limit to the device's opt-in maximum (less its static
 // shared memory) after checking that smem_bytes fits. The limit belongs to the kernel function,
 // not to a plan: a later plan of the same kernel with a smaller ring never lowers it below what
-// an earlier plan launches with.
+// an earlier plan launches with. After the first call for a kernel on a device, a call is a
+// lookup and the check, so launchers may make it on every launch.
 void allow_smem(const void* kernel, int smem_bytes);
 
 // A plan's kernel: FP8 weights (three TMA maps) or MXFP4 weights (a fourth, for the scales).

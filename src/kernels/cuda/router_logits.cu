@@ -322,7 +322,8 @@ void launch_router_logits(const uint16_t* x, int num_tokens, int hidden, const f
       MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(router_logits_tiled_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     const dim3 grid(unsigned((num_experts + kTileE - 1) / kTileE * config.splits),
                     unsigned((num_tokens + kTileT - 1) / kTileT));
-    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), kTileSmemBytes, stream, LaunchShape(opt.pdl, config.splits),
+    launch_kernel_ex(router_logits_tiled_kernel, grid, dim3(kTileThreads), kTileSmemBytes, stream,
+                     LaunchShape(opt.pdl, config.splits),
                      x, num_tokens, hidden, x_cols, router_weight, num_experts, logits, logit_bias, config.splits,
                      opt.stamp);
     return;
