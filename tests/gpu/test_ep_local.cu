@@ -772,9 +772,13 @@ TEST_P(EpNormal, ContiguousLayoutAndCombineMatchBothReferences) {
   DeviceStep dev(c);
   std::mt19937 rng(4321 + P);
   for (int step = 0; step < 2; ++step) {
+    // Step 1: token 2 of every rank has no expert (no message anywhere), and the combine adds
+    // `add` (one rank's combine is one kernel over the receive's map, which that token is not in).
     std::vector<RankInput> in;
     for (int r = 0; r < P; ++r) {
       in.push_back(random_input(c, step == 0 ? c.max_tokens : c.max_tokens / 2 + r, rng, step));
+      if (step == 1)
+        for (int j = 0; j < c.topk; ++j) in[r].topk_idx[size_t(2) * c.topk + j] = -1;
       dev.upload(r, in[r]);
       EpBuffer& b = group.rank(r);
       MOEKIT_CUDA_CHECK(cudaMemset(b.recv_x(), 0x7F, size_t(cap) * d));
@@ -845,12 +849,22 @@ TEST_P(EpNormal, ContiguousLayoutAndCombineMatchBothReferences) {
           }
       MOEKIT_CUDA_CHECK(cudaMemcpy(dev.y[r], y[r].data(), y[r].size() * 2, cudaMemcpyHostToDevice));
       MOEKIT_CUDA_CHECK(cudaMemset(dev.out[r], 0xFF, size_t(c.max_tokens) * d * 2));
+      if (step == 1) {
+        add[r] = random_input(c, in[r].num_tokens, rng).x;
+        MOEKIT_CUDA_CHECK(cudaMemcpy(dev.add[r], add[r].data(), add[r].size() * 2, cudaMemcpyHostToDevice));
+      }
     }
     for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
-    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(step == 1 ? dev.add[r] : nullptr, dev.out[r], stream);
     for (int r = 0; r < P; ++r) group.rank(r).check(stream);
     const auto want = combine_reference(masked_c, in, ref.row_of, y_masked, add);
-    for (int r = 0; r < P; ++r) compare_combine(to_host(dev.out[r], size_t(in[r].num_tokens) * d), want[r], r);
+    for (int r = 0; r < P; ++r) {
+      const auto got = to_host(dev.out[r], size_t(in[r].num_tokens) * d);
+      compare_combine(got, want[r], r);
+      if (step == 1)
+        EXPECT_TRUE(std::equal(got.begin() + 2 * d, got.begin() + 3 * d, add[r].begin() + 2 * d))
+            << "rank " << r << ": a token with no expert gets add";
+    }
 
     // ep_cpu.h's normal protocol on the same inputs.
     moekit::LocalEpGroup cpu(cpu_config(c));
@@ -870,7 +884,7 @@ TEST_P(EpNormal, ContiguousLayoutAndCombineMatchBothReferences) {
       cpu.normal_dispatch_recv(r, cpu_x[r].data(), cpu_sc[r].data(), cpu_rexp[r].data(), cpu_src[r].data());
       cpu.normal_combine_send(r, y[r].data());
       cpu_out[r].resize(size_t(in[r].num_tokens) * d);
-      cpu.combine_recv(r, nullptr, cpu_out[r].data());
+      cpu.combine_recv(r, step == 1 ? add[r].data() : nullptr, cpu_out[r].data());
     });
     for (int r = 0; r < P; ++r) {
       ASSERT_EQ(cpu_total[r], total[r]) << "rank " << r;

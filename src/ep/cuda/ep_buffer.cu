@@ -33,7 +33,7 @@ struct EpBuffer::Impl {
   void* private_mem = nullptr;
   void** peer_table = nullptr;
   int expected = kPhaseDispatchSend;  // host-side protocol order check
-  // One rank (args.direct): the y of a combine_send that launched nothing, for combine_recv.
+  // One rank (either mode): the y of a combine_send that launched nothing, for combine_recv.
   const uint16_t* pending_y = nullptr;
 };
 
@@ -220,7 +220,7 @@ void launch_send_back(EpBuffer::Impl& m, const uint16_t* y, int32_t* y_ready, in
                fmtr("EP rank {}: combine_send: y must be a 16-byte aligned device pointer", m.rank));
   PhaseCheck::expect(m.expected, kPhaseCombineSend, m.rank, "combine_send");
   // One rank, not beside a GEMM: combine_recv sums the rows itself (one kernel for both).
-  m.pending_y = m.args.direct && !y_ready ? y : nullptr;
+  m.pending_y = m.args.num_ranks == 1 && !y_ready ? y : nullptr;
   if (m.pending_y) return;
   launch_combine_send(m.args, y, y_ready, num_ctas, stream);
   if (m.exchange && !m.args.direct) m.exchange->after_combine_send(stream);
