@@ -42,8 +42,9 @@
 // sized for max_recv_rows; the per-expert counts travel in each source's inbox header ahead of
 // its flag, so the receiver builds the layout from the counts before it places a row.
 // combine_send then takes y [max_recv_rows, d] bf16 and combine_recv is the same. One rank in
-// normal mode still dispatches through its own inbox, but combines as one low-latency rank does:
-// combine_send launches nothing and combine_recv sums y's rows by the receive's map (same bits).
+// normal mode works as one low-latency rank does: dispatch_send places the rows in the contiguous
+// layout itself (after its CTAs have shared the step's per-expert totals), normal_dispatch_recv
+// launches nothing, combine_send launches nothing and combine_recv sums y's rows (same bits).
 //
 // Memory. Peers write into one "symmetric" region per rank; the rest is private:
 //   symmetric = 2 parities x P sources x (dispatch inbox + combine inbox), where

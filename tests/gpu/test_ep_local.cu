@@ -906,6 +906,7 @@ const Shape kNormalShapes[] = {
     {2, 48, 256, 8, 4},
     {4, 64, 512, 32, 8},
     {1, 1200, 2944, 128, 4},  // gpt-oss-120b's prefill on one rank: more tokens than CTAs
+    {1, 24, 256, 8, 4},       // one rank, fewer tokens than CTAs: a CTA per token
     {4, 300, 512, 32, 8},
 };
 INSTANTIATE_TEST_SUITE_P(Shapes, EpNormal, ::testing::ValuesIn(kNormalShapes),
@@ -1030,6 +1031,47 @@ TEST_F(EpFaults, BadSlotOnTheDeviceIsReportedAndSkipped) {
   for (int r = 0; r < 2; ++r) group.rank(r).combine_send(dev.y[r], stream);
   for (int r = 0; r < 2; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
   for (int r = 0; r < 2; ++r) EXPECT_NO_THROW(group.rank(r).check(stream));
+}
+
+// A step whose contiguous layout needs more rows than max_recv_rows: check() names both counts,
+// total_rows reads 0, and no row is written (every row_expert -1, the payload untouched), whether
+// one rank's send places the rows or the receive does; the step still completes, so the next runs.
+TEST_F(EpFaults, ContiguousCapacityIsReportedAndNothingIsPlaced) {
+  for (const int P : {1, 2}) {
+    EpConfig c = make_config({P, 256, 256, 8, 2}, EpMode::kNormal);
+    c.max_recv_rows = 128;
+    const int cap = c.contiguous_rows(), d = c.hidden;
+    ASSERT_EQ(cap, 128);
+    EpLocalGroup group(c);
+    DeviceStep dev(c);
+    std::mt19937 rng(11 + P);
+    for (int r = 0; r < P; ++r) {
+      dev.upload(r, random_input(c, c.max_tokens, rng));
+      EpBuffer& b = group.rank(r);
+      MOEKIT_CUDA_CHECK(cudaMemset(b.recv_x(), 0x7F, size_t(cap) * d));
+      MOEKIT_CUDA_CHECK(cudaMemset(b.row_expert(), 0xEE, size_t(cap) * 4));
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).dispatch_send(dev.x[r], dev.idx[r], dev.w[r], c.max_tokens, stream);
+    for (int r = 0; r < P; ++r) group.rank(r).normal_dispatch_recv(stream);
+    for (int r = 0; r < P; ++r) {
+      EpBuffer& b = group.rank(r);
+      try {
+        b.check(stream);
+        FAIL() << "P = " << P << ", rank " << r << ": a layout past max_recv_rows must be reported";
+      } catch (const moekit::Error& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("the buffer has 128 (raise max_recv_rows)"), std::string::npos) << msg;
+      }
+      EXPECT_EQ(to_host(b.recv_total_rows(), 1)[0], 0) << "P = " << P << ", rank " << r;
+      const auto rexp = to_host(b.row_expert(), cap);
+      EXPECT_EQ(std::count(rexp.begin(), rexp.end(), -1), cap) << "P = " << P << ", rank " << r;
+      const auto x = to_host(b.recv_x(), size_t(cap) * d);
+      EXPECT_EQ(std::count(x.begin(), x.end(), uint8_t(0x7F)), int64_t(cap) * d) << "P = " << P << ", rank " << r;
+    }
+    for (int r = 0; r < P; ++r) group.rank(r).combine_send(dev.y[r], stream);
+    for (int r = 0; r < P; ++r) group.rank(r).combine_recv(nullptr, dev.out[r], stream);
+    for (int r = 0; r < P; ++r) EXPECT_NO_THROW(group.rank(r).check(stream)) << "P = " << P;
+  }
 }
 
 }  // namespace

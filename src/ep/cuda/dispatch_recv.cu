@@ -19,6 +19,7 @@
 // one out was measured: no faster at 4096 tokens per rank, at 184 registers instead of 116.)
 #include <cuda_runtime.h>
 
+#include "contiguous.cuh"
 #include "ep_device.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "moekit/cuda_check.h"
@@ -150,12 +151,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       expert_rows[e] = acc;
     }
     __syncthreads();
-    if (kContiguous) {  // segment starts and padding prefixes: one warp scan each
-      auto padded = [&](int e) { return (expert_rows[e] + a.block_m - 1) / a.block_m * a.block_m; };
-      if (warp == 0) warp_prefix(seg, E, padded);
-      if (warp == 1) warp_prefix(pad_start, E, [&](int e) { return padded(e) - expert_rows[e]; });
-      __syncthreads();
-    }
+    if (kContiguous) contiguous_segments(a, expert_rows, seg, pad_start);
     const int total_rows = kContiguous ? seg[E] : 0;
     const bool fits = !kContiguous || total_rows <= a.max_rows;
     if (!fits && threadIdx.x == 0 && blockIdx.x == 0)
@@ -167,39 +163,8 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_recv_kernel(EpArgs a) {
       if (hand_off) publish_recv_counts(a, self_rows);
     }
 
-    if (kContiguous) {
-      // Rows that no message fills get expert -1 and source -1: padding inside a segment and the
-      // tail past M_total (one thread per row). Padding rows also get a zero payload and zero
-      // scales, as the reference writes (one warp per padding row).
-      const int stride = gridDim.x * blockDim.x;
-      for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < a.max_rows; r += stride) {
-        bool real = false;
-        if (fits && r < total_rows) {
-          int lo = 0, hi = E;  // the last segment with seg[e] <= r
-          while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (seg[mid] <= r) lo = mid; else hi = mid;
-          }
-          real = r < seg[lo] + expert_rows[lo];
-        }
-        if (!real) {
-          a.row_expert[r] = -1;
-          a.recv_src[r] = -1;
-        }
-      }
-      const int kb_count = a.hidden / kQuantBlock;
-      for (int p = blockIdx.x * warps + warp; fits && p < pad_start[E]; p += gridDim.x * warps) {
-        int e = 0, hi = E;  // the last segment with pad_start[e] <= p
-        while (hi - e > 1) {
-          const int mid = (e + hi) / 2;
-          if (pad_start[mid] <= p) e = mid; else hi = mid;
-        }
-        const int r = seg[e] + expert_rows[e] + (p - pad_start[e]);
-        uint4* dst = reinterpret_cast<uint4*>(a.recv_x + size_t(r) * a.hidden);
-        for (int c = lane; c < a.hidden / 16; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
-        for (int kb = lane; kb < kb_count; kb += 32) a.recv_scales[size_t(kb) * a.max_rows + r] = 0.0f;
-      }
-    }
+    // Rows that no message fills: padding inside a segment and the tail past M_total.
+    if (kContiguous) fill_unplaced_rows(a, seg, expert_rows, pad_start, fits);
 
     const int num_msgs = fits ? sent_msgs : 0;
     const int kb_count = a.hidden / kQuantBlock, num_chunks = a.hidden / 16;

@@ -13,7 +13,10 @@
 // release stores cover every CTA's payload and headers (each CTA fences before its sign-off).
 // One rank (EpArgs::direct, ep.h) has nobody to send to: the planned row positions are already
 // the masked layout's rows, so each token is written there once per entry, with the combine's map
-// and recv_src; the CTA with the last tokens writes recv_count, and no flag is raised.
+// and recv_src; the CTA with the last tokens writes recv_count, and no flag is raised. In normal
+// mode the contiguous layout's rows also need the segment starts, so there the CTAs first share the
+// step's per-expert totals (count_totals) and each builds the segment table (contiguous.cuh), then
+// writes row_expert too and its share of the rows no token fills.
 //
 // A batch's tokens are copied by teams of warps working side by side: at decode sizes (one token
 // per CTA) the whole CTA is one team and latency sets the time, so the token's first x block is
@@ -23,6 +26,7 @@
 // fp8.h's) wherever the chunk is finite.
 #include <cuda_runtime.h>
 
+#include "contiguous.cuh"
 #include "ep_device.cuh"
 #include "send_count.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -241,8 +245,11 @@ __device__ float token_amax(const EpArgs& a, const uint16_t* x, int t, Team team
 // (EpArgs::token_scales) every group takes token_scale, the same rule over token_amax's. A chunk
 // with a NaN or an infinity (a recorded fault) takes fp8.h's conversion, whose NaN code is the
 // reference's.
+// One rank (EpArgs::direct): the rows are this rank's own layout's; seg is the contiguous layout's
+// segment table (null for the masked layout), and nothing is stored where the step's rows do not
+// fit it (place false; the fault is recorded once).
 __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c_base, Team team, unsigned step,
-                                  const TokenPlan& p, float token_scale) {
+                                  const TokenPlan& p, float token_scale, const int* seg, bool place) {
   const int lane = threadIdx.x & 31;
   const int num_chunks = a.hidden / 16;
   uint4 out[kQuantRounds];
@@ -308,10 +315,22 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
       if ((c & 7) == 0) a.recv_scales[(e * (a.hidden / kQuantBlock) + (c >> 3)) * a.max_m + m] = scale[i];
     }
   };
-  if (a.direct) {  // one rank: each valid entry's row of the masked layout
+  // This thread's chunks into row r of the contiguous layout (scales K-major over max_rows).
+  auto store_contiguous_row = [&](size_t r) {
+#pragma unroll
+    for (int i = 0; i < kQuantRounds; ++i) {
+      const int c = chunk[i];
+      if (c < 0) continue;
+      store_chunk(a.recv_x + r * a.hidden, c, out[i], a.mxfp4_k_order);
+      if ((c & 7) == 0) a.recv_scales[size_t(c >> 3) * a.max_rows + r] = scale[i];
+    }
+  };
+  if (a.direct && place) {  // one rank: each valid entry's row of the layout
     for (int j = 0; j < a.topk; ++j) {
       const int code = p.entry_code[j];
-      if (code >= 0) store_masked_row(size_t(entry_expert(code)), size_t(entry_pos(code)));
+      if (code < 0) continue;
+      if (seg) store_contiguous_row(size_t(seg[entry_expert(code)] + entry_pos(code)));
+      else store_masked_row(size_t(entry_expert(code)), size_t(entry_pos(code)));
     }
   }
   for (int r = 0; r < (a.direct ? 0 : p.num_targets); ++r) {
@@ -327,11 +346,38 @@ __device__ void quantize_and_send(const EpArgs& a, const XBlock& b, int t, int c
   if (a.self_slab) store_masked_row(size_t(a.local_experts), size_t(t));  // the rank's own copy (EpConfig::self_slab)
 }
 
+// One rank in normal mode: the shared memory past the counters (the totals, their rank scratch and
+// the segment table), in ints.
+int direct_smem_ints(const EpArgs& a) {
+  return a.direct && a.contiguous ? a.num_slots + a.num_ranks + 2 * (a.local_experts + 1) : 0;
+}
+
+// One rank in normal mode, after count_before: the step's rows per expert into tot (count_totals;
+// E = num_slots for one rank), the segment table, and whether the rows fit max_rows (if not, the
+// first CTA records the capacity fault as the receive would, and no row is placed). Every thread.
+__device__ bool contiguous_table(const EpArgs& a, const int32_t* topk_idx, int num_tokens, int t_begin, unsigned step,
+                                 const int* cnt_slot, int* tot, int* tot_rank, int* seg, int* pad_start) {
+  count_totals(a, topk_idx, num_tokens, t_begin, step, cnt_slot, tot, tot_rank);
+  contiguous_segments(a, tot, seg, pad_start);
+  const int total_rows = seg[a.local_experts];
+  const bool fits = total_rows <= a.max_rows;
+  if (!fits && blockIdx.x == 0 && threadIdx.x == 0)
+    record_fault(a, EpErrorKind::kCapacity, kPhaseDispatchRecv, -1, step, -1, a.max_rows, total_rows);
+  return fits;
+}
+
 __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, const uint16_t* x, const int32_t* topk_idx,
                                                                    const float* topk_weights, int num_tokens) {
   extern __shared__ int smem[];
   int* cnt_slot = smem;               // [num_slots]
   int* cnt_rank = smem + a.num_slots;  // [P]
+  // One rank in normal mode (direct_smem_ints): the step's totals and the contiguous layout's table.
+  const bool direct_contiguous = a.direct && a.contiguous;
+  int* tot = cnt_rank + a.num_ranks;  // [num_slots] = [E] (one rank)
+  int* tot_rank = tot + a.num_slots;  // [P]
+  int* seg = tot_rank + a.num_ranks;  // [E + 1]
+  int* pad_start = seg + a.local_experts + 1;  // [E + 1]
+  bool place = true;  // one rank in normal mode: the step's rows fit max_rows
   __shared__ TokenPlan plans[kBatchTokens];
   __shared__ float warp_amax[kEpThreads / 32];  // token_amax's, per token
   begin_ep_kernel(a, kPhaseDispatchSend);
@@ -355,7 +401,11 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
     float token_scale = 0.0f;  // per token: the scale of token b0 + i, made when its first block is sent
     if (i < n) load_x(a, x, b0 + i, 0, team, cur);
     const BatchEntry entry = load_batch_entry(a, topk_idx, topk_weights, b0, n);
-    if (b0 == t_begin) count_before(a, topk_idx, num_tokens, t_begin, t_end, step, cnt_slot, cnt_rank);
+    if (b0 == t_begin) {
+      count_before(a, topk_idx, num_tokens, t_begin, t_end, step, cnt_slot, cnt_rank);
+      if (direct_contiguous) place = contiguous_table(a, topk_idx, num_tokens, t_begin, step, cnt_slot, tot, tot_rank,
+                                                      seg, pad_start);
+    }
     plan_batch(a, entry, b0, n, parity, step, cnt_slot, cnt_rank, plans);
     __syncthreads();
     while (i < n) {
@@ -363,12 +413,14 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
       if (a.direct && c_base == 0 && team.tt < a.topk) {
         // One rank: the combine's map of token t (item t: every token is an item, those without
         // an expert have no rows) and each row's source, as dispatch_recv writes them.
-        const int t = b0 + i, j = team.tt, code = p.entry_code[j];
-        const int row = code >= 0 ? entry_expert(code) * a.max_m + entry_pos(code) : -1;
+        const int t = b0 + i, j = team.tt, code = place ? p.entry_code[j] : -1;
+        const int e = entry_expert(code), pos = entry_pos(code);
+        const int row = code < 0 ? -1 : direct_contiguous ? seg[e] + pos : e * a.max_m + pos;
         a.map_rows[size_t(t) * a.topk + j] = row;
         a.map_w[size_t(t) * a.topk + j] = p.entry_w[j];
         if (j == 0) a.map_token[t] = t;
         if (row >= 0) a.recv_src[row] = t;
+        if (row >= 0 && direct_contiguous) a.row_expert[row] = e;
       }
       if (!a.direct && c_base == 0 && team.tt < p.num_targets) {
         const int r = p.target_rank[team.tt];
@@ -390,23 +442,29 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
       if (next_i < n) load_x(a, x, b0 + next_i, next_c, team, next);
       if (a.token_scales && c_base == 0)
         token_scale = fp8_group_scale(token_amax(a, x, b0 + i, team, warp / team_warps, warp_amax));
-      quantize_and_send(a, cur, b0 + i, c_base, team, step, p, token_scale);
+      quantize_and_send(a, cur, b0 + i, c_base, team, step, p, token_scale, direct_contiguous ? seg : nullptr, place);
       cur = next;
       i = next_i;
       c_base = next_c;
     }
     __syncthreads();  // the next batch rewrites the plans
   }
-  if (t_begin == t_end) count_before(a, topk_idx, num_tokens, t_begin, t_end, step, cnt_slot, cnt_rank);
+  if (t_begin == t_end) {
+    count_before(a, topk_idx, num_tokens, t_begin, t_end, step, cnt_slot, cnt_rank);
+    if (direct_contiguous)
+      place = contiguous_table(a, topk_idx, num_tokens, t_begin, step, cnt_slot, tot, tot_rank, seg, pad_start);
+  }
 
   // The CTA with the last tokens now holds the whole batch's counts: it writes each peer's
   // per-expert counts into that peer's inbox header (covered by its system fence in finish_cta,
   // like its payload) and the message counts for the last CTA, which raises the flags.
   const int E = a.local_experts;
   if (a.direct) {  // one rank: its counts are recv_count, and every token is a combine item
+    if (direct_contiguous) fill_unplaced_rows(a, seg, tot, pad_start, place);
     if (blockIdx.x == gridDim.x - 1) {
       for (int e = threadIdx.x; e < E; e += blockDim.x) a.recv_count[e] = cnt_slot[e];
-      if (threadIdx.x == 0) a.recv_msgs[0] = num_tokens;
+      if (threadIdx.x == 0) a.recv_msgs[0] = place ? num_tokens : 0;
+      if (direct_contiguous && threadIdx.x == 0) *a.total_rows = place ? seg[E] : 0;
     }
     if (finish_cta(a, kPhaseDispatchSend, false) && threadIdx.x == 0) {
       a.ctr->num_tokens = num_tokens;
@@ -437,7 +495,7 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
 void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                           int num_tokens, int num_ctas, cudaStream_t stream) {
   const int grid = num_tokens < 1 ? 1 : (num_tokens < num_ctas ? num_tokens : num_ctas);
-  const size_t smem = sizeof(int) * size_t(args.num_slots + args.num_ranks);
+  const size_t smem = sizeof(int) * size_t(args.num_slots + args.num_ranks + direct_smem_ints(args));
   launch_kernel_ex(dispatch_send_kernel, dim3(grid), dim3(kEpThreads), smem, stream, args.pdl != 0, args, x, topk_idx,
                    topk_weights, num_tokens);
 }

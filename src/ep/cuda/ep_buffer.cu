@@ -92,7 +92,8 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.combine_inbox_bytes = z.combine_inbox_bytes;
   a.parity_mask = peers.double_buffered ? 1 : 0;
   a.self_slab = config.self_slab ? 1 : 0;
-  a.direct = P == 1 && config.mode == EpMode::kLowLatency ? 1 : 0;
+  a.direct = P == 1 ? 1 : 0;
+  a.contiguous = config.mode == EpMode::kNormal ? 1 : 0;
   a.mxfp4_k_order = config.mxfp4_k_order ? 1 : 0;
   a.token_scales = config.x_scaling == Fp8Scaling::kPerToken ? 1 : 0;
   a.rows_ready = nullptr;  // set per call (dispatch_recv with rows_ready)
@@ -210,7 +211,7 @@ void EpBuffer::normal_dispatch_recv(cudaStream_t stream) {
                fmtr("EP rank {}: normal_dispatch_recv needs a normal-mode buffer; this one is low-latency "
                            "(call dispatch_recv)", m.rank));
   PhaseCheck::expect(m.expected, kPhaseDispatchRecv, m.rank, "normal_dispatch_recv");
-  launch_dispatch_recv(m.args, true, m.num_ctas, stream);
+  if (!m.args.direct) launch_dispatch_recv(m.args, true, m.num_ctas, stream);  // one rank: the send placed the rows
 }
 
 namespace {

@@ -52,11 +52,12 @@ PrivateLayout private_layout(const EpConfig& c) {
   l.map_rows = take(4 * P * T * k);
   l.map_w = take(4 * P * T * k);
   // The send's per-CTA counts (dispatch_send.cu): room for the buffer's grid, or for any SM count
-  // up to kDefaultCountCtas when the grid is the device's (num_ctas = 0).
+  // up to kDefaultCountCtas when the grid is the device's (num_ctas = 0); one more row and flag for
+  // the step's totals, which one rank's send in normal mode publishes (send_count.cuh).
   constexpr int kDefaultCountCtas = 512;
   l.count_ctas = c.num_ctas > 0 ? c.num_ctas : kDefaultCountCtas;
-  l.cta_counts = take(4 * size_t(l.count_ctas) * (size_t(c.num_slots) + P));
-  l.cta_flags = take(4 * size_t(l.count_ctas));
+  l.cta_counts = take(4 * (size_t(l.count_ctas) + 1) * (size_t(c.num_slots) + P));
+  l.cta_flags = take(4 * (size_t(l.count_ctas) + 1));
   l.state_bytes = at;
   const size_t d = size_t(c.hidden), kb = size_t(c.k_blocks());
   if (c.mode == EpMode::kLowLatency) {

@@ -16,8 +16,9 @@
 //   map_token   [P][T_max] int32: source token of inbox message (s, j)
 //   map_rows    [P][T_max][k] int32: output row of each entry of message (s, j), -1 none
 //   map_w       [P][T_max][k] fp32: its top-k weight
-//   cta_counts  [count_ctas][num_slots + P] int32: the send's counts of each CTA's own tokens
-//   cta_flags   [count_ctas] int32: the step whose counts a CTA has published (dispatch_send.cu)
+//   cta_counts  [count_ctas + 1][num_slots + P] int32: the send's counts of each CTA's own tokens;
+//               row count_ctas: the step's totals (one rank in normal mode, send_count.cuh)
+//   cta_flags   [count_ctas + 1] int32: the step whose counts a CTA (or the totals) were published
 #pragma once
 
 #include <cstddef>
@@ -64,7 +65,8 @@ struct EpArgs {
   long long timeout_cycles;
   int pdl;                      // launched as programmatic dependent launches (EpBuffer::set_overlap)
   int self_slab;                // EpConfig::self_slab: the send also fills masked slab E_loc with own tokens
-  int direct;                   // one low-latency rank: the send writes the masked layout itself (ep.h)
+  int direct;                   // one rank: the send writes the receive's layout itself (ep.h)
+  int contiguous;               // normal mode: the receive's layout is the contiguous one
   int mxfp4_k_order;            // EpConfig::mxfp4_k_order: rows stored in the MXFP4 GEMM's K order
   int token_scales;             // EpConfig::x_scaling is per token: one scale per token, in each slot
   unsigned long long* stamps;   // [4 phases][2] stage clock (stamp.cuh), or null
@@ -85,8 +87,8 @@ struct EpArgs {
   int32_t* map_rows;
   float* map_w;
   int count_ctas;       // the send grids the two below have room for
-  int32_t* cta_counts;  // [count_ctas][num_slots + P]
-  int32_t* cta_flags;   // [count_ctas]
+  int32_t* cta_counts;  // [count_ctas + 1][num_slots + P]
+  int32_t* cta_flags;   // [count_ctas + 1]
 
   uint8_t* recv_x;
   float* recv_scales;

@@ -48,6 +48,14 @@ __device__ inline void count_tokens(const EpArgs& a, const int32_t* topk_idx, in
   __syncthreads();
 }
 
+// Whether count_before takes the look-back: the direct count's last CTA classifies T * k entries,
+// 256 a round; the look-back's reads G * n counters, 2048 a round trip (8 loads a thread): the
+// look-back from 4x fewer rounds, where the grid fits the published counts' buffer.
+__device__ __forceinline__ bool use_look_back(const EpArgs& a, int num_tokens) {
+  const int n = a.num_slots + a.num_ranks;
+  return int(gridDim.x) <= a.count_ctas && int64_t(num_tokens) * a.topk >= int64_t(gridDim.x) * n / 4;
+}
+
 // The counts over tokens [0, t_begin), before the CTA plans its own. Counted directly while that
 // is cheap; past that (prefill sizes: the last of 132 CTAs would count 8,130 of 8,192 tokens,
 // one warp round of ~60 instructions and two match_any per 32 entries), each CTA counts its own
@@ -60,10 +68,7 @@ __device__ inline void count_tokens(const EpArgs& a, const int32_t* topk_idx, in
 __device__ inline void count_before(const EpArgs& a, const int32_t* topk_idx, int num_tokens, int t_begin, int t_end,
                              unsigned step, int* cnt_slot, int* cnt_rank) {
   const int S = a.num_slots, n = S + a.num_ranks;
-  // The direct count's last CTA classifies T * k entries, 256 a round; the look-back's reads
-  // G * n counters, 2048 a round trip (8 loads a thread): the look-back from 4x fewer rounds.
-  const bool look_back = int(gridDim.x) <= a.count_ctas && int64_t(num_tokens) * a.topk >= int64_t(gridDim.x) * n / 4;
-  if (!look_back) {
+  if (!use_look_back(a, num_tokens)) {
     count_tokens(a, topk_idx, 0, t_begin, cnt_slot, cnt_rank);
     return;
   }
@@ -93,6 +98,42 @@ __device__ inline void count_before(const EpArgs& a, const int32_t* topk_idx, in
     for (int u = 0; u < kLoads; ++u)
       if (v[u]) atomicAdd(at[u] < S ? cnt_slot + at[u] : cnt_rank + (at[u] - S), v[u]);
   }
+  __syncthreads();
+}
+
+// One rank's send in normal mode (EpArgs::direct and contiguous) places its rows in the contiguous
+// layout itself, so before any row it needs every slot's total over the step, not only the counts
+// before its range (cnt_slot, from count_before): tot[s] for s < num_slots (tot_rank: P ints of
+// scratch). With the direct count, each CTA counts the tokens from t_begin on as well (no more than
+// the last CTA's count before). With the look-back, the last CTA adds its own published counts to
+// its count before and publishes the totals (cta_counts' row count_ctas, then cta_flags[count_ctas]
+// = step, a release); every other CTA waits for them. That wait needs every CTA of the grid resident
+// at once, as the look-back's needs the earlier ones: the grid is at most what the GPU holds at
+// once, and the last CTA waits for nothing but earlier CTAs' counts, which they publish first.
+// Every thread of the CTA calls it, after count_before.
+__device__ inline void count_totals(const EpArgs& a, const int32_t* topk_idx, int num_tokens, int t_begin,
+                                    unsigned step, const int* cnt_slot, int* tot, int* tot_rank) {
+  const int S = a.num_slots, n = S + a.num_ranks;
+  if (!use_look_back(a, num_tokens)) {
+    count_tokens(a, topk_idx, t_begin, num_tokens, tot, tot_rank);  // ends with a barrier
+    for (int i = threadIdx.x; i < S; i += blockDim.x) tot[i] += cnt_slot[i];
+    __syncthreads();
+    return;
+  }
+  int32_t* totals = a.cta_counts + size_t(a.count_ctas) * n;
+  int32_t* flag = a.cta_flags + a.count_ctas;
+  if (blockIdx.x == gridDim.x - 1) {
+    const int32_t* mine = a.cta_counts + size_t(blockIdx.x) * n;  // this CTA's own, published by count_before
+    for (int i = threadIdx.x; i < S; i += blockDim.x) totals[i] = tot[i] = cnt_slot[i] + mine[i];
+    __syncthreads();  // the CTA's stores, then thread 0's release
+    if (threadIdx.x == 0) ptx::st_release_gpu(flag, int(step));
+    return;
+  }
+  if (threadIdx.x == 0)
+    timed_wait(a, kPhaseDispatchSend, a.rank, step, a.count_ctas, 0, 32, 256,
+               [&] { return ptx::ld_acquire_gpu(flag) == int(step); });
+  __syncthreads();  // the totals acquired (a timeout leaves them stale, and is reported)
+  for (int i = threadIdx.x; i < S; i += blockDim.x) tot[i] = __ldcg(totals + i);
   __syncthreads();
 }
 
