@@ -912,6 +912,40 @@ const Shape kNormalShapes[] = {
 INSTANTIATE_TEST_SUITE_P(Shapes, EpNormal, ::testing::ValuesIn(kNormalShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
 
+// One rank in normal mode places its rows after its CTAs share the step's totals: the CTAs wait for
+// the last one only where the GPU holds the whole grid at once. A grid of 1024 CTAs (more than an
+// H100 or H200 holds) on enough tokens for the look-back must count the totals directly instead of
+// waiting for a CTA that cannot start: the same layout as the device's grid, and no timeout.
+class EpOneRankNormal : public ::testing::Test, public WithStream {};
+TEST_F(EpOneRankNormal, GridLargerThanTheGpuHoldsGivesTheSameLayout) {
+  EpConfig c = make_config({1, 1200, 256, 8, 2}, EpMode::kNormal);
+  EpConfig wide = c;
+  wide.num_ctas = 1024;
+  const int cap = c.contiguous_rows(), d = c.hidden, kb = c.k_blocks(), E = c.slots_per_rank();
+  ASSERT_EQ(wide.contiguous_rows(), cap);
+  EpLocalGroup narrow_group(c), wide_group(wide);
+  DeviceStep dev(c);
+  std::mt19937 rng(17);
+  dev.upload(0, random_input(c, c.max_tokens, rng));
+  for (EpLocalGroup* g : {&narrow_group, &wide_group}) {
+    EpBuffer& b = g->rank(0);
+    MOEKIT_CUDA_CHECK(cudaMemset(b.recv_x(), 0x7F, size_t(cap) * d));
+    MOEKIT_CUDA_CHECK(cudaMemset(b.row_expert(), 0xEE, size_t(cap) * 4));
+    b.dispatch_send(dev.x[0], dev.idx[0], dev.w[0], c.max_tokens, stream);
+    b.normal_dispatch_recv(stream);
+    b.check(stream);
+  }
+  EpBuffer &n = narrow_group.rank(0), &w = wide_group.rank(0);
+  const int total = to_host(n.recv_total_rows(), 1)[0];
+  ASSERT_GT(total, 0);
+  EXPECT_EQ(to_host(w.recv_total_rows(), 1)[0], total);
+  EXPECT_EQ(to_host(w.recv_count(), E), to_host(n.recv_count(), E));
+  EXPECT_EQ(to_host(w.row_expert(), cap), to_host(n.row_expert(), cap));
+  EXPECT_EQ(to_host(w.recv_src(), cap), to_host(n.recv_src(), cap));
+  EXPECT_TRUE(to_host(w.recv_x(), size_t(total) * d) == to_host(n.recv_x(), size_t(total) * d));
+  EXPECT_TRUE(to_host(w.recv_scales(), size_t(cap) * kb) == to_host(n.recv_scales(), size_t(cap) * kb));
+}
+
 class EpFaults : public ::testing::Test, public WithStream {};
 
 // A rank that never sends: its peers' receive times out and reports rank, peer and step; nothing

@@ -492,6 +492,13 @@ __global__ void __launch_bounds__(kEpThreads) dispatch_send_kernel(EpArgs a, con
 
 }  // namespace
 
+int dispatch_send_resident_ctas(const EpArgs& args, int num_sms) {
+  int per_sm = 0;
+  const size_t smem = sizeof(int) * size_t(args.num_slots + args.num_ranks + direct_smem_ints(args));
+  MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_send_kernel, kEpThreads, smem));
+  return per_sm * num_sms;
+}
+
 void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                           int num_tokens, int num_ctas, cudaStream_t stream) {
   const int grid = num_tokens < 1 ? 1 : (num_tokens < num_ctas ? num_tokens : num_ctas);

@@ -119,6 +119,7 @@ EpBuffer::EpBuffer(const EpConfig& config, int rank, EpTransport transport, cons
   a.recv_src = reinterpret_cast<int32_t*>(base + l.recv_src);
   a.row_expert = config.mode == EpMode::kNormal ? reinterpret_cast<int32_t*>(base + l.row_expert) : nullptr;
   a.total_rows = config.mode == EpMode::kNormal ? reinterpret_cast<int32_t*>(base + l.total_rows) : nullptr;
+  a.send_resident_ctas = dispatch_send_resident_ctas(a, query_device(device).num_sms);
 }
 
 EpBuffer::~EpBuffer() {

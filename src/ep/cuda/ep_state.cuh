@@ -87,6 +87,7 @@ struct EpArgs {
   int32_t* map_rows;
   float* map_w;
   int count_ctas;       // the send grids the two below have room for
+  int send_resident_ctas;  // the send's CTAs the GPU holds at once (its grid may be larger)
   int32_t* cta_counts;  // [count_ctas + 1][num_slots + P]
   int32_t* cta_flags;   // [count_ctas + 1]
 
@@ -150,6 +151,8 @@ class EpExchange {
 };
 
 // Kernel launchers (dispatch.cu, combine.cu). Each launches one kernel on the stream.
+// How many of dispatch_send's CTAs the device's num_sms SMs hold at once (the occupancy API).
+int dispatch_send_resident_ctas(const EpArgs& args, int num_sms);
 void launch_dispatch_send(const EpArgs& args, const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                           int num_tokens, int num_ctas, cudaStream_t stream);
 void launch_dispatch_recv(const EpArgs& args, bool contiguous, int num_ctas, cudaStream_t stream);

@@ -109,12 +109,12 @@ __device__ inline void count_before(const EpArgs& a, const int32_t* topk_idx, in
 // its count before and publishes the totals (cta_counts' row count_ctas, then cta_flags[count_ctas]
 // = step, a release); every other CTA waits for them. That wait needs every CTA of the grid resident
 // at once, as the look-back's needs the earlier ones: the grid is at most what the GPU holds at
-// once, and the last CTA waits for nothing but earlier CTAs' counts, which they publish first.
-// Every thread of the CTA calls it, after count_before.
+// once (send_resident_ctas; else the direct count), and the last CTA waits for nothing but earlier
+// CTAs' counts, which they publish first. Every thread of the CTA calls it, after count_before.
 __device__ inline void count_totals(const EpArgs& a, const int32_t* topk_idx, int num_tokens, int t_begin,
                                     unsigned step, const int* cnt_slot, int* tot, int* tot_rank) {
   const int S = a.num_slots, n = S + a.num_ranks;
-  if (!use_look_back(a, num_tokens)) {
+  if (!use_look_back(a, num_tokens) || int(gridDim.x) > a.send_resident_ctas) {
     count_tokens(a, topk_idx, t_begin, num_tokens, tot, tot_rank);  // ends with a barrier
     for (int i = threadIdx.x; i < S; i += blockDim.x) tot[i] += cnt_slot[i];
     __syncthreads();
