@@ -194,10 +194,13 @@ Result run_mode(const Options& o, EpMode mode, int tokens, cudaStream_t s) {
       rows += k;
     }
   const double x_bytes = double(P) * tokens * d * 2;
+  // One rank has no inbox in either mode (ep.h): its send writes the rows and its combine sums y's
+  // rows itself, so no message is written and read back.
+  const double round_trips = P > 1 ? 2 : 0;
   // dispatch: read x, write messages, read messages, write rows (payload, scales, source).
-  res.dispatch_bytes = x_bytes + 2 * msgs * msg + rows * (d + 4 * kb + 4);
+  res.dispatch_bytes = x_bytes + round_trips * msgs * msg + rows * (d + 4 * kb + 4);
   // combine: read y rows, write one bf16 vector per message, read them, write out.
-  res.combine_bytes = rows * d * 2 + 2 * msgs * d * 2 + x_bytes;
+  res.combine_bytes = rows * d * 2 + round_trips * msgs * d * 2 + x_bytes;
   res.dispatch_wire = remote_msgs * msg / P;
   res.combine_wire = remote_msgs * d * 2.0 / P;
   res.messages_per_token = msgs / (double(P) * tokens);
