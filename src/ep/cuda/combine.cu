@@ -354,31 +354,28 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
   if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) advance_step(a, kPhaseCombineRecv, step);
 }
 
-// One rank (P = 1, after a combine_send that launched nothing): no inbox and no flag;
+// One rank (EpArgs::direct, after a combine_send that launched nothing): no inbox and no flag;
 // out[t] = bf16(add[t] + bf16(sum)) with sum made here from y with combine_send's operations in its
 // order (0, then + w * y row by row in top-k order, one bf16 rounding), the two kernels' bits. The
-// work items are (message, part): a message's first out_cols columns in passes of 32 x kSendChunks
-// chunks (8 bf16 each), a warp per item, items dealt over the CTAs first. With few messages a
-// message's passes go to `team` warps side by side; with many, one warp walks them all, and every
-// message of the step is in flight at once (a CTA per token walked 1024 tokens as eight rounds of
-// two dependent round trips each). Every row's chunks of a pass are loaded (up to kSendRows rows at
-// a time) before any is added. The rows and weights come from the map: low latency (EpArgs::direct),
-// the send's, message g = token g; normal mode, the receive's, message g of token map_token[g], and
-// then a token with no expert (no message) is written as add alone (or 0).
+// work items are (token, part): a token's first out_cols columns in passes of 32 x kSendChunks
+// chunks (8 bf16 each), a warp per item, items dealt over the CTAs first. With few tokens a token's
+// passes go to `team` warps side by side; with many, one warp walks them all, and every token of
+// the step is in flight at once (a CTA per token walked 1024 tokens as eight rounds of two dependent
+// round trips each). Every row's chunks of a pass are loaded (up to kSendRows rows at a time) before
+// any is added. The rows and weights come from the map the send wrote in either mode (item t =
+// token t; a token with no expert has no rows and is written as add alone, or 0).
 __global__ void __launch_bounds__(kEpThreads) combine_local_kernel(EpArgs a, const uint16_t* add, uint16_t* out,
                                                                    const uint16_t* __restrict__ y) {
   begin_ep_kernel(a, kPhaseCombineRecv);
   const unsigned step = current_step(a, kPhaseCombineRecv);
   const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int num_msgs = __ldcg(a.recv_msgs), out_chunks = a.out_cols / 8;
+  const int num_tokens = __ldcg(a.recv_msgs), out_chunks = a.out_cols / 8;  // every token is an item
   constexpr int kPass = 32 * kSendChunks;
-  const int team = token_team((out_chunks + kPass - 1) / kPass, num_msgs), all_warps = gridDim.x * warps;
-  const int first_warp = blockIdx.x + (threadIdx.x >> 5) * gridDim.x;
-  for (int item = first_warp; item < num_msgs * team; item += all_warps) {
-    const int g = item / team, first_pass = item - g * team;
-    const int t = a.direct ? g : __ldcg(a.map_token + g);
-    const int my_row = lane < k ? __ldcg(a.map_rows + size_t(g) * k + lane) : -1;
-    const float my_w = lane < k ? __ldcg(a.map_w + size_t(g) * k + lane) : 0.0f;
+  const int team = token_team((out_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
+  for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
+    const int t = item / team, first_pass = item - t * team;
+    const int my_row = lane < k ? __ldcg(a.map_rows + size_t(t) * k + lane) : -1;
+    const float my_w = lane < k ? __ldcg(a.map_w + size_t(t) * k + lane) : 0.0f;
     const unsigned rows = __ballot_sync(0xFFFFFFFFu, my_row >= 0);
     // The pass loop is warp-uniform (the shuffles below need every lane); a lane's chunks past
     // the row are skipped one by one.
@@ -402,15 +399,6 @@ __global__ void __launch_bounds__(kEpThreads) combine_local_kernel(EpArgs a, con
       }
     }
   }
-  // Normal mode: the tokens the receive's map does not hold (no expert, so no message; their
-  // target ranks -1), as combine_recv writes them. A warp per token; the test is warp-uniform.
-  const int num_tokens = a.direct ? 0 : __ldcg(&a.ctr->num_tokens);
-  for (int t = first_warp; t < num_tokens; t += all_warps) {
-    if (__ldcg(a.route_ranks + size_t(t) * k) >= 0) continue;
-    for (int c = lane; c < out_chunks; c += 32)
-      reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] =
-          add ? reinterpret_cast<const uint4*>(add + size_t(t) * a.hidden)[c] : make_uint4(0, 0, 0, 0);
-  }
   if (finish_cta(a, kPhaseCombineRecv, false) && threadIdx.x == 0) {
     advance_step(a, kPhaseCombineRecv, step);
     // This kernel stands for both phases: the send's step moves on with the receive's, so that a
@@ -428,7 +416,7 @@ void launch_combine_send(const EpArgs& args, const uint16_t* y, int32_t* y_ready
 
 void launch_combine_recv(const EpArgs& args, const uint16_t* add, uint16_t* out, int num_ctas, int max_tokens,
                          const uint16_t* y, cudaStream_t stream) {
-  if (y) {  // one rank: a warp per message, messages over the CTAs first
+  if (y) {  // one rank: a warp per token, tokens over the CTAs first
     const int grid = std::max(1, std::min(num_ctas, max_tokens));
     launch_kernel_ex(combine_local_kernel, dim3(grid), dim3(kEpThreads), 0, stream, args.pdl != 0, args, add, out, y);
     return;

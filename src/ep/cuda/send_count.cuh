@@ -130,7 +130,7 @@ __device__ inline void count_totals(const EpArgs& a, const int32_t* topk_idx, in
     return;
   }
   if (threadIdx.x == 0)
-    timed_wait(a, kPhaseDispatchSend, a.rank, step, a.count_ctas, 0, 32, 256,
+    timed_wait(a, kPhaseDispatchSend, a.rank, step, int(gridDim.x) - 1, 0, 32, 256,
                [&] { return ptx::ld_acquire_gpu(flag) == int(step); });
   __syncthreads();  // the totals acquired (a timeout leaves them stale, and is reported)
   for (int i = threadIdx.x; i < S; i += blockDim.x) tot[i] = __ldcg(totals + i);
