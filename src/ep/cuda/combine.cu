@@ -224,7 +224,8 @@ __device__ __forceinline__ int token_team(int passes, int num_tokens) {
 __device__ __forceinline__ void combine_recv_warps(const EpArgs& a, const uint16_t* add, uint16_t* out, int parity,
                                                    int num_tokens) {
   const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int num_chunks = a.hidden / 8, out_chunks = a.out_cols / 8;
+  // Columns past out_cols (a padded hidden size) are never stored, so they are not read either.
+  const int num_chunks = min(a.hidden, a.out_cols) / 8;
   constexpr int kPass = 32 * kRecvChunks;
   const int team = token_team((num_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
   for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
@@ -265,7 +266,7 @@ __device__ __forceinline__ void combine_recv_warps(const EpArgs& a, const uint16
 #pragma unroll
       for (int u = 0; u < kRecvChunks; ++u) {
         const int c = c0 + 32 * u;
-        if (c < num_chunks && c < out_chunks) reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
+        if (c < num_chunks) reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
       }
     }
   }
@@ -291,7 +292,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
     if (wait_flag(a, reinterpret_cast<const uint64_t*>(a.combine_inbox(parity, r)), step, kPhaseCombineRecv, r) == 0)
       ok = 0;
   __syncthreads();
-  const int num_tokens = ok ? sent_tokens : 0, num_chunks = a.hidden / 8;
+  const int num_tokens = ok ? sent_tokens : 0, num_chunks = min(a.hidden, a.out_cols) / 8;  // as the warps' path
   // More tokens than CTAs: the warps' path; else (decode sizes) a CTA per (token, slice). Every CTA
   // read the same count, so they all choose alike (a CTA whose flag wait timed out has no tokens).
   const bool by_warps = num_tokens > int(gridDim.x);
@@ -346,7 +347,7 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
 #pragma unroll
       for (int u = 0; u < kRecvChunks; ++u) {
         const int c = c_base + u * blockDim.x + threadIdx.x;
-        if (c < last && c < a.out_cols / 8) reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
+        if (c < last) reinterpret_cast<uint4*>(out + size_t(t) * a.out_cols)[c] = pack8(acc[u]);
       }
     }
     __syncthreads();
