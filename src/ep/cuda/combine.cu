@@ -222,11 +222,8 @@ __device__ __forceinline__ int token_team(int passes, int num_tokens) {
   return max(1, min(passes, int(gridDim.x * (blockDim.x >> 5)) / max(num_tokens, 1)));
 }
 __device__ __forceinline__ void combine_recv_warps(const EpArgs& a, const uint16_t* add, uint16_t* out, int parity,
-                                                   int num_tokens) {
+                                                   int num_tokens, int num_chunks) {
   const int k = a.topk, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  // Columns past out_cols (<= hidden, EpBuffer::combine_recv; a padded hidden size) are never
-  // stored, so they are not read either.
-  const int num_chunks = a.out_cols / 8;
   constexpr int kPass = 32 * kRecvChunks;
   const int team = token_team((num_chunks + kPass - 1) / kPass, num_tokens), all_warps = gridDim.x * warps;
   for (int item = blockIdx.x + (threadIdx.x >> 5) * gridDim.x; item < num_tokens * team; item += all_warps) {
@@ -293,11 +290,13 @@ __global__ void __launch_bounds__(kEpThreads) combine_recv_kernel(EpArgs a, cons
     if (wait_flag(a, reinterpret_cast<const uint64_t*>(a.combine_inbox(parity, r)), step, kPhaseCombineRecv, r) == 0)
       ok = 0;
   __syncthreads();
-  const int num_tokens = ok ? sent_tokens : 0, num_chunks = a.out_cols / 8;  // as the warps' path
+  // Columns past out_cols (<= hidden, EpBuffer::combine_recv; a padded hidden size) are never
+  // stored, so neither path reads them.
+  const int num_tokens = ok ? sent_tokens : 0, num_chunks = a.out_cols / 8;
   // More tokens than CTAs: the warps' path; else (decode sizes) a CTA per (token, slice). Every CTA
   // read the same count, so they all choose alike (a CTA whose flag wait timed out has no tokens).
   const bool by_warps = num_tokens > int(gridDim.x);
-  if (by_warps) combine_recv_warps(a, add, out, parity, num_tokens);
+  if (by_warps) combine_recv_warps(a, add, out, parity, num_tokens, num_chunks);
   const int slice_chunks = (num_chunks + slices - 1) / slices;
   for (int item = blockIdx.x; item < (by_warps ? 0 : num_tokens) * slices; item += gridDim.x) {
     const int t = item / slices, first = item % slices * slice_chunks;
