@@ -309,65 +309,12 @@ TEST(GemmMasked, WideSwapTiles) {
   GemmConfig wide = forced(true, 32, 1);
   wide.block_n = 256;
   expect_graph_replays(c, wide, rng, "256-row swap-AB graph replay");
-
-  const int sms = query_device().num_sms;
-  // One EP8 rank's GEMM2 at B = 64: Qwen3.5 (K 1024) and DeepSeek-V3 (K 2048) take 256 rows; a
-  // deep K, the gated epilogue, N an odd multiple of 128 and too few tiles for a wave keep 128.
-  EXPECT_EQ(choose_masked_config({65, 4096, 1024, 64, 4}, sms).block_n, 256);
-  EXPECT_EQ(choose_masked_config({33, 7168, 2048, 64, 4}, sms).block_n, 256);
-  EXPECT_EQ(choose_masked_config({33, 7168, 7168, 64, 4}, sms).block_n, 128);
-  EXPECT_EQ(choose_masked_config({33, 4096, 2048, 64, 4, GemmEpilogue::kSiluMulFp8}, sms).block_n, 128);
-  EXPECT_EQ(choose_masked_config({65, 4224, 1024, 64, 4}, sms).block_n, 128);
-  EXPECT_EQ(choose_masked_config({2, 4096, 1024, 64, 4}, sms).block_n, 128);
-  EXPECT_EQ(choose_masked_config({33, 7168, 2048, 64, 44}, sms).block_n, 128);  // 64-token blocks keep 128 rows
-  EXPECT_EQ(choose_masked_config({65, 4096, 1024, 64, 29}, sms).block_n, 128);  // and 32-token ones
+  // Which problems the heuristic gives these tiles: tests/host/test_heuristics.cu.
 }
 
+// The heuristic's configs for every expected_m (its picks: tests/host/test_heuristics.cu), each run
+// with the shallowest ring, which wraps the most often, and as the heuristic's own default.
 TEST(GemmMasked, HeuristicConfigsAndStages) {
-  // Above 64 expected rows (up to 192) the tokens go on the MMA's M side in 128-row blocks
-  // (docs/gemm.md run 18); below, swap-AB in the smallest block that holds them.
-  for (auto [expected, swap, block_m] : {std::tuple{16, true, 16}, std::tuple{33, true, 48}, std::tuple{44, true, 48},
-                                         std::tuple{49, true, 64}, std::tuple{64, true, 64}, std::tuple{65, false, 128},
-                                         std::tuple{98, false, 128}, std::tuple{151, false, 128},
-                                         std::tuple{192, false, 128}}) {
-    const GemmConfig cfg = choose_masked_config(MaskedGemmProblem{32, 4096, 7168, 4096, expected}, query_device().num_sms);
-    EXPECT_EQ(cfg.swap_ab, swap) << "expected_m " << expected << ": " << cfg.to_string();
-    EXPECT_EQ(cfg.block_m, block_m) << "expected_m " << expected << ": " << cfg.to_string();
-    // Tokens on the M side: 256-column tiles, as for the contiguous layout (32 experts x 16 or
-    // 32 wide tiles fill the 132 SMs' waves in fewer rounds).
-    EXPECT_EQ(cfg.block_n, swap ? 128 : 256) << "expected_m " << expected << ": " << cfg.to_string();
-  }
-  // Too few tiles for one wave of 256-column tiles (they have no split-K): 128 columns.
-  EXPECT_EQ(choose_masked_config(MaskedGemmProblem{2, 512, 7168, 256, 100}, query_device().num_sms).block_n, 128);
-  // The expected_m a caller that knows only the batch passes: mean + 2 sqrt(mean), at least 1
-  // (DeepSeek-V3 at EP8: 256 slots, top-8; B = 2048 is a mean of 64 rows, B = 1024 of 32).
-  EXPECT_EQ(upper_typical_rows(2048 * 8, 256), 80);
-  EXPECT_EQ(upper_typical_rows(1024 * 8, 256), 44);
-  EXPECT_EQ(upper_typical_rows(8 * 8, 256), 2);
-  EXPECT_EQ(upper_typical_rows(0, 5), 1);
-  EXPECT_EQ(upper_typical_rows(int64_t(1) << 62, 1), INT_MAX);  // saturates instead of wrapping
-  // GEMM1 (gated) of one EP8 rank of DeepSeek-V3 at B = 256 on 132 SMs: 32 routed experts planned
-  // at 14 rows and the merged shared expert with the rank's 32 tokens. 16-token blocks make 34 x 16
-  // = 544 tiles (5 rounds), 32-token blocks 33 x 16 = 528 (4): 32. Qwen3.5 (64 routed experts, 8
-  // tiles each) has 66 x 8 = 528 against 520, 4 rounds either way: 16. Without a fuller last
-  // expert, or with one that fits 16 tokens, 16.
-  const auto gated_block = [](MaskedGemmProblem p) { return choose_masked_config(p, 132).block_m; };
-  const auto gated = GemmEpilogue::kSiluMulFp8;
-  EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 32}), 32);
-  EXPECT_EQ(gated_block({65, 2048, 4096, 256, 10, gated, WeightFormat::kFp8, 32}), 16);
-  // B = 512 (blocks of 32, the shared expert's 64 rows in two): 32 stays (64 measured slower in
-  // the step, docs/layer-gpu.md item 28).
-  EXPECT_EQ(gated_block({33, 4096, 7168, 512, 24, gated, WeightFormat::kFp8, 64}), 32);
-  EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated}), 16);
-  EXPECT_EQ(gated_block({33, 4096, 7168, 256, 14, gated, WeightFormat::kFp8, 16}), 16);
-  EXPECT_EQ(choose_masked_config({33, 7168, 2048, 256, 14, GemmEpilogue::kBf16, WeightFormat::kFp8, 32}, 132).block_m,
-            16);  // only the gated GEMM1 (GEMM2 in 32-token tiles: slower in the step, layer-gpu.md item 29)
-  try {
-    upper_typical_rows(16, 0);
-    ADD_FAILURE() << "upper_typical_rows accepted 0 experts";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("experts = 0"), std::string::npos) << e.what();
-  }
   std::mt19937 rng(99);
   MaskedCase c({8, 512, 2048, 64, 8}, rng);
   std::vector<int32_t> masked_m = {3, 0, 8, 64, 1, 5, 0, 16};

@@ -402,48 +402,15 @@ TEST(GemmMxfp4Masked, HeuristicOnGptOssShapes) {
     MaskedCase c({8, n, 2944, 16, 8}, rng);
     expect_good(c.run_once({3, 8, 0, 16, 5, 1, 9, 12}, nullptr, true), "gpt-oss N " + std::to_string(n));
   }
-  // One rank of gpt-oss-120b at B = 1024: 32 rows per expert on average, planned at the
-  // upper-typical 44 (mean + 2 sqrt(mean)): one 48-token block each (7-8% faster than 64-token
-  // tiles on the same rows, docs/gemm-mxfp4.md run 23). 33..48 take 48, 49..64 keep 64.
-  MaskedGemmProblem p{128, 5888, 2944, 256, upper_typical_rows(4096, 128)};
-  p.weights = WeightFormat::kMxfp4;
-  EXPECT_EQ(p.expected_m, 44);
-  for (auto [expected, block_m] : {std::pair{32, 32}, std::pair{33, 48}, std::pair{44, 48}, std::pair{48, 48},
-                                   std::pair{49, 64}}) {
-    p.expected_m = expected;
-    EXPECT_EQ(choose_masked_config(p, 132).block_m, block_m) << "expected_m " << expected;
-  }
+  // The heuristic's token blocks at gpt-oss-120b's shapes (33..48 rows take 48): tests/host/test_heuristics.cu.
   MaskedCase c({8, 2944, 2944, 64, 44}, rng);
   expect_good(c.run_once({44, 31, 0, 48, 26, 1, 47, 33}, nullptr, true), "gpt-oss GEMM2, 26..48 rows, heuristic");
   expect_good(c.run_once({64, 49, 12, 0, 48, 3, 60, 40}, nullptr, true), "gpt-oss GEMM2, rows past 48, heuristic");
 }
 
-// The rule for 256-row tiles (mxfp4_wide_tiles): plans of 16, 32 or 48 tokens in registers, no more
-// rounds of tile work than 128-row tiles, and only where HBM gives at least ~15 B per SM cycle (an
-// H200's ~19, not an H100's ~13); MOEKIT_MXFP4_ROWS sets it over the heuristic.
+// 256-row MXFP4 tiles (mxfp4_wide_tiles; the rule's picks: tests/host/test_heuristics.cu):
+// MOEKIT_MXFP4_ROWS sets them over the heuristic.
 TEST(GemmMxfp4Masked, WideTilesRule) {
-  auto wide = [](int e, int n, int k, int expected, double bytes) {
-    MaskedGemmProblem p{e, n, k, 128, expected};
-    p.weights = WeightFormat::kMxfp4;
-    return mxfp4_wide_tiles(p, choose_masked_config(p, 132), 132, bytes);
-  };
-  // 48-token plans (33..48 expected rows) on an H200's bytes per SM cycle:
-  EXPECT_TRUE(wide(8, 4096, 7168, 44, 19.0));    // DeepSeek-V3 x 8 GEMM1: 256 tiles (2 rounds) -> 128 (1)
-  EXPECT_TRUE(wide(32, 5888, 2944, 44, 19.0));   // gpt-oss-120b x 32 GEMM1: 12 rounds -> 6
-  EXPECT_TRUE(wide(128, 5888, 2944, 44, 19.0));  // one rank of gpt-oss-120b at B = 1024: 45 rounds -> 23
-  EXPECT_TRUE(wide(128, 2944, 2944, 44, 19.0));  // its GEMM2: 23 rounds -> 12
-  EXPECT_TRUE(wide(8, 2944, 2944, 44, 19.0));    // gpt-oss-120b x 8 GEMM2 (N/128 = 23): 184 tiles (2 rounds) -> 96 (1)
-  EXPECT_FALSE(wide(8, 5888, 2944, 44, 19.0));   // its GEMM1: 3 rounds -> 2 of double work
-  EXPECT_FALSE(wide(8, 4096, 7168, 44, 13.0));   // an H100's bytes per cycle
-  EXPECT_FALSE(wide(8, 4096, 7168, 44, 0.0));    // unknown
-  EXPECT_FALSE(wide(2, 4096, 7168, 44, 19.0));   // 64 tiles: the 128-row plan splits K
-  // 16- and 32-token plans keep 128 rows (run 42), 64-token ones have no 256-row kernel:
-  EXPECT_FALSE(wide(8, 4096, 7168, 16, 19.0));
-  EXPECT_FALSE(wide(128, 5888, 2944, 5, 19.0));  // one rank of gpt-oss-120b at B = 64
-  EXPECT_FALSE(wide(8, 4096, 7168, 20, 19.0));   // 32-token tiles
-  EXPECT_FALSE(wide(8, 4096, 7168, 60, 19.0));
-  MaskedGemmProblem fp8{8, 4096, 7168, 128, 44};
-  EXPECT_FALSE(mxfp4_wide_tiles(fp8, choose_masked_config(fp8, 132), 132, 19.0));
   // The knob: 128 or 256 over the heuristic's plan (where compiled), anything else refused by name.
   std::mt19937 rng(105);
   MaskedCase c({4, 512, 512, 16, 16}, rng);
