@@ -108,6 +108,8 @@ namespace moekit::gpu {
 //            at 128 tokens per rank, by 6% for Qwen3.5 and even for DeepSeek-V3 at 256, by 3% and
 //            2% at 512 (DeepSeek-V3 on the stage clock, which leaves out the side stream's graph
 //            nodes, 1-1.5% slower at 256 and 512). Above 512 not measured.
+//            MOEKIT_PRINT_CONFIGS=1 prints each layer's choice at construction (staged or fused,
+//            the shared expert merged, the gated GEMM1, the hand-offs' grids).
 enum class GpuPipeline { kStaged, kFused };
 constexpr int kFusedMaxTokens = 512;
 const char* gpu_pipeline_name(GpuPipeline pipeline);

@@ -3,10 +3,13 @@
 // order, one Impl method per part (layer_impl.cuh; each names its Impl `s`, as the constructor
 // and the step do). The step itself is in layer.cu.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "ep/cuda/ep_format.h"
 #include "layer/cuda/expert_mover.h"
 #include "layer/cuda/layer_impl.cuh"
+#include "layer/cuda/layer_pipeline.h"
 #include "moekit/check.h"
 #include "moekit/cuda_check.h"
 #include "moekit/eplb.h"
@@ -220,75 +223,41 @@ int GpuMoeLayer::Impl::planned_m() const {
 
 void GpuMoeLayer::Impl::choose_pipeline() {
   Impl& s = *this;
-  MOEKIT_CHECK(s.cfg.fused_max_tokens >= 0,
-               fmtr("rank {}: GpuLayerConfig::fused_max_tokens = {}, expected >= 0", s.rank, s.cfg.fused_max_tokens));
-  s.fused = s.decode && s.cfg.pipeline == GpuPipeline::kFused && s.t_max <= s.cfg.fused_max_tokens;
-  s.merged = s.fused && s.shared_slot && s.cfg.merge_shared;
-  MOEKIT_CHECK(!s.merged || s.ec.self_slab,
-               fmtr("rank {}: the fused pipeline runs the shared expert as local expert E_loc and needs an EpBuffer "
-                    "with self_slab (layer_ep_config(..., GpuPipeline::kFused, fused_max_tokens = {}) makes one for "
-                    "T_max = {})", s.rank, s.cfg.fused_max_tokens, s.t_max));
-  // A self slab the send would fill for nobody (and whose extra slab would keep the hand-offs
-  // off): the buffer was made for the fused pipeline, for a larger fused_max_tokens, or for layers
-  // that merge the shared expert.
-  if (s.decode && s.ec.self_slab) {
-    MOEKIT_CHECK(s.cfg.pipeline == GpuPipeline::kFused,
-                 fmtr("rank {}: GpuLayerConfig::pipeline is staged, but the EpBuffer has a self slab (made for the "
-                      "fused pipeline); make it with layer_ep_config(..., GpuPipeline::kStaged)",
-                      s.rank));
-    MOEKIT_CHECK(s.fused, fmtr("rank {}: T_max = {} runs staged (GpuLayerConfig::fused_max_tokens = {}), but the "
-                               "EpBuffer has a self slab; make it with layer_ep_config(..., GpuPipeline::kFused, {})",
-                               s.rank, s.t_max, s.cfg.fused_max_tokens, s.cfg.fused_max_tokens));
-    MOEKIT_CHECK(!s.shared_slot || s.cfg.merge_shared,
-                 fmtr("rank {}: GpuLayerConfig::merge_shared is off, but the EpBuffer has a self slab; make it with "
-                      "layer_ep_config(..., merge_shared = false)", s.rank));
-  }
+  const LayerPipeline p = choose_layer_pipeline({.rank = s.rank,
+                                                  .decode = s.decode,
+                                                  .cfg = s.cfg,
+                                                  .t_max = s.t_max,
+                                                  .shared_slot = s.shared_slot,
+                                                  .self_slab = s.ec.self_slab,
+                                                  .num_ranks = s.ec.num_ranks,
+                                                  .ep_ctas = s.ec.num_ctas,
+                                                  .mxfp4 = s.mxfp4,
+                                                  .clamped_swiglu = s.activation.clamped_swiglu,
+                                                  .e_loc = s.e_loc,
+                                                  .d = s.d,
+                                                  .inter = s.inter,
+                                                  .m_max = s.m_max,
+                                                  .planned_m = s.planned_m(),
+                                                  .num_sms = s.num_sms});
+  if (const char* env = std::getenv("MOEKIT_PRINT_CONFIGS"); env && env[0] == '1')
+    std::fprintf(stderr, "moekit layer rank %d [T_max %d, E_loc %d, %s]: %s\n", s.rank, s.t_max, s.e_loc,
+                 s.decode ? "decode" : "prefill", p.to_string().c_str());
+  s.fused = p.fused;
+  s.merged = p.merged;
+  s.gated = p.gated;
   const int slabs = s.routed_slabs();
-  const size_t total_rows = s.routed_rows();
-  // The gated epilogue only where its tiles hold at most 32 tokens: at 64 (DeepSeek-V3 at 2048
-  // tokens, EP8) its GEMM1 took 456 us against 365 + 63 for GEMM1 and the activation kernel
-  // (stage clock, 2026-11-30), at 32 it saved 30-40 us per layer.
-  // (MXFP4 GEMMs have no SiLU·up epilogue, and gpt-oss's activation is not SiLU·up: the epilogue
-  // computes SiLU·up only, so another activation keeps the activation kernel with FP8 weights too.)
-  if (s.fused && !s.mxfp4 && !s.activation.clamped_swiglu) {
-    const MaskedGemmProblem g{slabs, 2 * s.inter, s.d, s.m_max, s.planned_m(), GemmEpilogue::kSiluMulFp8};
-    s.gated = choose_masked_config(g, s.num_sms).block_m <= 32;
-  }
-  if (!s.gated) s.gate_up = s.alloc<uint16_t>(total_rows * 2 * s.inter);  // gated: GEMM1 writes act itself
+  if (!s.gated) s.gate_up = s.alloc<uint16_t>(s.routed_rows() * 2 * s.inter);  // gated: GEMM1 writes act itself
   if (s.gated && s.cfg.expert_ready) {  // GEMM2 takes each expert as soon as GEMM1 has stored its rows
     s.expert_ready = s.alloc<int32_t>(slabs + 1);
     MOEKIT_CUDA_CHECK(cudaMemset(s.expert_ready, 0, sizeof(int32_t) * (slabs + 1)));
   }
-  // The hand-offs beside the EP kernels count the EP buffer's slabs (its E_loc, + 1 with the self
-  // slab), so the routed GEMMs' experts must be exactly those (a self slab only when merged).
-  const bool hand_offs = s.fused && !s.mxfp4 && slabs == s.e_loc + (s.ec.self_slab ? 1 : 0);
-  const int ep_ctas = s.ec.num_ctas > 0 ? s.ec.num_ctas : s.num_sms;
-  MOEKIT_CHECK(s.cfg.shared_first >= -1 && s.cfg.shared_first <= 1,
-               fmtr("rank {}: GpuLayerConfig::shared_first = {}, expected 1 (on), 0 (off) or -1 (automatic)", s.rank,
-                    s.cfg.shared_first));
-  MOEKIT_CHECK(s.cfg.recv_ctas >= 0 && s.cfg.combine_ctas >= 0,
-               fmtr("rank {}: GpuLayerConfig::recv_ctas = {} and combine_ctas = {}, expected >= 0 (0: automatic)",
-                    s.rank, s.cfg.recv_ctas, s.cfg.combine_ctas));
-  MOEKIT_CHECK(s.cfg.shared_ctas >= 0 && s.cfg.shared_ctas < s.num_sms,
-               fmtr("rank {}: GpuLayerConfig::shared_ctas = {}, expected 0 (every SM) .. {} (the device's SMs less one)",
-                    s.rank, s.cfg.shared_ctas, s.num_sms - 1));
-  // GEMM1 takes each expert's rows from the receive as they land. (One rank has no receive: its
-  // send writes the layout, and GEMM1 follows the send's grid.)
-  if (hand_offs && s.cfg.recv_ready && s.ec.num_ranks > 1) {
-    // Automatic: at one token per rank 8 CTAs were 0.7% (DeepSeek-V3) and 3.5% (Qwen3.5) faster
-    // than 16 and 4 CTAs slower; at 8 tokens per rank 16 were 0.2-1.1% faster than 8 (run 53); at
-    // 128 and 256 tokens per rank 32 and 64 (runs 72, 76: 16 left GEMM1 waiting for the rows).
-    const int want = s.cfg.recv_ctas > 0 ? s.cfg.recv_ctas
-                     : s.t_max <= 1       ? 8
-                                          : std::clamp(s.t_max / 4, 16, 64);
-    s.recv_ctas = std::min(want, ep_ctas);
+  if (p.recv_ctas > 0) {  // the receive beside GEMM1
+    s.recv_ctas = p.recv_ctas;
     s.recv_ready = s.alloc<int32_t>(slabs + 2);
     MOEKIT_CUDA_CHECK(cudaMemset(s.recv_ready, 0, sizeof(int32_t) * (slabs + 2)));
   }
-  // The combine send takes each message once GEMM2 has stored its experts' rows (it zeroes the
-  // counters after each step).
-  if (hand_offs && s.cfg.combine_ready) {
-    s.combine_ctas = std::min(s.cfg.combine_ctas > 0 ? s.cfg.combine_ctas : ep_ctas, ep_ctas);
+  if (p.combine_ctas > 0) {  // the combine send beside GEMM2 (it zeroes the counters after each step)
+    s.combine_ctas = p.combine_ctas;
     s.combine_ready = s.alloc<int32_t>(slabs);
     MOEKIT_CUDA_CHECK(cudaMemset(s.combine_ready, 0, sizeof(int32_t) * slabs));
   }
