@@ -6,11 +6,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <set>
 #include <string>
 
 #include "expect_error.h"
 #include "layer/cuda/layer_pipeline.h"
+#include "moekit/ep.h"
 #include "moekit/gemm.h"
+#include "moekit/layer.h"
+#include "moekit/spec.h"
+#include "moekit/weights.h"
 
 using namespace moekit;
 using namespace moekit::gpu;
@@ -122,4 +127,53 @@ TEST(LayerPipeline, RefusalsNameTheValue) {
   refused([](LayerPipelineInputs& in) { in.cfg.recv_ctas = -1; }, {"recv_ctas = -1"});
   refused([](LayerPipelineInputs& in) { in.cfg.combine_ctas = -3; }, {"combine_ctas = -3"});
   refused([](LayerPipelineInputs& in) { in.cfg.shared_ctas = 132; }, {"shared_ctas = 132", "0 (every SM) .. 131"});
+}
+
+// The EP buffer layer_ep_config makes for a layer is one that layer accepts, for every embedded
+// model, one rank and eight, decode batches from 1 to 1024 tokens a rank, either pipeline, the
+// shared expert merged or not; and the layer is fused exactly where it was asked for and the
+// tokens a rank are at most fused_max_tokens, merged exactly where it also has a shared expert of
+// the routed experts' shape and merge_shared is on.
+TEST(LayerPipeline, TheBufferLayerEpConfigMakesIsAccepted) {
+  std::set<std::string> covered;
+  for (const std::string& name : embedded_model_names()) {
+    const ModelSpec model = load_model_spec(name);
+    if (!model.is_moe()) continue;
+    const ExpertWeightSizes sizes = loaded_expert_sizes(model);
+    const int64_t shared_inter = int64_t(model.num_shared_experts) * model.shared_intermediate_size;
+    const bool shared_slot = shared_inter > 0 && shared_inter == model.moe_intermediate_size;
+    for (int ranks : {1, 8}) {
+      if (model.num_routed_experts % ranks != 0) continue;
+      for (int t : {1, 3, 32, 128, 512, 513, 1024})
+        for (GpuPipeline pipeline : {GpuPipeline::kStaged, GpuPipeline::kFused})
+          for (bool merge : {true, false}) {
+            const gpu::EpConfig ec = layer_ep_config(model, model.num_routed_experts, ranks, t, EpMode::kLowLatency,
+                                                pipeline, kFusedMaxTokens, merge);
+            LayerPipelineInputs in;
+            in.cfg.pipeline = pipeline;
+            in.cfg.merge_shared = merge;
+            in.t_max = t;
+            in.shared_slot = shared_slot;
+            in.self_slab = ec.self_slab;
+            in.num_ranks = ranks;
+            in.mxfp4 = model.expert_format == "mxfp4";
+            in.clamped_swiglu = model.activation.kind == "clamped_swiglu";
+            in.e_loc = ec.slots_per_rank();
+            in.d = int(sizes.hidden), in.inter = int(sizes.intermediate);
+            in.m_max = ec.max_m();
+            in.planned_m = std::min(upper_typical_rows(int64_t(ranks) * t * ec.topk, ec.num_slots), in.m_max);
+            in.num_sms = 132;
+            const std::string what = name + " P " + std::to_string(ranks) + " T " + std::to_string(t) + " " +
+                                     gpu_pipeline_name(pipeline) + (merge ? " merged" : " unmerged");
+            LayerPipeline p;
+            EXPECT_NO_THROW(p = choose_layer_pipeline(in)) << what;
+            const bool fused = pipeline == GpuPipeline::kFused && t <= kFusedMaxTokens;
+            EXPECT_EQ(p.fused, fused) << what;
+            EXPECT_EQ(p.merged, fused && shared_slot && merge) << what;
+            covered.insert(name);
+          }
+    }
+  }
+  for (const char* name : {"deepseek-v3", "qwen3.5-397b-a17b", "gpt-oss-120b", "kimi-k2"})
+    EXPECT_EQ(covered.count(name), 1u) << name << " is not among the embedded models";
 }
