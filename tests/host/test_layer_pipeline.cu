@@ -3,8 +3,6 @@
 // rank 0 of EP8 and of gpt-oss-120b on one rank at the issue's batches, and every refusal named.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <initializer_list>
 #include <set>
 #include <string>
@@ -12,7 +10,6 @@
 #include "expect_error.h"
 #include "layer/cuda/layer_pipeline.h"
 #include "moekit/ep.h"
-#include "moekit/gemm.h"
 #include "moekit/layer.h"
 #include "moekit/spec.h"
 #include "moekit/weights.h"
@@ -33,7 +30,7 @@ LayerPipelineInputs ep8(int e_loc, int d, int inter, int topk, int batch) {
   in.num_ranks = 8;
   in.e_loc = e_loc, in.d = d, in.inter = inter;
   in.m_max = 8 * in.t_max;
-  in.planned_m = std::min(upper_typical_rows(int64_t(8) * in.t_max * topk, 8 * e_loc), in.m_max);  // as planned_m()
+  in.planned_m = layer_planned_m(0, 8, in.t_max, topk, 8 * e_loc, in.m_max);
   in.num_sms = 132;
   return in;
 }
@@ -100,7 +97,7 @@ TEST(LayerPipeline, GptOssOnOneRank) {
   in.e_loc = 128, in.d = 2944, in.inter = 2944, in.num_sms = 132;
   for (int batch : {1, 64, 256, 512}) {
     in.t_max = in.m_max = batch;
-    in.planned_m = std::min(upper_typical_rows(int64_t(batch) * 4, 128), in.m_max);
+    in.planned_m = layer_planned_m(0, 1, batch, 4, 128, in.m_max);
     EXPECT_EQ(plan(in), "fused") << "B = " << batch;
   }
   in.t_max = in.m_max = 1024;
@@ -140,8 +137,7 @@ TEST(LayerPipeline, TheBufferLayerEpConfigMakesIsAccepted) {
     const ModelSpec model = load_model_spec(name);
     if (!model.is_moe()) continue;
     const ExpertWeightSizes sizes = loaded_expert_sizes(model);
-    const int64_t shared_inter = int64_t(model.num_shared_experts) * model.shared_intermediate_size;
-    const bool shared_slot = shared_inter > 0 && shared_inter == model.moe_intermediate_size;
+    const bool shared_slot = shared_expert_in_slab(model);
     for (int ranks : {1, 8}) {
       if (model.num_routed_experts % ranks != 0) continue;
       for (int t : {1, 3, 32, 128, 512, 513, 1024})
@@ -161,7 +157,7 @@ TEST(LayerPipeline, TheBufferLayerEpConfigMakesIsAccepted) {
             in.e_loc = ec.slots_per_rank();
             in.d = int(sizes.hidden), in.inter = int(sizes.intermediate);
             in.m_max = ec.max_m();
-            in.planned_m = std::min(upper_typical_rows(int64_t(ranks) * t * ec.topk, ec.num_slots), in.m_max);
+            in.planned_m = layer_planned_m(0, ranks, t, ec.topk, ec.num_slots, in.m_max);
             in.num_sms = 132;
             const std::string what = name + " P " + std::to_string(ranks) + " T " + std::to_string(t) + " " +
                                      gpu_pipeline_name(pipeline) + (merge ? " merged" : " unmerged");

@@ -1,5 +1,6 @@
 // choose_layer_pipeline (layer_pipeline.h): the layer's pipeline and hand-offs from its shapes.
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "ep/cuda/ep_format.h"  // fmtr: "{}" messages in .cu files
@@ -80,6 +81,11 @@ LayerPipeline choose_layer_pipeline(const LayerPipelineInputs& in) {
   // The combine send takes each message once GEMM2 has stored its experts' rows.
   if (hand_offs && cfg.combine_ready) p.combine_ctas = std::min(cfg.combine_ctas > 0 ? cfg.combine_ctas : ep_ctas, ep_ctas);
   return p;
+}
+
+int layer_planned_m(int expected_m, int num_ranks, int t_max, int topk, int num_slots, int m_max) {
+  const int rows = expected_m > 0 ? expected_m : upper_typical_rows(int64_t(num_ranks) * t_max * topk, num_slots);
+  return std::min(rows, m_max);
 }
 
 }  // namespace moekit::gpu

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "moekit/layer.h"
+#include "moekit/spec.h"
 
 namespace moekit::gpu {
 
@@ -41,5 +42,15 @@ struct LayerPipeline {
 };
 
 LayerPipeline choose_layer_pipeline(const LayerPipelineInputs& in);
+
+// The rows per active local expert the layer's GEMM plans take (LayerPipelineInputs::planned_m):
+// GpuLayerConfig::expected_m, or where it is 0 every rank's T_max tokens routed uniformly over the
+// slots (upper_typical_rows; the mean alone gave about half of the experts a second token block:
+// docs/layer-gpu.md item 12); at most M_max.
+int layer_planned_m(int expected_m, int num_ranks, int t_max, int topk, int num_slots, int m_max);
+
+// Whether the model's shared experts have the routed experts' shape, so that a layer keeps them in
+// local slot E_loc and the fused pipeline can merge them (layer_ep_config's self slab).
+bool shared_expert_in_slab(const ModelSpec& model);
 
 }  // namespace moekit::gpu

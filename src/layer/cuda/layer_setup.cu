@@ -214,11 +214,7 @@ void GpuMoeLayer::Impl::allocate_token_state() {
 }
 
 int GpuMoeLayer::Impl::planned_m() const {
-  // Unset: every rank's T_max tokens routed uniformly over the slots (the mean alone gave about
-  // half of the experts a second token block: docs/layer-gpu.md item 12).
-  const int expected_m = cfg.expected_m > 0 ? cfg.expected_m
-                                            : upper_typical_rows(int64_t(ec.num_ranks) * t_max * k, ec.num_slots);
-  return std::min(expected_m, m_max);
+  return layer_planned_m(cfg.expected_m, ec.num_ranks, t_max, k, ec.num_slots, m_max);
 }
 
 void GpuMoeLayer::Impl::choose_pipeline() {
