@@ -7,8 +7,7 @@
 set -u
 source "$(dirname "$0")/lib.bash"
 src=$2
-printf '#!/bin/sh\necho "NVIDIA H200, 9.0"\n' > "$tmp/smi-h200"
-chmod +x "$tmp/smi-h200"
+stub smi-h200 0 "NVIDIA H200, 9.0"
 
 # A kit of three builds: each one's fake_bench names its build, writes it to the --json file and
 # sleeps FAKE_SLEEP seconds.

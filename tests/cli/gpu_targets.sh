@@ -11,10 +11,6 @@ src=$2
 # outer one's job server.
 unset MAKEFLAGS MFLAGS MAKELEVEL
 
-stub() {  # stub NAME EXIT-STATUS OUTPUT: an nvidia-smi that prints OUTPUT for a query
-  printf '#!/bin/sh\nprintf "%s\\n" "%s"\nexit %s\n' '%s' "$3" "$2" > "$tmp/$1"
-  chmod +x "$tmp/$1"
-}
 stub smi-none 6 "No devices were found"
 stub smi-ampere 0 "NVIDIA A100-SXM4-80GB, 8.0"
 stub smi-h200 0 "NVIDIA H200, 9.0"

@@ -9,6 +9,13 @@ pass() { echo "ok   $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL $1"; failures=$((failures + 1)); }
 command -v python3 > /dev/null || { echo "FAIL python3 is needed to read the JSON output"; exit 1; }
 
+# stub NAME EXIT-STATUS OUTPUT: $tmp/NAME, an nvidia-smi that prints OUTPUT for a query (NVIDIA_SMI
+# points the GPU scripts at it).
+stub() {
+  printf '#!/bin/sh\nprintf "%s\\n" "%s"\nexit %s\n' '%s' "$3" "$2" > "$tmp/$1"
+  chmod +x "$tmp/$1"
+}
+
 # The common checks; a script may define its own variant after sourcing this file.
 # expect_error NAME FRAGMENT ARGS...: a non-zero exit (2 for moekit's own checks) and FRAGMENT on stderr.
 expect_error() {

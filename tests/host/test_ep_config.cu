@@ -12,22 +12,15 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "gpu/test_ep_reference.h"
 #include "moekit/ep.h"
 
-using namespace moekit;
+using moekit::Fp8Scaling;
 using namespace moekit::gpu;
 
 namespace {
 
-EpConfig base_config() {  // 4 ranks of 8 tokens, d 256, 16 slots, top-4
-  EpConfig c;
-  c.num_ranks = 4;
-  c.max_tokens = 8;
-  c.hidden = 256;
-  c.num_slots = 16;
-  c.topk = 4;
-  return c;
-}
+EpConfig base_config() { return ep_test::make_config({4, 8, 256, 16, 4}); }  // 4 ranks of 8 tokens, d 256, 16 slots, top-4
 
 // validate() refuses the config `change` makes of base_config(), with `fragments` in its message.
 void expect_refused(const std::function<void(EpConfig&)>& change, std::initializer_list<std::string> fragments) {
@@ -76,6 +69,7 @@ TEST(EpConfigRules, ContiguousRows) {
   EXPECT_EQ(c.worst_case_rows(), 32 * 4 + 4 * 63);  // 380
   EXPECT_EQ(c.contiguous_rows(), 384);
   c.topk = 8;  // more entries per token than local experts: each lands on at most E_loc of them
+  EXPECT_EQ(c.worst_case_rows(), 32 * 4 + 4 * 63);
   c.num_slots = 32;
   EXPECT_EQ(c.worst_case_rows(), 32 * 8 + 8 * 63);
   c.max_recv_rows = 100;
