@@ -118,9 +118,13 @@ void check_cluster(const GemmConfig& cfg, int cols) {
                    std::to_string(cfg.cluster * cfg.block_n));
 }
 
-void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg) {
+void maybe_print_plan(const std::string& what) {
   const char* env = std::getenv("MOEKIT_PRINT_CONFIGS");
-  if (env && env[0] == '1') std::fprintf(stderr, "moekit gemm %s [%s]: %s\n", kind, problem.c_str(), cfg.to_string().c_str());
+  if (env && env[0] == '1') std::fprintf(stderr, "moekit %s\n", what.c_str());
+}
+
+void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg) {
+  maybe_print_plan(std::string("gemm ") + kind + " [" + problem + "]: " + cfg.to_string());
 }
 
 void apply_mxfp4_widen_knob(GemmConfig& cfg, bool masked) {

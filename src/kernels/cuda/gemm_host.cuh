@@ -36,6 +36,9 @@ void check_weight_buffers(bool mxfp4, const void* w, const float* w_scales, cons
 // A config with cluster = 2 (any other was refused by the instance dispatch): FP8, BF16 output,
 // no split-K, and `cols` output columns in an even number of weight blocks.
 void check_cluster(const GemmConfig& cfg, int cols);
+// MOEKIT_PRINT_CONFIGS=1: "moekit " + what on stderr, once per plan made (a GEMM's config, a
+// layer's pipeline).
+void maybe_print_plan(const std::string& what);
 void maybe_print_config(const char* kind, const std::string& problem, const GemmConfig& cfg);
 // MOEKIT_MXFP4_WIDEN (registers | smem | smem2, or unset) over a heuristic's MXFP4 config: a study
 // knob, so that one build can run the layer every way (GemmConfig::mxfp4_widen_wgs 0 | 1 | 2; smem2

@@ -3,10 +3,9 @@
 // order, one Impl method per part (layer_impl.cuh; each names its Impl `s`, as the constructor
 // and the step do). The step itself is in layer.cu.
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 
 #include "ep/cuda/ep_format.h"
+#include "kernels/cuda/gemm_host.cuh"
 #include "layer/cuda/expert_mover.h"
 #include "layer/cuda/layer_impl.cuh"
 #include "layer/cuda/layer_pipeline.h"
@@ -235,9 +234,8 @@ void GpuMoeLayer::Impl::choose_pipeline() {
                                                   .m_max = s.m_max,
                                                   .planned_m = s.planned_m(),
                                                   .num_sms = s.num_sms});
-  if (const char* env = std::getenv("MOEKIT_PRINT_CONFIGS"); env && env[0] == '1')
-    std::fprintf(stderr, "moekit layer rank %d [T_max %d, E_loc %d, %s]: %s\n", s.rank, s.t_max, s.e_loc,
-                 s.decode ? "decode" : "prefill", p.to_string().c_str());
+  gemm_detail::maybe_print_plan(fmtr("layer rank {} [T_max {}, E_loc {}, {}]: {}", s.rank, s.t_max, s.e_loc,
+                                     s.decode ? "decode" : "prefill", p.to_string()));
   s.fused = p.fused;
   s.merged = p.merged;
   s.gated = p.gated;
